@@ -1,0 +1,72 @@
+/* Internal helpers shared by the kernel files: dtype conversion, per-ISA entry points. */
+#ifndef POSENC_INTERNAL_H
+#define POSENC_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "posenc.h"
+
+/* Problems below this many elements run on one thread: a parallel region costs more. */
+#define PE_SERIAL_ELEMENTS ((int64_t)1 << 15)
+
+static inline size_t pe_dtype_size(pe_dtype t) {
+    switch (t) {
+    case PE_FLOAT32: return 4;
+    case PE_FLOAT64: return 8;
+    case PE_BFLOAT16:
+    case PE_FLOAT16: return 2;
+    }
+    return 0;
+}
+
+static inline int pe_dtype_valid(pe_dtype t) { return pe_dtype_size(t) != 0; }
+
+static inline float pe_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even; NaN stays NaN (quieted). */
+static inline uint16_t pe_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40u;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
+}
+
+static inline float pe_f16_to_f32(uint16_t h) {
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+static inline uint16_t pe_f32_to_f16(float f) {
+    _Float16 v = (_Float16)f; /* IEEE conversion: round to nearest even */
+    uint16_t h;
+    memcpy(&h, &v, 2);
+    return h;
+}
+
+/* Slot of rotary channel e (R = rotary width). */
+static inline int64_t pe_slot(pe_pairing p, int64_t e, int64_t R) {
+    return p == PE_PAIR_HALF ? (e < R / 2 ? e : e - R / 2) : e / 2;
+}
+
+/* Per-ISA implementations: arguments are validated by the public wrappers. */
+#define PE_DECLARE_ISA(sfx)                                                                   \
+    int pe_rope_apply##sfx(const pe_rope_args *a);                                            \
+    int pe_rope_table_grad##sfx(const pe_rope_args *a, const void *gq, const int64_t gqs[3],  \
+                                const void *gk, const int64_t gks[3], pe_dtype gdt,           \
+                                void *dcos, void *dsin);                                      \
+    int pe_rope_tables##sfx(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *sin);
+
+PE_DECLARE_ISA(_baseline)
+PE_DECLARE_ISA(_avx2)
+PE_DECLARE_ISA(_avx512)
+
+#endif /* POSENC_INTERNAL_H */

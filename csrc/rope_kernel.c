@@ -1,0 +1,174 @@
+/*
+ * RoPE kernels, compiled once per instruction set (see meson.build): PE_ISA_SUFFIX names
+ * the variant (_baseline, _avx2, _avx512) and the compiler flags of that build select the
+ * vector instructions.  The loops are written for the auto-vectorizer: unit-stride, no
+ * aliasing (restrict), no fused multiply-add (-ffp-contract=off keeps HF's rounding).
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+#ifndef PE_ISA_SUFFIX
+#error "PE_ISA_SUFFIX must name the instruction-set variant"
+#endif
+#define PE_CAT2(a, b) a##b
+#define PE_CAT(a, b) PE_CAT2(a, b)
+#define PE_ISA_FN(name) PE_CAT(name, PE_ISA_SUFFIX)
+
+/* Per-call layout facts shared by every token. */
+typedef struct pe_row_plan {
+    int64_t axes;            /* A: 1 or 3 table axes */
+    int64_t *chan_axis_off;  /* R: table offset of channel e's axis, NULL without MRoPE */
+    uint8_t *chan_axis;      /* R: axis of channel e */
+    int64_t *slot_pos_off;   /* R/2: position offset of slot i's axis */
+} pe_row_plan;
+
+/*
+ * sin and cos of fp32 angles, each result scaled by `scaling` in fp32.  The reduction and
+ * polynomials run in fp64 (Cody-Waite with a 33+33+53-bit pi/2, fdlibm's kernel
+ * coefficients), so the fp32 results are correctly rounded except in rare ties; angles
+ * beyond the reduction's exact range go through libm.
+ */
+static void pe_sincos_scaled(const float *restrict ang, float *restrict c, float *restrict s,
+                             int64_t n, float scaling) {
+    const double two_over_pi = 6.36619772367581382433e-01;
+    const double p1 = 1.57079632673412561417e+00, p2 = 6.07710050630396597660e-11,
+                 p3 = 2.02226624879595063154e-21;
+    const double S1 = -1.66666666666666324348e-01, S2 = 8.33333333332248946124e-03,
+                 S3 = -1.98412698298579493134e-04, S4 = 2.75573137070700676789e-06,
+                 S5 = -2.50507602534068634195e-08, S6 = 1.58969099521155010221e-10;
+    const double C1 = 4.16666666666666019037e-02, C2 = -1.38888888888741095749e-03,
+                 C3 = 2.48015872894767294178e-05, C4 = -2.75573143513906633035e-07,
+                 C5 = 2.08757232129817482790e-09, C6 = -1.13596475577881948265e-11;
+    const double limit = 823549.6; /* |k| < 2^19: k * p1 is exact */
+    int any_large = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const double x = (double)ang[i];
+        const double k = nearbyint(x * two_over_pi);
+        const double r = ((x - k * p1) - k * p2) - k * p3;
+        const double z = r * r;
+        const double sr = r + r * z * (S1 + z * (S2 + z * (S3 + z * (S4 + z * (S5 + z * S6)))));
+        const double cr = 1.0 - 0.5 * z + z * z * (C1 + z * (C2 + z * (C3 + z * (C4 + z * (C5 + z * C6)))));
+        const double q = k - 4.0 * floor(k * 0.25); /* quadrant 0..3 */
+        const int odd = q == 1.0 || q == 3.0;
+        const double sv = odd ? cr : sr, cv = odd ? sr : cr;
+        const double ssign = q >= 2.0 ? -1.0 : 1.0;
+        const double csign = (q == 1.0 || q == 2.0) ? -1.0 : 1.0;
+        s[i] = (float)(ssign * sv) * scaling;
+        c[i] = (float)(csign * cv) * scaling;
+        any_large |= fabs(x) > limit;
+    }
+    if (any_large) {
+        for (int64_t i = 0; i < n; ++i) {
+            const double x = (double)ang[i];
+            if (fabs(x) > limit || x != x) {
+                s[i] = (float)sin(x) * scaling;
+                c[i] = (float)cos(x) * scaling;
+            }
+        }
+    }
+}
+
+#define REAL float
+#define RF(n) n##_f32
+#define RF_native PE_FLOAT32
+#include "rope_core.inc"
+#undef REAL
+#undef RF
+#undef RF_native
+
+#define REAL double
+#define RF(n) n##_f64
+#define RF_native PE_FLOAT64
+#include "rope_core.inc"
+#undef REAL
+#undef RF
+#undef RF_native
+
+static void plan_free(pe_row_plan *p) {
+    free(p->chan_axis_off);
+    free(p->chan_axis);
+    free(p->slot_pos_off);
+}
+
+static int plan_make(const pe_rope_args *a, pe_row_plan *p) {
+    const int64_t R = a->rot_dim, nslot = R / 2;
+    const pe_rope_source *src = &a->src;
+    const uint8_t *axis = src->axis_of_slot;
+    p->axes = axis ? 3 : 1;
+    p->chan_axis_off = NULL;
+    p->chan_axis = (uint8_t *)calloc((size_t)R + 1, 1);
+    p->slot_pos_off = (int64_t *)calloc((size_t)nslot + 1, sizeof(int64_t));
+    if (axis) p->chan_axis_off = (int64_t *)calloc((size_t)R + 1, sizeof(int64_t));
+    if (!p->chan_axis || !p->slot_pos_off || (axis && !p->chan_axis_off)) {
+        plan_free(p);
+        return PE_ERR_NOMEM;
+    }
+    for (int64_t e = 0; e < R; ++e) {
+        const uint8_t ax = axis ? axis[pe_slot(a->pairing, e, R)] : 0;
+        p->chan_axis[e] = ax;
+        if (axis) p->chan_axis_off[e] = ax * src->table_stride[0];
+    }
+    for (int64_t i = 0; i < nslot; ++i) p->slot_pos_off[i] = (axis ? axis[i] : 0) * src->pos_stride[0];
+    return PE_OK;
+}
+
+/* The fp64 core runs when any tensor of the call is fp64. */
+static int wants_f64(const pe_rope_args *a, pe_dtype extra) {
+    int f64 = a->q.in_dtype == PE_FLOAT64 || a->q.out_dtype == PE_FLOAT64 || extra == PE_FLOAT64;
+    if (a->k.heads) f64 |= a->k.in_dtype == PE_FLOAT64 || a->k.out_dtype == PE_FLOAT64;
+    if (!a->src.pos) f64 |= a->src.table_dtype == PE_FLOAT64;
+    return f64;
+}
+
+int PE_ISA_FN(pe_rope_apply)(const pe_rope_args *a) {
+    pe_row_plan plan;
+    int rc = plan_make(a, &plan);
+    if (rc) return rc;
+    rc = wants_f64(a, PE_FLOAT32) ? apply_f64(a, &plan) : apply_f32(a, &plan);
+    plan_free(&plan);
+    return rc;
+}
+
+int PE_ISA_FN(pe_rope_table_grad)(const pe_rope_args *a, const void *gq, const int64_t gqs[3],
+                                  const void *gk, const int64_t gks[3], pe_dtype gdt,
+                                  void *dcos, void *dsin) {
+    pe_row_plan plan;
+    int rc = plan_make(a, &plan);
+    if (rc) return rc;
+    rc = wants_f64(a, gdt) ? table_grad_f64(a, &plan, gq, gqs, gk, gks, gdt, dcos, dsin)
+                           : table_grad_f32(a, &plan, gq, gqs, gk, gks, gdt, dcos, dsin);
+    plan_free(&plan);
+    return rc;
+}
+
+int PE_ISA_FN(pe_rope_tables)(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *sin) {
+    pe_row_plan plan;
+    int rc = plan_make(a, &plan);
+    if (rc) return rc;
+    const int64_t Bp = a->src.pos_batch, T = a->seq, R = a->rot_dim;
+    const int64_t nrow = Bp * T;
+    const size_t oes = pe_dtype_size(out_dtype);
+    const int nt = (a->nthreads > 1 && nrow * R >= PE_SERIAL_ELEMENTS) ? a->nthreads : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *buf = (float *)malloc((size_t)(2 * R + 3 * (R / 2) + 1) * sizeof(float));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < nrow; ++i) {
+            if (!buf) continue;
+            const int64_t b = i / T, t = i % T;
+            token_tables_f32(a, &plan, b, t, buf, buf + R, buf + 2 * R);
+            store_row_f32((char *)cos + i * R * (int64_t)oes, buf, out_dtype, R);
+            store_row_f32((char *)sin + i * R * (int64_t)oes, buf + R, out_dtype, R);
+        }
+        free(buf);
+    }
+    plan_free(&plan);
+    return failed ? PE_ERR_NOMEM : rc;
+}

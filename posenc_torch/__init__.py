@@ -1,0 +1,43 @@
+"""posenc_torch: rotary position embeddings for PyTorch with C kernels.
+
+RoPE and the multimodal RoPE (MRoPE) of Qwen2-VL / Qwen2.5-VL / Qwen3-VL, forward and
+backward, as ``torch.ops.posenc`` custom ops with autograd and ``torch.compile`` support.
+The functions are drop-ins for the transformers functions of the same names.
+"""
+
+import torch  # noqa: F401  (maps libtorch before the extension is loaded)
+
+from . import _C  # noqa: F401  (registers torch.ops.posenc)
+from . import ops  # noqa: F401  (fake kernels and autograd formulas)
+from .rope import (
+    apply_multimodal_rotary_pos_emb,
+    apply_rope,
+    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_vision,
+    compute_mrope_cos_sin,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "apply_rotary_pos_emb",
+    "apply_multimodal_rotary_pos_emb",
+    "apply_rotary_pos_emb_vision",
+    "apply_rope",
+    "compute_mrope_cos_sin",
+    "kernel_isa",
+    "set_kernel_isa",
+]
+
+
+def kernel_isa() -> str:
+    """Name of the SIMD kernel variant in use: 'baseline', 'avx2' or 'avx512'."""
+    return _C.isa()
+
+
+def set_kernel_isa(name: str | None) -> None:
+    """Force a SIMD kernel variant ('baseline', 'avx2', 'avx512'); None picks the best.
+
+    Meant for tests and benchmarks; raises ValueError if this CPU lacks the variant.
+    """
+    _C.set_isa(_C.best_isa() if name is None else name)

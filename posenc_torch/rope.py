@@ -1,0 +1,211 @@
+"""Public RoPE functions: transformers drop-ins and the fused positions-in path."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._checks import (
+    check_float,
+    check_same_device,
+    check_sections,
+    check_tensor,
+    check_unsqueeze_dim,
+    pairing_code,
+)
+
+_QK_LAYOUT = {1: "(batch, heads, seq, head_dim)", 2: "(batch, seq, heads, head_dim)"}
+
+
+def _to_bthd(x: torch.Tensor, unsqueeze_dim: int) -> torch.Tensor:
+    """View q/k as (batch, seq, heads, head_dim), the ops' layout; no copy."""
+    return x.transpose(1, 2) if unsqueeze_dim == 1 else x
+
+
+def _check_qk(q: torch.Tensor, k: torch.Tensor, unsqueeze_dim: int) -> None:
+    layout = _QK_LAYOUT[unsqueeze_dim]
+    check_tensor("q", q, 4, f"4-D {layout} for unsqueeze_dim={unsqueeze_dim}")
+    check_tensor("k", k, 4, f"4-D {layout} for unsqueeze_dim={unsqueeze_dim}")
+    check_float("q", q)
+    check_float("k", k)
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | int | None = None,
+    unsqueeze_dim: int = 1,
+    *,
+    pairing: str = "half",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k with per-token cos/sin tables (transformers' ``apply_rotary_pos_emb``).
+
+    Shapes (``unsqueeze_dim=1``, the transformers layout; ``2`` swaps heads and seq):
+        q:   (B, Hq, T, D), any strides with a contiguous last dim (views are not copied)
+        k:   (B, Hkv, T, D)
+        cos, sin: (Bc, T, R) with Bc in {1, B}; R <= D even (R < D: partial rotary, the
+             channels past R are passed through)
+    Returns ``(q_embed, k_embed)`` of q's and k's shapes, dtype ``torch.result_type(q, cos)``.
+
+    ``position_ids`` is accepted and ignored, as in transformers 4.x; a fifth positional
+    *int* is taken as ``unsqueeze_dim`` (the newer transformers signature).  ``pairing``
+    chooses which channels rotate together: "half" (j with j + R/2, transformers'
+    ``rotate_half``) or "adjacent" (2i with 2i+1, GPT-J; give tables whose entries 2i and
+    2i+1 hold the same frequency).
+    """
+    if isinstance(position_ids, int) and not isinstance(position_ids, bool):
+        unsqueeze_dim, position_ids = position_ids, None
+    dim = check_unsqueeze_dim(unsqueeze_dim)
+    _check_qk(q, k, dim)
+    check_tensor("cos", cos, 3, "3-D (batch, seq, rot_dim)")
+    check_tensor("sin", sin, 3, "3-D (batch, seq, rot_dim)")
+    check_float("cos", cos)
+    check_float("sin", sin)
+    check_same_device(q=q, k=k, cos=cos, sin=sin)
+    q_out, k_out = torch.ops.posenc.rope(
+        _to_bthd(q, dim), _to_bthd(k, dim), cos, sin, [], False, pairing_code(pairing), False)
+    return _to_bthd(q_out, dim), _to_bthd(k_out, dim)
+
+
+def apply_multimodal_rotary_pos_emb(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mrope_section: Sequence[int],
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen2-VL / Qwen2.5-VL MRoPE (transformers 4.x ``apply_multimodal_rotary_pos_emb``).
+
+    Shapes (``unsqueeze_dim=1``):
+        q: (B, Hq, T, D), k: (B, Hkv, T, D)
+        cos, sin: (3, Bc, T, D) — tables of the temporal, height and width positions
+        mrope_section: 3 ints with 2 * sum == D, e.g. [16, 24, 24] for head_dim 128
+    Frequency slot j (channels j and j + D/2) takes its cos/sin from axis T for
+    j < s0, H for j < s0 + s1, else W; the merged (B, T, D) tables are never built.
+    Returns ``(q_embed, k_embed)``, dtype ``torch.result_type(q, cos)``.
+    """
+    dim = check_unsqueeze_dim(unsqueeze_dim)
+    _check_qk(q, k, dim)
+    sections = check_sections(mrope_section)
+    check_tensor("cos", cos, 4, "4-D (3, batch, seq, head_dim)")
+    check_tensor("sin", sin, 4, "4-D (3, batch, seq, head_dim)")
+    check_float("cos", cos)
+    check_float("sin", sin)
+    if 2 * sum(sections) != cos.shape[-1]:
+        raise ValueError(
+            f"mrope_section {list(mrope_section)} must satisfy 2 * sum == {cos.shape[-1]} "
+            f"(the last dim of cos), got 2 * {sum(sections)} = {2 * sum(sections)}")
+    check_same_device(q=q, k=k, cos=cos, sin=sin)
+    q_out, k_out = torch.ops.posenc.rope(
+        _to_bthd(q, dim), _to_bthd(k, dim), cos, sin, sections, False, 0, False)
+    return _to_bthd(q_out, dim), _to_bthd(k_out, dim)
+
+
+def apply_rotary_pos_emb_vision(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen2-VL / Qwen2.5-VL vision-tower RoPE (transformers' ``apply_rotary_pos_emb_vision``).
+
+    Shapes:
+        q, k: (N, H, D) — N patches
+        cos, sin: (N, D)
+    The rotation runs in fp32 (fp64 for fp64 q/k) and the results are cast back to q's and
+    k's dtypes, as transformers does.
+    """
+    check_tensor("q", q, 3, "3-D (patches, heads, head_dim)")
+    check_tensor("k", k, 3, "3-D (patches, heads, head_dim)")
+    check_tensor("cos", cos, 2, "2-D (patches, head_dim)")
+    check_tensor("sin", sin, 2, "2-D (patches, head_dim)")
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        check_float(name, t)
+    check_same_device(q=q, k=k, cos=cos, sin=sin)
+    q_out, k_out = torch.ops.posenc.rope(
+        q.unsqueeze(0), k.unsqueeze(0), cos.float().unsqueeze(0), sin.float().unsqueeze(0),
+        [], False, 0, False, q.dtype, k.dtype)
+    return q_out.squeeze(0), k_out.squeeze(0)
+
+
+def _check_positions(position_ids: torch.Tensor, inv_freq: torch.Tensor,
+                     mrope_section: Sequence[int] | None) -> list[int]:
+    check_tensor("position_ids", position_ids, (2, 3), "(batch, seq) or (3, batch, seq)")
+    if position_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"position_ids must be int64 or int32, got {position_ids.dtype}")
+    check_tensor("inv_freq", inv_freq, 1, "1-D (rot_dim / 2,)")
+    if not inv_freq.is_floating_point():
+        raise TypeError(f"inv_freq must be floating point, got {inv_freq.dtype}")
+    if mrope_section is None:
+        if position_ids.dim() == 3:
+            raise ValueError("position_ids of shape (3, batch, seq) need mrope_section")
+        return []
+    sections = check_sections(mrope_section)
+    if sum(sections) != inv_freq.shape[0]:
+        raise ValueError(
+            f"mrope_section {list(mrope_section)} must sum to len(inv_freq) = "
+            f"{inv_freq.shape[0]} (2 * sum == rotary width), got {sum(sections)}")
+    return sections
+
+
+def apply_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    position_ids: torch.Tensor,
+    inv_freq: torch.Tensor,
+    *,
+    mrope_section: Sequence[int] | None = None,
+    interleaved_mrope: bool = False,
+    attention_scaling: float = 1.0,
+    unsqueeze_dim: int = 1,
+    pairing: str = "half",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused RoPE: positions in, rotated q and k out; no cos/sin tables in memory.
+
+    Shapes (``unsqueeze_dim=1``):
+        q: (B, Hq, T, D), k: (B, Hkv, T, D)
+        position_ids: (Bp, T) for RoPE, or (3, Bp, T) with ``mrope_section`` for MRoPE
+            (Qwen2-VL sections, or Qwen3-VL with ``interleaved_mrope=True``); Bp in {1, B}
+        inv_freq: (R/2,) — the rotary module's ``inv_freq``; R = 2 * len(inv_freq) <= D
+    Each token's angles fl32(inv_freq[i] * fl32(pos)) and their sin/cos are computed once,
+    in fp32, and shared by all heads; cos/sin are scaled by ``attention_scaling`` and are
+    not rounded to q's dtype.  Returns ``(q_embed, k_embed)`` in q's and k's dtypes.
+    """
+    dim = check_unsqueeze_dim(unsqueeze_dim)
+    _check_qk(q, k, dim)
+    sections = _check_positions(position_ids, inv_freq, mrope_section)
+    check_same_device(q=q, k=k, position_ids=position_ids, inv_freq=inv_freq)
+    q_out, k_out = torch.ops.posenc.rope_fused(
+        _to_bthd(q, dim), _to_bthd(k, dim), position_ids, inv_freq, sections,
+        bool(interleaved_mrope), float(attention_scaling), pairing_code(pairing), False)
+    return _to_bthd(q_out, dim), _to_bthd(k_out, dim)
+
+
+def compute_mrope_cos_sin(
+    position_ids: torch.Tensor,
+    inv_freq: torch.Tensor,
+    mrope_section: Sequence[int] | None = None,
+    *,
+    interleaved: bool = False,
+    attention_scaling: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+    pairing: str = "half",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables as transformers' rotary modules produce them.
+
+    Shapes:
+        position_ids: (Bp, T) — ``LlamaRotaryEmbedding``; or (3, Bp, T) with
+            ``mrope_section`` — Qwen2-VL's section-merged tables, or Qwen3-VL's interleaved
+            tables with ``interleaved=True``
+        inv_freq: (R/2,)
+    Returns ``(cos, sin)``, each (Bp, T, R) in ``dtype``: angles fl32(inv_freq * pos),
+    cos/sin in fp32 times ``attention_scaling``, then one rounding to ``dtype``.  With
+    ``pairing="adjacent"`` frequency i fills channels 2i and 2i+1 instead of i and i + R/2.
+    """
+    sections = _check_positions(position_ids, inv_freq, mrope_section)
+    if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype must be float32, float64, bfloat16 or float16, got {dtype}")
+    check_same_device(position_ids=position_ids, inv_freq=inv_freq)
+    return torch.ops.posenc.rope_tables(position_ids, inv_freq, sections, bool(interleaved),
+                                        float(attention_scaling), pairing_code(pairing), dtype)
