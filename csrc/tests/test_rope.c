@@ -300,7 +300,7 @@ static void bad_args(void) {
 
 int main(void) {
     const pe_dtype dts[4] = {PE_FLOAT32, PE_FLOAT64, PE_BFLOAT16, PE_FLOAT16};
-    for (int isa = PE_ISA_BASELINE; isa <= pe_isa_best(); ++isa) {
+    for (int isa = PE_ISA_BASELINE; isa <= (int)pe_isa_best(); ++isa) {
         pe_isa_set((pe_isa)isa);
         const char *name = pe_isa_name((pe_isa)isa);
         for (int d = 0; d < 4; ++d)

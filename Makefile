@@ -1,0 +1,55 @@
+# The commands of the README.  Every target creates or reuses .venv/ and rebuilds the
+# extension first, so they work on a fresh clone with nothing installed by hand.
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+HF4    := $(VENV)/hf4
+STAMP  := $(VENV)/.installed
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+PYTEST := $(VPY) -m pytest -q -p no:cacheprovider
+
+.PHONY: all venv build test pytest pytest-hf4 ctest sanitize bench bench-full notebooks clean
+
+all: build
+
+$(STAMP): requirements-dev.txt requirements-hf4.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q -r requirements-dev.txt
+	$(VPY) -m pip install -q --no-deps --upgrade --target $(HF4) -r requirements-hf4.txt
+	touch $@
+
+venv: $(STAMP)
+
+# Non-editable install through a persistent build dir: incremental, no build isolation
+# (isolation would fetch another torch and link against it).
+build: $(STAMP)
+	$(VPY) -m pip install -q --no-build-isolation --no-deps . -Cbuild-dir=build
+
+# Everything: C tests, the same under ASan + UBSan, Python tests on transformers 5.x and
+# the transformers-4.x tests against the 4.57.6 overlay.
+test: build ctest sanitize pytest pytest-hf4
+
+pytest: build
+	cd tests && $(PYTEST) .
+
+pytest-hf4: build
+	cd tests && PYTHONPATH=$(abspath $(HF4)) POSENC_EXPECT_TRANSFORMERS=4 $(PYTEST) -m transformers4 .
+
+ctest: $(STAMP)
+	$(VENV)/bin/meson setup builddir-c -Dpython_extension=false --reconfigure >/dev/null
+	$(VENV)/bin/meson test -C builddir-c --print-errorlogs
+
+sanitize: $(STAMP)
+	$(VENV)/bin/meson setup builddir-asan -Dpython_extension=false -Dbuildtype=debug \
+		-Db_sanitize=address,undefined -Db_lundef=false --reconfigure >/dev/null
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
+		$(VENV)/bin/meson test -C builddir-asan --print-errorlogs
+
+bench: build
+	$(VPY) benchmarks/run.py --quick
+
+bench-full: build
+	$(VPY) benchmarks/run.py --full
+
+clean:
+	rm -rf build builddir-c builddir-asan

@@ -1,0 +1,58 @@
+"""Shared test setup.
+
+`make test` runs this suite twice: on the installed transformers 5.x, and with the
+transformers 4.57.6 overlay (.venv/hf4) first on PYTHONPATH, selecting the tests marked
+``transformers4`` (they compare against 4.x-only functions such as Qwen2-VL's
+``apply_multimodal_rotary_pos_emb`` and the vision-start based ``get_rope_index``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+import posenc_torch
+
+TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "transformers4: compares against transformers 4.x (run with the 4.57.6 overlay)")
+    config.addinivalue_line(
+        "markers", "any_transformers: runs under both transformers 4.x and 5.x")
+    expected = os.environ.get("POSENC_EXPECT_TRANSFORMERS")
+    if expected is not None and int(expected) != TRANSFORMERS_MAJOR:
+        raise pytest.UsageError(
+            f"expected transformers {expected}.x on the path, found {transformers.__version__}")
+
+
+def pytest_collection_modifyitems(config, items):
+    if TRANSFORMERS_MAJOR >= 5:
+        skip = pytest.mark.skip(
+            reason=f"needs transformers 4.x (installed: {transformers.__version__}); "
+                   "`make test` runs it in its second pass with transformers 4.57.6")
+        for item in items:
+            if "transformers4" in item.keywords:
+                item.add_marker(skip)
+
+
+ISAS = [name for name in ("baseline", "avx2", "avx512")
+        if name in {"baseline", posenc_torch._C.best_isa()} or
+        (name == "avx2" and posenc_torch._C.best_isa() == "avx512")]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Run a test once per SIMD kernel variant this CPU supports."""
+    posenc_torch.set_kernel_isa(request.param)
+    yield request.param
+    posenc_torch.set_kernel_isa(None)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
