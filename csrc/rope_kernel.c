@@ -7,6 +7,10 @@
 #include <math.h>
 #include <stdlib.h>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "internal.h"
 
 #ifndef PE_ISA_SUFFIX
@@ -70,17 +74,89 @@ static void pe_sincos_scaled(const float *restrict ang, float *restrict c, float
     }
 }
 
+/*
+ * Fast rows for the common case: half pairing, same dtype in and out, fp32 compute.  One
+ * pass reads both halves, rotates and stores with the conversion inline, so the row never
+ * goes through a scratch buffer.
+ */
+#define PE_ROT_HALF_ROW(name, T, load, store)                                                \
+    static void name(const T *restrict x, T *restrict o, const float *restrict c,             \
+                     const float *restrict ss, int64_t h) {                                   \
+        for (int64_t e = 0; e < h; ++e) {                                                    \
+            const float x0 = load(x[e]), x1 = load(x[e + h]);                                \
+            o[e] = store(x0 * c[e] + x1 * ss[e]);                                            \
+            o[e + h] = store(x1 * c[e + h] + x0 * ss[e + h]);                                \
+        }                                                                                    \
+    }
+
+static inline float pe_id_f32(float v) { return v; }
+static inline float pe_h2f(_Float16 v) { return (float)v; }
+static inline _Float16 pe_f2h(float v) { return (_Float16)v; }
+PE_ROT_HALF_ROW(rot_half_f32, float, pe_id_f32, pe_id_f32)
+PE_ROT_HALF_ROW(rot_half_bf16, uint16_t, pe_bf16_to_f32, pe_f32_to_bf16)
+
+#if defined(__F16C__)
+/* The vectorizer does not use F16C for _Float16 loops; convert 8 or 16 lanes explicitly. */
+static void rot_half_f16(const _Float16 *restrict x, _Float16 *restrict o, const float *restrict c,
+                         const float *restrict ss, int64_t h) {
+    int64_t e = 0;
+#if defined(__AVX512F__)
+    for (; e + 16 <= h; e += 16) {
+        const __m512 x0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + e)));
+        const __m512 x1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + e + h)));
+        const __m512 o0 = _mm512_add_ps(_mm512_mul_ps(x0, _mm512_loadu_ps(c + e)),
+                                        _mm512_mul_ps(x1, _mm512_loadu_ps(ss + e)));
+        const __m512 o1 = _mm512_add_ps(_mm512_mul_ps(x1, _mm512_loadu_ps(c + e + h)),
+                                        _mm512_mul_ps(x0, _mm512_loadu_ps(ss + e + h)));
+        _mm256_storeu_si256((__m256i *)(o + e), _mm512_cvtps_ph(o0, _MM_FROUND_TO_NEAREST_INT));
+        _mm256_storeu_si256((__m256i *)(o + e + h), _mm512_cvtps_ph(o1, _MM_FROUND_TO_NEAREST_INT));
+    }
+#endif
+    for (; e + 8 <= h; e += 8) {
+        const __m256 x0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + e)));
+        const __m256 x1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + e + h)));
+        const __m256 o0 = _mm256_add_ps(_mm256_mul_ps(x0, _mm256_loadu_ps(c + e)),
+                                        _mm256_mul_ps(x1, _mm256_loadu_ps(ss + e)));
+        const __m256 o1 = _mm256_add_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + e + h)),
+                                        _mm256_mul_ps(x0, _mm256_loadu_ps(ss + e + h)));
+        _mm_storeu_si128((__m128i *)(o + e), _mm256_cvtps_ph(o0, _MM_FROUND_TO_NEAREST_INT));
+        _mm_storeu_si128((__m128i *)(o + e + h), _mm256_cvtps_ph(o1, _MM_FROUND_TO_NEAREST_INT));
+    }
+    for (; e < h; ++e) {
+        const float x0 = (float)x[e], x1 = (float)x[e + h];
+        o[e] = (_Float16)(x0 * c[e] + x1 * ss[e]);
+        o[e + h] = (_Float16)(x1 * c[e + h] + x0 * ss[e + h]);
+    }
+}
+#else
+PE_ROT_HALF_ROW(rot_half_f16, _Float16, pe_h2f, pe_f2h)
+#endif
+
+/* Returns 1 if the row was handled. */
+static int rot_half_fast(const void *in, void *out, pe_dtype dt, const float *c, const float *ss,
+                         int64_t R) {
+    switch (dt) {
+    case PE_FLOAT32: rot_half_f32((const float *)in, (float *)out, c, ss, R / 2); return 1;
+    case PE_BFLOAT16: rot_half_bf16((const uint16_t *)in, (uint16_t *)out, c, ss, R / 2); return 1;
+    case PE_FLOAT16: rot_half_f16((const _Float16 *)in, (_Float16 *)out, c, ss, R / 2); return 1;
+    default: return 0;
+    }
+}
+
 #define REAL float
 #define RF(n) n##_f32
 #define RF_native PE_FLOAT32
+#define RF_FAST_ROWS 1
 #include "rope_core.inc"
 #undef REAL
 #undef RF
 #undef RF_native
+#undef RF_FAST_ROWS
 
 #define REAL double
 #define RF(n) n##_f64
 #define RF_native PE_FLOAT64
+#define RF_FAST_ROWS 0
 #include "rope_core.inc"
 #undef REAL
 #undef RF
