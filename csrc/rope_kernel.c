@@ -76,17 +76,28 @@ static void pe_sincos_scaled(const float *restrict ang, float *restrict c, float
 
 /*
  * Fast rows for the common case: half pairing, same dtype in and out, fp32 compute.  One
- * pass reads both halves, rotates and stores with the conversion inline, so the row never
- * goes through a scratch buffer.
+ * pass over all heads of a token reads both halves of each row, rotates and stores with
+ * the conversion inline; nothing goes through a scratch buffer.  xs, os: head strides.
  */
 #define PE_ROT_HALF_ROW(name, T, load, store)                                                \
-    static void name(const T *restrict x, T *restrict o, const float *restrict c,             \
-                     const float *restrict ss, int64_t h) {                                   \
-        for (int64_t e = 0; e < h; ++e) {                                                    \
-            const float x0 = load(x[e]), x1 = load(x[e + h]);                                \
-            o[e] = store(x0 * c[e] + x1 * ss[e]);                                            \
-            o[e + h] = store(x1 * c[e + h] + x0 * ss[e + h]);                                \
+    static inline __attribute__((always_inline)) void name##_body(                           \
+        const T *restrict x, int64_t xs, T *restrict o, int64_t os, int64_t nh,              \
+        const float *restrict c, const float *restrict ss, int64_t h) {                      \
+        for (int64_t hd = 0; hd < nh; ++hd, x += xs, o += os) {                              \
+            for (int64_t e = 0; e < h; ++e) {                                                \
+                const float x0 = load(x[e]), x1 = load(x[e + h]);                            \
+                o[e] = store(x0 * c[e] + x1 * ss[e]);                                        \
+                o[e + h] = store(x1 * c[e + h] + x0 * ss[e + h]);                            \
+            }                                                                                \
         }                                                                                    \
+    }                                                                                        \
+    /* head_dim 128 (h = 64) gets a fully unrolled copy */                                   \
+    static void name(const T *x, int64_t xs, T *o, int64_t os, int64_t nh, const float *c,   \
+                     const float *ss, int64_t h) {                                           \
+        if (h == 64)                                                                         \
+            name##_body(x, xs, o, os, nh, c, ss, 64);                                        \
+        else                                                                                 \
+            name##_body(x, xs, o, os, nh, c, ss, h);                                         \
     }
 
 static inline float pe_id_f32(float v) { return v; }
@@ -97,8 +108,8 @@ PE_ROT_HALF_ROW(rot_half_bf16, uint16_t, pe_bf16_to_f32, pe_f32_to_bf16)
 
 #if defined(__F16C__)
 /* The vectorizer does not use F16C for _Float16 loops; convert 8 or 16 lanes explicitly. */
-static void rot_half_f16(const _Float16 *restrict x, _Float16 *restrict o, const float *restrict c,
-                         const float *restrict ss, int64_t h) {
+static void rot_half_f16_row(const _Float16 *restrict x, _Float16 *restrict o,
+                             const float *restrict c, const float *restrict ss, int64_t h) {
     int64_t e = 0;
 #if defined(__AVX512F__)
     for (; e + 16 <= h; e += 16) {
@@ -128,18 +139,30 @@ static void rot_half_f16(const _Float16 *restrict x, _Float16 *restrict o, const
         o[e + h] = (_Float16)(x1 * c[e + h] + x0 * ss[e + h]);
     }
 }
+
+static void rot_half_f16(const _Float16 *x, int64_t xs, _Float16 *o, int64_t os, int64_t nh,
+                         const float *c, const float *ss, int64_t h) {
+    for (int64_t hd = 0; hd < nh; ++hd) rot_half_f16_row(x + hd * xs, o + hd * os, c, ss, h);
+}
 #else
 PE_ROT_HALF_ROW(rot_half_f16, _Float16, pe_h2f, pe_f2h)
 #endif
 
-/* Returns 1 if the row was handled. */
-static int rot_half_fast(const void *in, void *out, pe_dtype dt, const float *c, const float *ss,
-                         int64_t R) {
+/* Rotates the nh heads of one token if the fast rows cover the dtype; returns 1 if so. */
+static int rot_half_heads(const void *in, int64_t xs, void *out, int64_t os, int64_t nh,
+                          pe_dtype dt, const float *c, const float *ss, int64_t R) {
     switch (dt) {
-    case PE_FLOAT32: rot_half_f32((const float *)in, (float *)out, c, ss, R / 2); return 1;
-    case PE_BFLOAT16: rot_half_bf16((const uint16_t *)in, (uint16_t *)out, c, ss, R / 2); return 1;
-    case PE_FLOAT16: rot_half_f16((const _Float16 *)in, (_Float16 *)out, c, ss, R / 2); return 1;
-    default: return 0;
+    case PE_FLOAT32:
+        rot_half_f32((const float *)in, xs, (float *)out, os, nh, c, ss, R / 2);
+        return 1;
+    case PE_BFLOAT16:
+        rot_half_bf16((const uint16_t *)in, xs, (uint16_t *)out, os, nh, c, ss, R / 2);
+        return 1;
+    case PE_FLOAT16:
+        rot_half_f16((const _Float16 *)in, xs, (_Float16 *)out, os, nh, c, ss, R / 2);
+        return 1;
+    default:
+        return 0;
     }
 }
 
