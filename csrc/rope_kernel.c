@@ -23,7 +23,6 @@
 /* Per-call layout facts shared by every token. */
 typedef struct pe_row_plan {
     int64_t axes;            /* A: 1 or 3 table axes */
-    int64_t *chan_axis_off;  /* R: table offset of channel e's axis, NULL without MRoPE */
     uint8_t *chan_axis;      /* R: axis of channel e */
     int64_t *slot_pos_off;   /* R/2: position offset of slot i's axis */
 } pe_row_plan;
@@ -186,7 +185,6 @@ static int rot_half_heads(const void *in, int64_t xs, void *out, int64_t os, int
 #undef RF_native
 
 static void plan_free(pe_row_plan *p) {
-    free(p->chan_axis_off);
     free(p->chan_axis);
     free(p->slot_pos_off);
 }
@@ -196,19 +194,13 @@ static int plan_make(const pe_rope_args *a, pe_row_plan *p) {
     const pe_rope_source *src = &a->src;
     const uint8_t *axis = src->axis_of_slot;
     p->axes = axis ? 3 : 1;
-    p->chan_axis_off = NULL;
     p->chan_axis = (uint8_t *)calloc((size_t)R + 1, 1);
     p->slot_pos_off = (int64_t *)calloc((size_t)nslot + 1, sizeof(int64_t));
-    if (axis) p->chan_axis_off = (int64_t *)calloc((size_t)R + 1, sizeof(int64_t));
-    if (!p->chan_axis || !p->slot_pos_off || (axis && !p->chan_axis_off)) {
+    if (!p->chan_axis || !p->slot_pos_off) {
         plan_free(p);
         return PE_ERR_NOMEM;
     }
-    for (int64_t e = 0; e < R; ++e) {
-        const uint8_t ax = axis ? axis[pe_slot(a->pairing, e, R)] : 0;
-        p->chan_axis[e] = ax;
-        if (axis) p->chan_axis_off[e] = ax * src->table_stride[0];
-    }
+    for (int64_t e = 0; e < R; ++e) p->chan_axis[e] = axis ? axis[pe_slot(a->pairing, e, R)] : 0;
     for (int64_t i = 0; i < nslot; ++i) p->slot_pos_off[i] = (axis ? axis[i] : 0) * src->pos_stride[0];
     return PE_OK;
 }
@@ -254,6 +246,7 @@ int PE_ISA_FN(pe_rope_tables)(const pe_rope_args *a, pe_dtype out_dtype, void *c
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         float *buf = (float *)malloc((size_t)(2 * R + 3 * (R / 2) + 1) * sizeof(float));
+        /* positions only: the MRoPE table rows are never read here */
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
@@ -262,7 +255,7 @@ int PE_ISA_FN(pe_rope_tables)(const pe_rope_args *a, pe_dtype out_dtype, void *c
         for (int64_t i = 0; i < nrow; ++i) {
             if (!buf) continue;
             const int64_t b = i / T, t = i % T;
-            token_tables_f32(a, &plan, b, t, buf, buf + R, buf + 2 * R);
+            token_tables_f32(a, &plan, b, t, buf, buf + R, NULL, buf + 2 * R);
             store_row_f32((char *)cos + i * R * (int64_t)oes, buf, out_dtype, R);
             store_row_f32((char *)sin + i * R * (int64_t)oes, buf + R, out_dtype, R);
         }
