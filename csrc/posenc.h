@@ -214,7 +214,8 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
  * negative, not finite, or giving a temporal index of 2^31 or more.  Arguments out of
  * range (sizes, merge size < 1, token ids negative or equal, a mask value other than 0 or
  * 1, tokens_per_second negative or not finite) are PE_ERR_ARG.  err (may be NULL)
- * receives what went wrong; for several problems, the first in batch-row order.
+ * receives what went wrong: mask values, then grid values, then the grid count, then the
+ * problem of the lowest batch row (the first in that row).
  * ------------------------------------------------------------------------------------- */
 typedef enum pe_mrope_model {
     PE_MROPE_QWEN2_VL = 0,
