@@ -264,9 +264,10 @@ typedef struct pe_mrope_args {
     int nthreads;
 } pe_mrope_args;
 
-/* position_ids: (3, B, L) dense int64; deltas: (B,) int64.  Rows are independent and run
- * in parallel (the grids of a row start after those used by earlier rows, found by a
- * first counting pass).  PE_OK, PE_ERR_ARG, PE_ERR_GRID or PE_ERR_NOMEM. */
+/* position_ids: (3, B, L) dense int64; deltas: (B,) int64.  Rows are independent; batches
+ * of 2^18 tokens or more run them on up to nthreads threads (the grids of a row start
+ * after those used by earlier rows, found by a first counting pass).  PE_OK, PE_ERR_ARG,
+ * PE_ERR_GRID or PE_ERR_NOMEM. */
 int pe_mrope_position_ids(const pe_mrope_args *a, int64_t *position_ids, int64_t *deltas,
                           pe_pos_error *err);
 
@@ -280,7 +281,8 @@ int pe_mrope_position_ids(const pe_mrope_args *a, int64_t *position_ids, int64_t
  *   grid (2, 2, 4), m = 2:  (0,0) (0,1) (1,0) (1,1) (0,2) (0,3) (1,2) (1,3), twice.
  * pe_vision_position_count gives the number of patches, sum of t*h*w; grid values must be
  * positive with h and w divisible by m (else PE_ERR_GRID, PE_POS_BAD_GRID in err).
- * pe_vision_position_ids writes out (total, 2) dense int64; total must be that count.
+ * pe_vision_position_ids writes out (total, 2) dense int64; total must be that count
+ * (grids are split over threads from 2^18 patches on).
  */
 int pe_vision_position_count(int64_t n_grids, const int64_t *grid_thw, int64_t spatial_merge_size,
                              int64_t *total, pe_pos_error *err);

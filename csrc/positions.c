@@ -6,6 +6,10 @@
 
 #include "internal.h"
 
+/* Position ids cost about a nanosecond per token serially; a parallel region only pays off
+ * (and is only worth its wake-up risk on a busy machine) for batches well past that. */
+#define PE_POSITIONS_SERIAL_TOKENS ((int64_t)1 << 18)
+
 /* Largest temporal index a Qwen2.5-VL video may reach (keeps every sum far from overflow). */
 #define PE_MAX_TIME_INDEX (((int64_t)1 << 31) - 1)
 
@@ -255,8 +259,9 @@ static int plain_row(const walk_ctx *c, int64_t b, pe_pos_error *e) {
 }
 
 static int args_valid(const pe_mrope_args *a, int64_t *position_ids, int64_t *deltas) {
-    if (!a || !position_ids || !deltas || a->batch < 0 || a->seq < 0) return 0;
-    if (a->batch > 0 && a->seq > 0 && !a->input_ids) return 0;
+    if (!a || a->batch < 0 || a->seq < 0) return 0;
+    if (a->batch > 0 && a->seq > 0 && (!a->input_ids || !position_ids)) return 0;
+    if (a->batch > 0 && !deltas) return 0;
     if (a->batch > INT64_MAX / 3 / (a->seq > 0 ? a->seq : 1)) return 0;
     if (a->model != PE_MROPE_QWEN2_VL && a->model != PE_MROPE_QWEN2_5_VL &&
         a->model != PE_MROPE_QWEN3_VL)
@@ -301,7 +306,7 @@ static void keep_first(pe_pos_error *dst, int *have, const pe_pos_error *src) {
 }
 
 static int run_threads(const pe_mrope_args *a) {
-    if (a->nthreads <= 1 || a->batch < 2 || a->batch * a->seq < PE_SERIAL_ELEMENTS) return 1;
+    if (a->nthreads <= 1 || a->batch < 2 || a->batch * a->seq < PE_POSITIONS_SERIAL_TOKENS) return 1;
     return a->nthreads < a->batch ? a->nthreads : (int)a->batch;
 }
 
@@ -470,7 +475,7 @@ int pe_vision_position_ids(int64_t n_grids, const int64_t *grid_thw, int64_t spa
     offset[0] = 0;
     for (int64_t i = 0; i < n_grids; ++i)
         offset[i + 1] = offset[i] + grid_thw[3 * i] * grid_thw[3 * i + 1] * grid_thw[3 * i + 2];
-    const int nt = (nthreads > 1 && n_grids > 1 && 2 * total >= PE_SERIAL_ELEMENTS)
+    const int nt = (nthreads > 1 && n_grids > 1 && total >= PE_POSITIONS_SERIAL_TOKENS)
                        ? (nthreads < n_grids ? nthreads : (int)n_grids) : 1;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
     for (int64_t i = 0; i < n_grids; ++i) {

@@ -317,9 +317,9 @@ def test_random_batches_threads_and_padding_sides(model):
         assert torch.equal(pos[:, b][:, mask[b] == 1], lpos[:, b][:, lmask[b] == 1])
         assert (pos[:, b][:, mask[b] == 0] == 1).all()
 
-    # large enough for the threaded path (>= 32k tokens): threaded equals serial
-    ids, images, videos, mask, seconds = make_batch(8, model, 8, "mixed", max_items=300)
-    assert ids.numel() >= 1 << 15
+    # large enough for the threaded path (>= 2^18 tokens): threaded equals serial
+    ids, images, videos, mask, seconds = tiled_batch(8, model, 8, 40_000)
+    assert ids.numel() >= 1 << 18
     kw = {"second_per_grid_ts": seconds} if model == "qwen2_5_vl" else {}
     threads = torch.get_num_threads()
     try:
@@ -330,6 +330,46 @@ def test_random_batches_threads_and_padding_sides(model):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(many[0], one[0]) and torch.equal(many[1], one[1])
+    # rows are independent: the last row alone gives its own ids
+    b = ids.shape[0] - 1
+    row_ids = ids[b:][:, mask[b] == 1]
+    im, vi, se = tiled_row_grids(8, model, 8, 40_000, b)
+    alone = mrope(row_ids, im, vi, model=model,
+                  **({"second_per_grid_ts": se} if model == "qwen2_5_vl" and vi is not None
+                     else {}))
+    assert torch.equal(one[0][:, b][:, mask[b] == 1], alone[0][:, 0])
+
+
+def _tiled_rows(seed, model, batch, length):
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(batch):
+        tokens, images, videos, seconds = make_row(rng, model, 6)
+        reps = max(1, (length - rng.randrange(0, length // 8)) // max(1, len(tokens)))
+        rows.append((tokens * reps, images * reps, videos * reps, seconds * reps))
+    return rows
+
+
+def tiled_row_grids(seed, model, batch, length, row):
+    _, images, videos, seconds = _tiled_rows(seed, model, batch, length)[row]
+    grid = lambda gs: torch.tensor(gs, dtype=torch.int64).reshape(-1, 3) if gs else None
+    return grid(images), grid(videos), torch.tensor(seconds, dtype=torch.float64)
+
+
+def tiled_batch(seed, model, batch, length):
+    """Long right-padded rows made of a short random row repeated (fast to build)."""
+    rows = _tiled_rows(seed, model, batch, length)
+    width = max(len(r[0]) for r in rows)
+    ids = torch.full((batch, width), PAD)
+    mask = torch.zeros(batch, width, dtype=torch.int64)
+    for b, (tokens, *_) in enumerate(rows):
+        ids[b, :len(tokens)] = torch.tensor(tokens)
+        mask[b, :len(tokens)] = 1
+    grid = lambda gs: torch.tensor(gs, dtype=torch.int64).reshape(-1, 3) if gs else None
+    images = grid([g for r in rows for g in r[1]])
+    videos = grid([g for r in rows for g in r[2]])
+    seconds = torch.tensor([s for r in rows for s in r[3]], dtype=torch.float64)
+    return ids, images, videos, mask, seconds if videos is not None else None
 
 
 def test_inputs_not_modified():
@@ -338,6 +378,23 @@ def test_inputs_not_modified():
     mrope(ids, images, videos, mask, model="qwen3_vl")
     for a, b in zip((ids, images, videos, mask), copies):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_empty_and_strided_inputs():
+    empty = torch.empty(0, 3, dtype=torch.int64)
+    pos, deltas = mrope(torch.empty(0, 5, dtype=torch.int64), empty)
+    assert pos.shape == (3, 0, 5) and deltas.shape == (0, 1)
+    pos, deltas = mrope(torch.empty(2, 0, dtype=torch.int64), empty)
+    assert pos.shape == (3, 2, 0) and deltas.tolist() == [[0], [0]]
+    grid = torch.tensor([[1, 4, 4], [1, 4, 4]])
+    want = mrope(torch.cat([ONE_IMAGE, ONE_IMAGE]), grid)
+    transposed = torch.cat([ONE_IMAGE, ONE_IMAGE]).T.contiguous().T  # column-major
+    every_other = torch.stack([ONE_IMAGE, ONE_IMAGE + 1], -1).reshape(1, 16)[:, ::2]
+    for ids, g in ((transposed, grid), (every_other, grid[:1])):
+        assert not ids.is_contiguous()
+        got = mrope(ids, g)
+        assert torch.equal(got[0], want[0][:, :ids.shape[0]])
+        assert torch.equal(got[1], want[1][:ids.shape[0]])
 
 
 # ---------------------------------------------------------------------------------------

@@ -206,6 +206,12 @@ static void example_no_grids(void) {
     CHECK(delta[0] == -4 && delta[1] == -5, "walk deltas %lld %lld", (long long)delta[0],
           (long long)delta[1]);
     CHECK(pos[4] == 0 && pos[0] == 1 && pos[5] == 1, "walk positions");
+    /* Empty batches need no buffers. */
+    pe_mrope_args none = base_args(PE_MROPE_QWEN2_VL, 0, 5, NULL);
+    CHECK(pe_mrope_position_ids(&none, NULL, NULL, NULL) == PE_OK, "empty batch");
+    none = base_args(PE_MROPE_QWEN2_VL, 2, 0, NULL);
+    CHECK(pe_mrope_position_ids(&none, NULL, delta, NULL) == PE_OK && delta[0] == 0 &&
+              delta[1] == 0, "empty rows");
     /* A vision item without grids is an error. */
     const int64_t ids3[4] = {1, VS, IMG, VE};
     pe_mrope_args b = base_args(PE_MROPE_QWEN3_VL, 1, 4, ids3);
@@ -302,8 +308,8 @@ static void reference(const pe_mrope_args *a, const int64_t *vgrid, const double
 typedef struct batch {
     int64_t B, L;
     int64_t *ids, *mask;
-    int64_t igrid[3 * 256], vgrid[3 * 256], vframes[3 * 4096];
-    double secs[256];
+    int64_t igrid[3 * 4096], vgrid[3 * 4096], vframes[3 * 16384];
+    double secs[4096];
     int64_t ni, nv, nframes;
 } batch;
 
@@ -335,7 +341,7 @@ static void random_batch(batch *bt, pe_mrope_model model, int64_t B, int64_t L, 
             const int qwen3_video = video && model == PE_MROPE_QWEN3_VL;
             const int64_t need = qwen3_video ? t * (item_len(1, h, w, m) + 4)
                                              : item_len(t, h, w, m) + 2;
-            if (len + need > used || (video ? bt->nv : bt->ni) >= 256) continue;
+            if (len + need > used || (video ? bt->nv : bt->ni) >= 4096) continue;
             if (!video) {
                 int64_t *g = bt->igrid + 3 * bt->ni++;
                 g[0] = t, g[1] = h, g[2] = w;
@@ -560,7 +566,7 @@ static void bad_grids(void) {
 
 /* Errors in several rows of a threaded run: the lowest row is reported. */
 static void threaded_errors(void) {
-    const int64_t B = 8, L = 6000;
+    const int64_t B = 8, L = 40000;
     int64_t *ids = malloc(sizeof(int64_t) * (size_t)(B * L));
     int64_t grids[3 * 8];
     for (int64_t b = 0; b < B; ++b) {
@@ -613,6 +619,7 @@ static void vision_ids(void) {
         g[3 * i + 1] = 2 * (1 + rnd(20));
         g[3 * i + 2] = 2 * (1 + rnd(20));
     }
+    g[3 * 7] = 4, g[3 * 7 + 1] = 256, g[3 * 7 + 2] = 256; /* 2^18 patches: threads run */
     CHECK(pe_vision_position_count(40, g, 2, &n, NULL) == PE_OK, "vision count (random)");
     int64_t *o = malloc(sizeof(int64_t) * (size_t)(2 * n));
     CHECK(pe_vision_position_ids(40, g, 2, n, o, 4, NULL) == PE_OK, "vision ids (random)");
@@ -658,7 +665,7 @@ int main(void) {
             random_case((pe_mrope_model)model, 3, 64, 1, 1);
         }
         /* large enough for the threaded path; threaded and serial must both match */
-        random_case((pe_mrope_model)model, 8, 6000, 1, 4);
+        random_case((pe_mrope_model)model, 8, 40000, 1, 4);
         random_case((pe_mrope_model)model, 8, 6000, 0, 1);
     }
     if (failures) {
