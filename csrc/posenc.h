@@ -152,6 +152,144 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
                       uint8_t *axis_of_slot);
 
 /* ---------------------------------------------------------------------------------------
+ * Position ids for multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and the vision tower
+ * ---------------------------------------------------------------------------------------
+ * pe_mrope_position_ids computes what transformers 4.57's get_rope_index of each model
+ * computes: position ids (3, B, L) (rows T, H, W) for a batch of token ids, and one delta
+ * per batch row for decoding.
+ *
+ * Grids are patch grids before merging, one (t, h, w) row per image or video, in the
+ * order the images / videos appear in the batch (row 0 first, left to right).  With merge
+ * size m an image or video covers an LLM grid (t, h/m, w/m), i.e. t*(h/m)*(w/m)
+ * placeholder tokens.  Qwen3-VL splits each video grid (t, h, w) into t frame grids
+ * (1, h, w): every frame has its own vision-start token and placeholder run.
+ *
+ * Per batch row, over the tokens kept by the mask (attention_mask == 1; all tokens when
+ * there is no mask), with next = 0:
+ *   - a vision item starts at a placeholder token (image_token_id or video_token_id) whose
+ *     preceding kept token is vision_start_token_id; it takes the next unused grid of its
+ *     kind and covers n = t*(h/m)*(w/m) tokens, which must all be that placeholder;
+ *   - a text token (anything else, vision-start/-end included) gets next on all three
+ *     rows, then next += 1;
+ *   - the k-th token of an item, k = (ti*(h/m) + hi)*(w/m) + wi, gets
+ *         T = next + tidx(ti),  H = next + hi,  W = next + wi,
+ *     and after the item next += max(tidx(t-1), h/m - 1, w/m - 1) + 1;
+ *   - masked slots get 1 on all rows;  deltas[b] = next - L  (L is the padded length:
+ *     next is the largest position of the row plus one; a row with no kept token has
+ *     next = 0, where transformers raises).
+ * Temporal index tidx:
+ *   QWEN2_VL    images and videos: tidx(ti) = ti
+ *   QWEN2_5_VL  images: 0;  videos: trunc(ti * s * tokens_per_second) computed in double
+ *               as (ti * s) * tokens_per_second, s = second_per_grid_ts[video] (1.0 when
+ *               second_per_grid_ts is NULL).  Integral s matches transformers 4.57, which
+ *               casts s to an integer first; fractional s (fps > 2) keeps its fraction.
+ *   QWEN3_VL    images: ti;  video frames: t = 1, so 0 (time is in the timestamp text).
+ *
+ * Without grids (has_grids == 0: both grid lists absent, transformers' other branch),
+ * every row gets text positions: with a mask cumsum(mask) - 1 on kept tokens and 1 on
+ * masked slots, deltas[b] = max(row, masked slots included) + 1 - L; without a mask
+ * 0..L-1 and deltas 0.  A row that contains a vision item is then an error (PE_POS_NO_GRIDS).
+ *
+ * Example 1 (Qwen2-VL, m = 2; ids x, VS, I, I, I, I, VE, y; image grid (1, 4, 4)):
+ *      index  0 1 2 3 4 5 6 7
+ *      T      0 1 2 2 2 2 4 5
+ *      H      0 1 2 2 3 3 4 5
+ *      W      0 1 2 3 2 3 4 5        deltas = 6 - 8 = -2
+ * Example 2 (Qwen2.5-VL, video grid (3, 4, 4), s = 2.0, tokens_per_second = 2;
+ *   ids x, VS, V x12, VE, y):  T = 0 1 | 2 2 2 2 6 6 6 6 10 10 10 10 | 11 12,
+ *   H = 0 1 | 2 2 3 3 (x3) | 11 12,  W = 0 1 | 2 3 2 3 (x3) | 11 12,  deltas = 13 - 16 = -3.
+ * Example 3 (Qwen3-VL, video grid (2, 4, 4), three timestamp tokens before each frame;
+ *   ids a b c VS V V V V VE d e f VS V V V V VE):
+ *      T  0 1 2 3 | 4 4 4 4 | 6 7 8 9 10 | 11 11 11 11 | 13
+ *      H  0 1 2 3 | 4 4 5 5 | 6 7 8 9 10 | 11 11 12 12 | 13
+ *      W  0 1 2 3 | 4 5 4 5 | 6 7 8 9 10 | 11 12 11 12 | 13     deltas = 14 - 18 = -4
+ * Example 4 (left padding, mask 0 0 1 1 1 1 1 1 1 1 on ids p p x VS I I I I VE y, grid
+ *   (1, 4, 4)): T = 1 1 | 0 1 2 2 2 2 4 5 (H, W likewise), deltas = 6 - 10 = -4.
+ *
+ * Everything that makes the grids disagree with the tokens is PE_ERR_GRID, never a silent
+ * misplacement: a grid value <= 0 or h, w not divisible by m; more or fewer vision items
+ * in the batch than grids (Qwen3-VL: than frames); an item whose run of placeholders is
+ * shorter than its n tokens (the row or run ends early); a placeholder token outside every
+ * item (a run longer than its grid, or no vision-start before it); second_per_grid_ts
+ * negative, not finite, or giving a temporal index of 2^31 or more.  Arguments out of
+ * range (sizes, merge size < 1, token ids negative or equal, a mask value other than 0 or
+ * 1, tokens_per_second negative or not finite) are PE_ERR_ARG.  err (may be NULL)
+ * receives what went wrong: mask values, then grid values, then the grid count, then the
+ * problem of the lowest batch row (the first in that row).
+ * ------------------------------------------------------------------------------------- */
+typedef enum pe_mrope_model {
+    PE_MROPE_QWEN2_VL = 0,
+    PE_MROPE_QWEN2_5_VL = 1,
+    PE_MROPE_QWEN3_VL = 2,
+} pe_mrope_model;
+
+typedef enum pe_pos_problem {
+    PE_POS_NONE = 0,
+    PE_POS_BAD_ARG,      /* sizes, ids, merge size, tokens_per_second (status PE_ERR_ARG) */
+    PE_POS_BAD_MASK,     /* attention_mask[row, token] is neither 0 nor 1 (PE_ERR_ARG) */
+    PE_POS_BAD_GRID,     /* grid row `grid` has a value <= 0, or h or w % m != 0 */
+    PE_POS_BAD_SECONDS,  /* second_per_grid_ts[grid] is negative, not finite or too large */
+    PE_POS_GRID_COUNT,   /* `found` vision items in the batch, `expected` grids (or frames) */
+    PE_POS_NO_GRIDS,     /* a vision item at (row, token) but no grids were given */
+    PE_POS_SHORT_RUN,    /* item at (row, token) of grid `grid` needs `expected` placeholder
+                            tokens, the run has `found` */
+    PE_POS_STRAY_TOKEN,  /* placeholder token at (row, token) belongs to no item */
+} pe_pos_problem;
+
+typedef struct pe_pos_error {
+    pe_pos_problem problem;
+    int video;          /* 1: the grid / item is a video (video_grid_thw), 0: an image */
+    int64_t grid;       /* row of image_grid_thw or video_grid_thw, or -1 */
+    int64_t frame;      /* Qwen3-VL: frame of that video, else -1 */
+    int64_t row, token; /* batch row and token index (padded), or -1 */
+    int64_t expected, found;
+} pe_pos_error;
+
+typedef struct pe_mrope_args {
+    int64_t batch, seq;                /* B, L */
+    const int64_t *input_ids;          /* (B, L), unit stride along L */
+    int64_t ids_row_stride;
+    const int64_t *attention_mask;     /* (B, L) of 0/1, unit stride along L; NULL: all 1 */
+    int64_t mask_row_stride;
+    int has_grids;                     /* 0: no grid lists at all (see above) */
+    const int64_t *image_grid_thw;     /* (n_images, 3) contiguous; NULL when n_images = 0 */
+    int64_t n_images;
+    const int64_t *video_grid_thw;     /* (n_videos, 3) contiguous; NULL when n_videos = 0 */
+    int64_t n_videos;
+    const double *second_per_grid_ts;  /* n_videos values or NULL; QWEN2_5_VL only */
+    pe_mrope_model model;
+    int64_t image_token_id, video_token_id, vision_start_token_id;
+    int64_t spatial_merge_size;        /* m >= 1 */
+    double tokens_per_second;          /* QWEN2_5_VL only */
+    int nthreads;
+} pe_mrope_args;
+
+/* position_ids: (3, B, L) dense int64; deltas: (B,) int64.  Rows are independent; batches
+ * of 2^18 tokens or more run them on up to nthreads threads (the grids of a row start
+ * after those used by earlier rows, found by a first counting pass).  PE_OK, PE_ERR_ARG,
+ * PE_ERR_GRID or PE_ERR_NOMEM. */
+int pe_mrope_position_ids(const pe_mrope_args *a, int64_t *position_ids, int64_t *deltas,
+                          pe_pos_error *err);
+
+/*
+ * Vision tower rotary positions (Qwen2-VL / Qwen2.5-VL / Qwen3-VL ViT): for grids
+ * (n_grids, 3) of (t, h, w) patches and merge size m, one (row, col) pair per patch, in
+ * merge-window order: grid by grid; within a grid t repeats of one frame; within a frame
+ * the (h/m) x (w/m) windows row-major, and within a window its m x m patches row-major.
+ *   grid (1, 4, 4), m = 2:  (0,0) (0,1) (1,0) (1,1) | (0,2) (0,3) (1,2) (1,3) |
+ *                           (2,0) (2,1) (3,0) (3,1) | (2,2) (2,3) (3,2) (3,3)
+ *   grid (2, 2, 4), m = 2:  (0,0) (0,1) (1,0) (1,1) (0,2) (0,3) (1,2) (1,3), twice.
+ * pe_vision_position_count gives the number of patches, sum of t*h*w; grid values must be
+ * positive with h and w divisible by m (else PE_ERR_GRID, PE_POS_BAD_GRID in err).
+ * pe_vision_position_ids writes out (total, 2) dense int64; total must be that count
+ * (grids are split over threads from 2^18 patches on).
+ */
+int pe_vision_position_count(int64_t n_grids, const int64_t *grid_thw, int64_t spatial_merge_size,
+                             int64_t *total, pe_pos_error *err);
+int pe_vision_position_ids(int64_t n_grids, const int64_t *grid_thw, int64_t spatial_merge_size,
+                           int64_t total, int64_t *out, int nthreads, pe_pos_error *err);
+
+/* ---------------------------------------------------------------------------------------
  * Runtime CPU dispatch
  * ------------------------------------------------------------------------------------- */
 typedef enum pe_isa {

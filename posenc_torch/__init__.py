@@ -9,6 +9,11 @@ import torch  # noqa: F401  (maps libtorch before the extension is loaded)
 
 from . import _C  # noqa: F401  (registers torch.ops.posenc)
 from . import ops  # noqa: F401  (fake kernels and autograd formulas)
+from .positions import (
+    compute_mrope_decode_position_ids,
+    compute_mrope_position_ids,
+    vision_rotary_position_ids,
+)
 from .rope import (
     apply_multimodal_rotary_pos_emb,
     apply_rope,
@@ -25,6 +30,9 @@ __all__ = [
     "apply_rotary_pos_emb_vision",
     "apply_rope",
     "compute_mrope_cos_sin",
+    "compute_mrope_position_ids",
+    "compute_mrope_decode_position_ids",
+    "vision_rotary_position_ids",
     "kernel_isa",
     "set_kernel_isa",
 ]

@@ -118,3 +118,23 @@ def _rope_fused_backward(ctx, grad_q, grad_k):
 
 torch.library.register_autograd("posenc::rope_fused", _rope_fused_backward,
                                 setup_context=_rope_fused_setup_context)
+
+
+# ---------------------------------------------------------------------------------------
+# Position ids (integer outputs, not differentiable).
+
+
+@torch.library.register_fake("posenc::mrope_position_ids")
+def _mrope_position_ids_fake(input_ids, image_grid_thw, video_grid_thw, attention_mask,
+                             second_per_grid_ts, model, image_token_id, video_token_id,
+                             vision_start_token_id, spatial_merge_size, tokens_per_second):
+    batch, seq = input_ids.shape
+    return (input_ids.new_empty((3, batch, seq), dtype=torch.int64),
+            input_ids.new_empty((batch, 1), dtype=torch.int64))
+
+
+@torch.library.register_fake("posenc::vision_position_ids")
+def _vision_position_ids_fake(grid_thw, spatial_merge_size):
+    # The patch count sum(t * h * w) depends on the values of grid_thw.
+    n = torch.library.get_ctx().new_dynamic_size()
+    return grid_thw.new_empty((n, 2), dtype=torch.int64)

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -314,6 +315,206 @@ TensorPair rope_tables_cpu(const Tensor& position_ids, const Tensor& inv_freq,
     return {cos, sin};
 }
 
+// ---- Position ids: MRoPE ids (get_rope_index) and vision-tower patch ids.  Integer
+// tensors in, int64 out; not differentiable.
+
+const char* const kModelNames[] = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"};
+
+void check_integer(const Tensor& t, const char* name) {
+    TORCH_CHECK_TYPE(at::isIntegralType(t.scalar_type(), /*includeBool=*/false), name,
+                     " must be an integer tensor (int64 or int32), got ", t.scalar_type());
+}
+
+// (n, 3) integer grids -> contiguous int64 (an undefined tensor stays undefined).
+Tensor grid_tensor(const std::optional<Tensor>& g, const char* name) {
+    if (!g.has_value()) return {};
+    const Tensor& t = *g;
+    check_cpu(t, name);
+    check_integer(t, name);
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(1) == 3, name,
+                      " must have shape (num_grids, 3) of (t, h, w) patch counts, got shape ",
+                      t.sizes());
+    return t.to(at::kLong).contiguous();
+}
+
+std::string grid_text(const Tensor& grids, int64_t i) {
+    if (!grids.defined() || i < 0 || i >= grids.size(0)) return "?";
+    const int64_t* g = grids.const_data_ptr<int64_t>() + 3 * i;
+    return "(" + std::to_string(g[0]) + ", " + std::to_string(g[1]) + ", " + std::to_string(g[2]) +
+           ")";
+}
+
+// Turns a pe_pos_error into a ValueError that names the argument at fault.
+[[noreturn]] void raise_position_error(const pe_pos_error& e, int rc, const Tensor& images,
+                                       const Tensor& videos, int64_t merge, int64_t model) {
+    const char* grid_name = e.video ? "video_grid_thw" : "image_grid_thw";
+    const char* token_name = e.video ? "video_token_id" : "image_token_id";
+    const char* kind = e.video ? "video" : "image";
+    const Tensor& grids = e.video ? videos : images;
+    const bool frames = e.video && model == PE_MROPE_QWEN3_VL;
+    const std::string where =
+        "input_ids[" + std::to_string(e.row) + ", " + std::to_string(e.token) + "]";
+    switch (e.problem) {
+    case PE_POS_BAD_MASK:
+        TORCH_CHECK_VALUE(false, "attention_mask[", e.row, ", ", e.token, "] is ", e.found,
+                          "; expected 0 or 1");
+    case PE_POS_BAD_GRID:
+        TORCH_CHECK_VALUE(false, grid_name, "[", e.grid, "] = ", grid_text(grids, e.grid),
+                          " is not a valid patch grid: t, h, w must be positive and h, w "
+                          "divisible by spatial_merge_size = ", merge,
+                          " (grids count patches before merging)");
+    case PE_POS_BAD_SECONDS:
+        TORCH_CHECK_VALUE(false, "second_per_grid_ts[", e.grid, "] (video_grid_thw[", e.grid,
+                          "] = ", grid_text(videos, e.grid),
+                          ") must be finite and >= 0, and (t - 1) * second_per_grid_ts * "
+                          "tokens_per_second must stay below 2^31");
+    case PE_POS_GRID_COUNT:
+        TORCH_CHECK_VALUE(false, grid_name, frames ? " describes " : " has ", e.expected,
+                          frames ? " frames (Qwen3-VL: the sum of t over its rows; every frame "
+                                   "is its own vision_start + video tokens run)"
+                                 : " rows",
+                          ", but input_ids has ", e.found, " ", kind,
+                          frames ? " frame runs" : "s",
+                          " (", e.video ? "a " : "an ", token_name,
+                          " right after a vision_start_token_id, counted over "
+                          "the unmasked tokens of all rows)");
+    case PE_POS_NO_GRIDS:
+        TORCH_CHECK_VALUE(false, where, " starts ", e.video ? "a video" : "an image",
+                          " (", token_name, " after vision_start_token_id), but image_grid_thw "
+                          "and video_grid_thw are both None");
+    case PE_POS_SHORT_RUN:
+        TORCH_CHECK_VALUE(false, grid_name, "[", e.grid, "] = ", grid_text(grids, e.grid),
+                          frames ? " (frame " + std::to_string(e.frame) + ")" : std::string(),
+                          " needs ", e.expected, " ", token_name, " tokens (",
+                          frames ? "h * w" : "t * h * w", " / spatial_merge_size^2 with "
+                          "spatial_merge_size = ", merge, "), but the run that starts at ", where,
+                          " has ", e.found);
+    case PE_POS_STRAY_TOKEN:
+        TORCH_CHECK_VALUE(false, where, " is ", token_name, " but belongs to no ", kind,
+                          ": every ", kind, " must be one run of exactly t * h * w / "
+                          "spatial_merge_size^2 placeholder tokens right after a "
+                          "vision_start_token_id (the run is longer than its ", grid_name,
+                          " row, or has no vision start)");
+    default:
+        check_status(rc, "posenc::mrope_position_ids");
+        TORCH_CHECK(false, "posenc::mrope_position_ids: invalid arguments");
+    }
+}
+
+std::tuple<Tensor, Tensor> mrope_position_ids_cpu(
+    const Tensor& input_ids_in, const std::optional<Tensor>& image_grid_thw,
+    const std::optional<Tensor>& video_grid_thw, const std::optional<Tensor>& attention_mask,
+    const std::optional<Tensor>& second_per_grid_ts, int64_t model, int64_t image_token_id,
+    int64_t video_token_id, int64_t vision_start_token_id, int64_t spatial_merge_size,
+    double tokens_per_second) {
+    check_cpu(input_ids_in, "input_ids");
+    check_integer(input_ids_in, "input_ids");
+    TORCH_CHECK_VALUE(input_ids_in.dim() == 2, "input_ids must be 2-D (batch, seq), got shape ",
+                      input_ids_in.sizes());
+    TORCH_CHECK_VALUE(model >= 0 && model <= 2,
+                      "model must be 0 (qwen2_vl), 1 (qwen2_5_vl) or 2 (qwen3_vl), got ", model);
+    TORCH_CHECK_VALUE(spatial_merge_size >= 1, "spatial_merge_size must be >= 1, got ",
+                      spatial_merge_size);
+    TORCH_CHECK_VALUE(image_token_id >= 0 && video_token_id >= 0 && vision_start_token_id >= 0,
+                      "image_token_id, video_token_id and vision_start_token_id must be "
+                      "non-negative, got ", image_token_id, ", ", video_token_id, ", ",
+                      vision_start_token_id);
+    TORCH_CHECK_VALUE(image_token_id != video_token_id && image_token_id != vision_start_token_id &&
+                          video_token_id != vision_start_token_id,
+                      "image_token_id, video_token_id and vision_start_token_id must be distinct, "
+                      "got ", image_token_id, ", ", video_token_id, ", ", vision_start_token_id);
+    TORCH_CHECK_VALUE(model != PE_MROPE_QWEN2_5_VL ||
+                          (std::isfinite(tokens_per_second) && tokens_per_second >= 0),
+                      "tokens_per_second must be finite and >= 0, got ", tokens_per_second);
+    const int64_t B = input_ids_in.size(0), L = input_ids_in.size(1);
+    Tensor input_ids = input_ids_in.to(at::kLong);
+    if (L > 1 && input_ids.stride(1) != 1) input_ids = input_ids.contiguous();
+
+    Tensor mask;
+    if (attention_mask.has_value()) {
+        const Tensor& m = *attention_mask;
+        check_cpu(m, "attention_mask");
+        TORCH_CHECK_VALUE(m.sizes() == input_ids_in.sizes(), "attention_mask shape ", m.sizes(),
+                          " must equal input_ids shape ", input_ids_in.sizes());
+        TORCH_CHECK_TYPE(!m.is_complex(), "attention_mask must be bool, integer or floating, got ",
+                         m.scalar_type());
+        if (m.is_floating_point())  // the int64 conversion would hide 0.5 or NaN
+            TORCH_CHECK_VALUE(m.eq(0).logical_or(m.eq(1)).all().item<bool>(),
+                              "attention_mask must hold only 0 and 1");
+        mask = m.to(at::kLong);
+        if (L > 1 && mask.stride(1) != 1) mask = mask.contiguous();
+    }
+    const Tensor images = grid_tensor(image_grid_thw, "image_grid_thw");
+    const Tensor videos = grid_tensor(video_grid_thw, "video_grid_thw");
+    const int64_t n_videos = videos.defined() ? videos.size(0) : 0;
+    Tensor seconds;
+    if (second_per_grid_ts.has_value()) {
+        const Tensor& s = *second_per_grid_ts;
+        TORCH_CHECK_VALUE(model == PE_MROPE_QWEN2_5_VL,
+                          "second_per_grid_ts is only used by qwen2_5_vl, got model ",
+                          kModelNames[model]);
+        check_cpu(s, "second_per_grid_ts");
+        TORCH_CHECK_TYPE(s.is_floating_point() || at::isIntegralType(s.scalar_type(), false),
+                         "second_per_grid_ts must be a real tensor, got ", s.scalar_type());
+        TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == n_videos,
+                          "second_per_grid_ts must have shape (num_videos,) = (", n_videos,
+                          ",) to match video_grid_thw, got shape ", s.sizes());
+        seconds = s.to(at::kDouble).contiguous();
+    }
+
+    pe_mrope_args a{};
+    a.batch = B;
+    a.seq = L;
+    a.input_ids = input_ids.const_data_ptr<int64_t>();
+    a.ids_row_stride = input_ids.stride(0);
+    a.attention_mask = mask.defined() ? mask.const_data_ptr<int64_t>() : nullptr;
+    a.mask_row_stride = mask.defined() ? mask.stride(0) : 0;
+    a.has_grids = images.defined() || videos.defined();
+    a.image_grid_thw = images.defined() ? images.const_data_ptr<int64_t>() : nullptr;
+    a.n_images = images.defined() ? images.size(0) : 0;
+    a.video_grid_thw = videos.defined() ? videos.const_data_ptr<int64_t>() : nullptr;
+    a.n_videos = n_videos;
+    a.second_per_grid_ts = seconds.defined() ? seconds.const_data_ptr<double>() : nullptr;
+    a.model = static_cast<pe_mrope_model>(model);
+    a.image_token_id = image_token_id;
+    a.video_token_id = video_token_id;
+    a.vision_start_token_id = vision_start_token_id;
+    a.spatial_merge_size = spatial_merge_size;
+    a.tokens_per_second = tokens_per_second;
+    a.nthreads = num_threads();
+
+    auto opts = at::TensorOptions().dtype(at::kLong);
+    Tensor pos = at::empty({3, B, L}, opts);
+    Tensor deltas = at::empty({B, 1}, opts);
+    pe_pos_error err{};
+    const int rc = pe_mrope_position_ids(&a, pos.mutable_data_ptr<int64_t>(),
+                                         deltas.mutable_data_ptr<int64_t>(), &err);
+    if (rc != PE_OK) raise_position_error(err, rc, images, videos, spatial_merge_size, model);
+    return {pos, deltas};
+}
+
+Tensor vision_position_ids_cpu(const Tensor& grid_thw, int64_t spatial_merge_size) {
+    TORCH_CHECK_VALUE(spatial_merge_size >= 1, "spatial_merge_size must be >= 1, got ",
+                      spatial_merge_size);
+    const Tensor grids = grid_tensor(grid_thw, "grid_thw");
+    const int64_t n = grids.size(0);
+    const int64_t* g = grids.const_data_ptr<int64_t>();
+    pe_pos_error err{};
+    int64_t total = 0;
+    int rc = pe_vision_position_count(n, g, spatial_merge_size, &total, &err);
+    if (rc == PE_ERR_GRID)
+        TORCH_CHECK_VALUE(false, "grid_thw[", err.grid, "] = ", grid_text(grids, err.grid),
+                          " is not a valid patch grid: t, h, w must be positive, h and w "
+                          "divisible by spatial_merge_size = ", spatial_merge_size,
+                          ", and the patch count must fit in int64");
+    check_status(rc, "posenc::vision_position_ids");
+    Tensor out = at::empty({total, 2}, at::TensorOptions().dtype(at::kLong));
+    rc = pe_vision_position_ids(n, g, spatial_merge_size, total, out.mutable_data_ptr<int64_t>(),
+                                num_threads(), &err);
+    check_status(rc, "posenc::vision_position_ids");
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(posenc, m) {
@@ -326,6 +527,11 @@ TORCH_LIBRARY(posenc, m) {
           "bool interleaved, float attention_scaling, int pairing, bool transpose) -> (Tensor, Tensor)");
     m.def("rope_tables(Tensor position_ids, Tensor inv_freq, int[] mrope_section, bool interleaved, "
           "float attention_scaling, int pairing, ScalarType dtype) -> (Tensor, Tensor)");
+    m.def("mrope_position_ids(Tensor input_ids, Tensor? image_grid_thw, Tensor? video_grid_thw, "
+          "Tensor? attention_mask, Tensor? second_per_grid_ts, int model, int image_token_id, "
+          "int video_token_id, int vision_start_token_id, int spatial_merge_size, "
+          "float tokens_per_second) -> (Tensor, Tensor)");
+    m.def("vision_position_ids(Tensor grid_thw, int spatial_merge_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
@@ -333,6 +539,8 @@ TORCH_LIBRARY_IMPL(posenc, CPU, m) {
     m.impl("rope_table_grad", &rope_table_grad_cpu);
     m.impl("rope_fused", &rope_fused_cpu);
     m.impl("rope_tables", &rope_tables_cpu);
+    m.impl("mrope_position_ids", &mrope_position_ids_cpu);
+    m.impl("vision_position_ids", &vision_position_ids_cpu);
 }
 
 // ---- posenc_torch._C: the module object, plus the SIMD-variant switch used by the tests.

@@ -1,0 +1,677 @@
+/*
+ * Torch-free tests of the position-id kernels: the worked examples of the specification in
+ * posenc.h, random batches against a literal re-implementation of the token walk (search
+ * for the next placeholder from a cursor, as transformers 4.57 does), threaded against
+ * serial, and every kind of bad grid.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "posenc.h"
+
+static int failures = 0;
+static unsigned rng_state = 4242u;
+
+#define CHECK(cond, ...)                                                   \
+    do {                                                                   \
+        if (!(cond)) {                                                     \
+            ++failures;                                                    \
+            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);           \
+            fprintf(stderr, __VA_ARGS__);                                  \
+            fprintf(stderr, "\n");                                         \
+        }                                                                  \
+    } while (0)
+
+enum { VS = 151652, VE = 151653, IMG = 151655, VID = 151656, PAD = 151643 };
+
+static unsigned rnd(unsigned n) {
+    rng_state = rng_state * 1664525u + 1013904223u;
+    return (rng_state >> 8) % n;
+}
+
+static pe_mrope_args base_args(pe_mrope_model model, int64_t B, int64_t L, const int64_t *ids) {
+    pe_mrope_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = B;
+    a.seq = L;
+    a.input_ids = ids;
+    a.ids_row_stride = L;
+    a.mask_row_stride = L;
+    a.has_grids = 1;
+    a.model = model;
+    a.image_token_id = IMG;
+    a.video_token_id = VID;
+    a.vision_start_token_id = VS;
+    a.spatial_merge_size = 2;
+    a.tokens_per_second = 2.0;
+    a.nthreads = 1;
+    return a;
+}
+
+static void expect_row(const char *what, const int64_t *got, const int64_t *want, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        if (got[i] != want[i]) {
+            CHECK(0, "%s: index %lld is %lld, expected %lld", what, (long long)i,
+                  (long long)got[i], (long long)want[i]);
+            return;
+        }
+    }
+}
+
+/* ---- worked examples ------------------------------------------------------------------ */
+
+static void example_image(void) {
+    const int64_t ids[8] = {1, VS, IMG, IMG, IMG, IMG, VE, 2};
+    const int64_t grid[3] = {1, 4, 4};
+    const int64_t T[8] = {0, 1, 2, 2, 2, 2, 4, 5}, H[8] = {0, 1, 2, 2, 3, 3, 4, 5},
+                  W[8] = {0, 1, 2, 3, 2, 3, 4, 5};
+    for (int model = 0; model < 3; ++model) {
+        pe_mrope_args a = base_args((pe_mrope_model)model, 1, 8, ids);
+        a.image_grid_thw = grid;
+        a.n_images = 1;
+        int64_t pos[24], delta = 0;
+        pe_pos_error e;
+        CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_OK, "image example, model %d", model);
+        expect_row("image example T", pos, T, 8);
+        expect_row("image example H", pos + 8, H, 8);
+        expect_row("image example W", pos + 16, W, 8);
+        CHECK(delta == -2, "image example delta %lld", (long long)delta);
+    }
+    /* The same tokens without a vision start: no item, the placeholders are stray. */
+    const int64_t ids2[8] = {1, 3, IMG, IMG, IMG, IMG, VE, 2};
+    pe_mrope_args a = base_args(PE_MROPE_QWEN2_VL, 1, 8, ids2);
+    a.image_grid_thw = grid;
+    a.n_images = 1;
+    int64_t pos[24], delta;
+    pe_pos_error e;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_ERR_GRID &&
+              e.problem == PE_POS_GRID_COUNT && e.found == 0 && e.expected == 1 && e.video == 0,
+          "placeholders without vision start: problem %d", e.problem);
+}
+
+static void example_left_padding(void) {
+    const int64_t ids[10] = {PAD, PAD, 1, VS, IMG, IMG, IMG, IMG, VE, 2};
+    const int64_t mask[10] = {0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+    const int64_t grid[3] = {1, 4, 4};
+    const int64_t T[10] = {1, 1, 0, 1, 2, 2, 2, 2, 4, 5}, H[10] = {1, 1, 0, 1, 2, 2, 3, 3, 4, 5},
+                  W[10] = {1, 1, 0, 1, 2, 3, 2, 3, 4, 5};
+    pe_mrope_args a = base_args(PE_MROPE_QWEN2_VL, 1, 10, ids);
+    a.attention_mask = mask;
+    a.image_grid_thw = grid;
+    a.n_images = 1;
+    int64_t pos[30], delta;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_OK, "left padding");
+    expect_row("left padding T", pos, T, 10);
+    expect_row("left padding H", pos + 10, H, 10);
+    expect_row("left padding W", pos + 20, W, 10);
+    CHECK(delta == -4, "left padding delta %lld", (long long)delta);
+}
+
+static void example_qwen25_video(void) {
+    int64_t ids[16] = {1, VS};
+    for (int i = 0; i < 12; ++i) ids[2 + i] = VID;
+    ids[14] = VE;
+    ids[15] = 2;
+    const int64_t grid[3] = {3, 4, 4};
+    const double secs[1] = {2.0};
+    const int64_t T[16] = {0, 1, 2, 2, 2, 2, 6, 6, 6, 6, 10, 10, 10, 10, 11, 12};
+    const int64_t H[16] = {0, 1, 2, 2, 3, 3, 2, 2, 3, 3, 2, 2, 3, 3, 11, 12};
+    const int64_t W[16] = {0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 11, 12};
+    pe_mrope_args a = base_args(PE_MROPE_QWEN2_5_VL, 1, 16, ids);
+    a.video_grid_thw = grid;
+    a.n_videos = 1;
+    a.second_per_grid_ts = secs;
+    int64_t pos[48], delta;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_OK, "qwen2.5 video");
+    expect_row("qwen2.5 video T", pos, T, 16);
+    expect_row("qwen2.5 video H", pos + 16, H, 16);
+    expect_row("qwen2.5 video W", pos + 32, W, 16);
+    CHECK(delta == -3, "qwen2.5 video delta %lld", (long long)delta);
+
+    /* 0.5 s per grid (4 fps): the fraction is kept, steps trunc(k * 0.5 * 2) = k. */
+    const double half[1] = {0.5};
+    a.second_per_grid_ts = half;
+    const int64_t T2[16] = {0, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 6};
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_OK, "qwen2.5 video 0.5 s");
+    expect_row("qwen2.5 video 0.5 s T", pos, T2, 16);
+    CHECK(delta == -9, "qwen2.5 video 0.5 s delta %lld", (long long)delta);
+    /* 0.25 s per grid: steps trunc(0.5 k) = 0, 0, 1; the row continues after max(1, 1, 1). */
+    const double quarter[1] = {0.25};
+    a.second_per_grid_ts = quarter;
+    const int64_t T3[16] = {0, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 4, 5};
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_OK, "qwen2.5 video 0.25 s");
+    expect_row("qwen2.5 video 0.25 s T", pos, T3, 16);
+    /* No second_per_grid_ts: 1 s per grid. */
+    a.second_per_grid_ts = NULL;
+    const int64_t T4[16] = {0, 1, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6, 7, 8};
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_OK, "qwen2.5 video 1 s");
+    expect_row("qwen2.5 video 1 s T", pos, T4, 16);
+    /* Qwen2-VL: the plain frame index. */
+    a.model = PE_MROPE_QWEN2_VL;
+    const int64_t T5[16] = {0, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 6};
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_OK, "qwen2 video");
+    expect_row("qwen2 video T", pos, T5, 16);
+}
+
+static void example_qwen3_frames(void) {
+    const int64_t ids[18] = {11, 12, 13, VS, VID, VID, VID, VID, VE,
+                             14, 15, 16, VS, VID, VID, VID, VID, VE};
+    const int64_t grid[3] = {2, 4, 4};
+    const int64_t T[18] = {0, 1, 2, 3, 4, 4, 4, 4, 6, 7, 8, 9, 10, 11, 11, 11, 11, 13};
+    const int64_t H[18] = {0, 1, 2, 3, 4, 4, 5, 5, 6, 7, 8, 9, 10, 11, 11, 12, 12, 13};
+    const int64_t W[18] = {0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 8, 9, 10, 11, 12, 11, 12, 13};
+    pe_mrope_args a = base_args(PE_MROPE_QWEN3_VL, 1, 18, ids);
+    a.video_grid_thw = grid;
+    a.n_videos = 1;
+    int64_t pos[54], delta;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_OK, "qwen3 frames");
+    expect_row("qwen3 frames T", pos, T, 18);
+    expect_row("qwen3 frames H", pos + 18, H, 18);
+    expect_row("qwen3 frames W", pos + 36, W, 18);
+    CHECK(delta == -4, "qwen3 frames delta %lld", (long long)delta);
+    /* Qwen2-VL reads the same grid as one video of 2 frames: 8 tokens in one run. */
+    a.model = PE_MROPE_QWEN2_VL;
+    pe_pos_error e;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_ERR_GRID &&
+              e.problem == PE_POS_GRID_COUNT && e.video == 1 && e.found == 2 && e.expected == 1,
+          "qwen2 reading per-frame runs: problem %d", e.problem);
+}
+
+static void example_no_grids(void) {
+    const int64_t ids[2 * 5] = {PAD, PAD, 1, 2, 3, 1, 2, 3, 4, 5};
+    const int64_t mask[2 * 5] = {0, 0, 1, 1, 1, 1, 1, 1, 1, 0};
+    pe_mrope_args a = base_args(PE_MROPE_QWEN2_VL, 2, 5, ids);
+    a.has_grids = 0;
+    int64_t pos[30], delta[2];
+    CHECK(pe_mrope_position_ids(&a, pos, delta, NULL) == PE_OK, "no grids, no mask");
+    const int64_t ar[10] = {0, 1, 2, 3, 4, 0, 1, 2, 3, 4};
+    for (int r = 0; r < 3; ++r) expect_row("arange", pos + 10 * r, ar, 10);
+    CHECK(delta[0] == 0 && delta[1] == 0, "no mask deltas");
+    a.attention_mask = mask;
+    CHECK(pe_mrope_position_ids(&a, pos, delta, NULL) == PE_OK, "no grids, mask");
+    const int64_t cs[10] = {1, 1, 0, 1, 2, 0, 1, 2, 3, 1};
+    for (int r = 0; r < 3; ++r) expect_row("cumsum", pos + 10 * r, cs, 10);
+    CHECK(delta[0] == -2 && delta[1] == -1, "mask deltas %lld %lld", (long long)delta[0],
+          (long long)delta[1]);
+    /* One kept token: the padded slots' 1 is the row maximum (transformers' formula). */
+    const int64_t mask1[10] = {0, 0, 0, 0, 1, 0, 0, 0, 0, 0};
+    a.attention_mask = mask1;
+    CHECK(pe_mrope_position_ids(&a, pos, delta, NULL) == PE_OK, "no grids, sparse mask");
+    CHECK(delta[0] == -3 && delta[1] == -3, "sparse mask deltas %lld %lld",
+          (long long)delta[0], (long long)delta[1]);
+    /* With grids given (empty lists) the same rows walk: delta from kept tokens only. */
+    a.has_grids = 1;
+    CHECK(pe_mrope_position_ids(&a, pos, delta, NULL) == PE_OK, "empty grids, sparse mask");
+    CHECK(delta[0] == -4 && delta[1] == -5, "walk deltas %lld %lld", (long long)delta[0],
+          (long long)delta[1]);
+    CHECK(pos[4] == 0 && pos[0] == 1 && pos[5] == 1, "walk positions");
+    /* Empty batches need no buffers. */
+    pe_mrope_args none = base_args(PE_MROPE_QWEN2_VL, 0, 5, NULL);
+    CHECK(pe_mrope_position_ids(&none, NULL, NULL, NULL) == PE_OK, "empty batch");
+    none = base_args(PE_MROPE_QWEN2_VL, 2, 0, NULL);
+    CHECK(pe_mrope_position_ids(&none, NULL, delta, NULL) == PE_OK && delta[0] == 0 &&
+              delta[1] == 0, "empty rows");
+    /* A vision item without grids is an error. */
+    const int64_t ids3[4] = {1, VS, IMG, VE};
+    pe_mrope_args b = base_args(PE_MROPE_QWEN3_VL, 1, 4, ids3);
+    b.has_grids = 0;
+    pe_pos_error e;
+    CHECK(pe_mrope_position_ids(&b, pos, delta, &e) == PE_ERR_GRID && e.problem == PE_POS_NO_GRIDS &&
+              e.row == 0 && e.token == 2,
+          "vision item without grids: problem %d", e.problem);
+}
+
+/* ---- reference: the walk as transformers writes it ------------------------------------ */
+
+static int64_t find_from(const int64_t *t, int64_t n, int64_t what, int64_t st) {
+    for (int64_t i = st; i < n; ++i)
+        if (t[i] == what) return i;
+    return -1;
+}
+
+/* Valid inputs only; grids already split per frame for Qwen3-VL by the caller. */
+static void reference(const pe_mrope_args *a, const int64_t *vgrid, const double *secs,
+                      int64_t *pos, int64_t *deltas) {
+    const int64_t B = a->batch, L = a->seq, m = a->spatial_merge_size;
+    int64_t image_index = 0, video_index = 0;
+    int64_t *tok = malloc(sizeof(int64_t) * (size_t)(L + 1));
+    int64_t *where = malloc(sizeof(int64_t) * (size_t)(L + 1));
+    int64_t *lp = malloc(sizeof(int64_t) * (size_t)(3 * (L + 1)));
+    for (int64_t b = 0; b < B; ++b) {
+        int64_t n = 0;
+        for (int64_t j = 0; j < L; ++j) {
+            if (!a->attention_mask || a->attention_mask[b * L + j] == 1) {
+                tok[n] = a->input_ids[b * L + j];
+                where[n++] = j;
+            }
+            for (int r = 0; r < 3; ++r) pos[(r * B + b) * L + j] = 1;
+        }
+        int64_t nimg = 0, nvid = 0;
+        for (int64_t i = 0; i + 1 < n; ++i)
+            if (tok[i] == VS) nimg += tok[i + 1] == IMG, nvid += tok[i + 1] == VID;
+        int64_t st = 0, cnt = 0, last_max = -1;
+        const int64_t items = nimg + nvid; /* nimg, nvid count down: the remaining ones */
+        for (int64_t k = 0; k < items; ++k) {
+            int64_t ei = nimg > 0 ? find_from(tok, n, IMG, st) : n + 1;
+            int64_t ev = nvid > 0 ? find_from(tok, n, VID, st) : n + 1;
+            int64_t t, h, w, ed;
+            double step;
+            if (ei < ev) {
+                const int64_t *g = a->image_grid_thw + 3 * image_index++;
+                t = g[0], h = g[1] / m, w = g[2] / m, ed = ei, --nimg;
+                step = a->model == PE_MROPE_QWEN2_5_VL ? 0.0 : 1.0;
+            } else {
+                const int64_t *g = vgrid + 3 * video_index;
+                t = g[0], h = g[1] / m, w = g[2] / m, ed = ev, --nvid;
+                step = a->model == PE_MROPE_QWEN2_5_VL
+                           ? (secs ? secs[video_index] : 1.0) * a->tokens_per_second : 1.0;
+                ++video_index;
+            }
+            const int64_t st_idx = last_max + 1;
+            for (int64_t i = 0; i < ed - st; ++i)
+                for (int r = 0; r < 3; ++r) lp[3 * (cnt + i) + r] = st_idx + i;
+            cnt += ed - st;
+            const int64_t off = st_idx + ed - st;
+            last_max = -1;
+            for (int64_t ti = 0; ti < t; ++ti)
+                for (int64_t hi = 0; hi < h; ++hi)
+                    for (int64_t wi = 0; wi < w; ++wi) {
+                        const int64_t tv = a->model == PE_MROPE_QWEN2_5_VL
+                                               ? (int64_t)((double)ti * step) : ti;
+                        lp[3 * cnt] = off + tv;
+                        lp[3 * cnt + 1] = off + hi;
+                        lp[3 * cnt + 2] = off + wi;
+                        for (int r = 0; r < 3; ++r)
+                            if (lp[3 * cnt + r] > last_max) last_max = lp[3 * cnt + r];
+                        ++cnt;
+                    }
+            st = ed + t * h * w;
+        }
+        if (st < n) {
+            const int64_t st_idx = last_max + 1;
+            for (int64_t i = 0; i < n - st; ++i) {
+                for (int r = 0; r < 3; ++r) lp[3 * cnt + r] = st_idx + i;
+                ++cnt;
+            }
+            last_max = st_idx + n - st - 1;
+        }
+        for (int64_t i = 0; i < n; ++i)
+            for (int r = 0; r < 3; ++r) pos[(r * B + b) * L + where[i]] = lp[3 * i + r];
+        deltas[b] = last_max + 1 - L;
+    }
+    free(tok);
+    free(where);
+    free(lp);
+}
+
+typedef struct batch {
+    int64_t B, L;
+    int64_t *ids, *mask;
+    int64_t igrid[3 * 4096], vgrid[3 * 4096], vframes[3 * 16384];
+    double secs[4096];
+    int64_t ni, nv, nframes;
+} batch;
+
+/* Appends to row b at *len (capacity L): text, then an item of the given LLM grid. */
+static void put(batch *bt, int64_t b, int64_t *len, int64_t v) {
+    if (*len < bt->L) bt->ids[b * bt->L + (*len)++] = v;
+}
+
+static int64_t item_len(int64_t t, int64_t h, int64_t w, int64_t m) { return t * (h / m) * (w / m); }
+
+static void random_batch(batch *bt, pe_mrope_model model, int64_t B, int64_t L, int padding) {
+    const int64_t m = 2;
+    bt->B = B;
+    bt->L = L;
+    bt->ni = bt->nv = bt->nframes = 0;
+    bt->ids = malloc(sizeof(int64_t) * (size_t)(B * L));
+    bt->mask = malloc(sizeof(int64_t) * (size_t)(B * L));
+    for (int64_t b = 0; b < B; ++b) {
+        int64_t len = 0;
+        const int64_t used = L - (padding ? (int64_t)rnd((unsigned)(L / 4 + 1)) : 0);
+        const int no_vision = rnd(5) == 0;
+        while (len < used) {
+            const int64_t text = 1 + rnd(6);
+            for (int64_t i = 0; i < text && len < used; ++i) put(bt, b, &len, 1000 + rnd(50));
+            if (no_vision || len >= used) continue;
+            const int video = rnd(2);
+            int64_t t = video ? 1 + rnd(4) : (rnd(6) == 0 ? 2 : 1);
+            const int64_t h = m * (1 + rnd(4)), w = m * (1 + rnd(4));
+            const int qwen3_video = video && model == PE_MROPE_QWEN3_VL;
+            const int64_t need = qwen3_video ? t * (item_len(1, h, w, m) + 4)
+                                             : item_len(t, h, w, m) + 2;
+            if (len + need > used || (video ? bt->nv : bt->ni) >= 4096) continue;
+            if (!video) {
+                int64_t *g = bt->igrid + 3 * bt->ni++;
+                g[0] = t, g[1] = h, g[2] = w;
+            } else {
+                int64_t *g = bt->vgrid + 3 * bt->nv;
+                g[0] = t, g[1] = h, g[2] = w;
+                bt->secs[bt->nv++] = (rnd(4) + 1) * 0.5;
+            }
+            for (int64_t f = 0; f < (qwen3_video ? t : 1); ++f) {
+                if (qwen3_video) {
+                    int64_t *g = bt->vframes + 3 * bt->nframes++;
+                    g[0] = 1, g[1] = h, g[2] = w;
+                    put(bt, b, &len, 2000 + f);
+                    put(bt, b, &len, 2001 + f);
+                }
+                put(bt, b, &len, VS);
+                const int64_t n = qwen3_video ? item_len(1, h, w, m) : item_len(t, h, w, m);
+                for (int64_t i = 0; i < n; ++i) put(bt, b, &len, video ? VID : IMG);
+                put(bt, b, &len, VE);
+            }
+        }
+        /* padding: left or right, by row parity */
+        const int64_t pad = L - len;
+        int64_t *row = bt->ids + b * bt->L, *mrow = bt->mask + b * bt->L;
+        if (b % 2 == 0 && pad > 0) {
+            memmove(row + pad, row, sizeof(int64_t) * (size_t)len);
+            for (int64_t j = 0; j < L; ++j) mrow[j] = j >= pad;
+            for (int64_t j = 0; j < pad; ++j) row[j] = PAD;
+        } else {
+            for (int64_t j = 0; j < L; ++j) mrow[j] = j < len;
+            for (int64_t j = len; j < L; ++j) row[j] = PAD;
+        }
+    }
+    if (model != PE_MROPE_QWEN3_VL) {
+        memcpy(bt->vframes, bt->vgrid, sizeof(int64_t) * (size_t)(3 * bt->nv));
+        bt->nframes = bt->nv;
+    }
+}
+
+static void random_case(pe_mrope_model model, int64_t B, int64_t L, int padding, int threads) {
+    batch *bt = malloc(sizeof *bt);
+    random_batch(bt, model, B, L, padding);
+    pe_mrope_args a = base_args(model, B, L, bt->ids);
+    a.attention_mask = padding ? bt->mask : NULL;
+    a.image_grid_thw = bt->igrid;
+    a.n_images = bt->ni;
+    a.video_grid_thw = bt->vgrid;
+    a.n_videos = bt->nv;
+    a.second_per_grid_ts = model == PE_MROPE_QWEN2_5_VL ? bt->secs : NULL;
+    a.nthreads = threads;
+    int64_t *pos = malloc(sizeof(int64_t) * (size_t)(3 * B * L));
+    int64_t *ref = malloc(sizeof(int64_t) * (size_t)(3 * B * L));
+    int64_t *d = malloc(sizeof(int64_t) * (size_t)B), *dref = malloc(sizeof(int64_t) * (size_t)B);
+    pe_pos_error e;
+    const int rc = pe_mrope_position_ids(&a, pos, d, &e);
+    CHECK(rc == PE_OK, "random model %d B %lld L %lld: status %d problem %d row %lld token %lld",
+          model, (long long)B, (long long)L, rc, e.problem, (long long)e.row, (long long)e.token);
+    if (rc == PE_OK) {
+        reference(&a, bt->vframes, a.second_per_grid_ts, ref, dref);
+        char what[96];
+        snprintf(what, sizeof what, "random model %d B %lld L %lld threads %d", model,
+                 (long long)B, (long long)L, threads);
+        expect_row(what, pos, ref, 3 * B * L);
+        expect_row(what, d, dref, B);
+    }
+    free(pos), free(ref), free(d), free(dref);
+    free(bt->ids), free(bt->mask), free(bt);
+}
+
+/* ---- bad grids ------------------------------------------------------------------------ */
+
+static int run_bad(pe_mrope_args *a, int64_t L, pe_pos_error *e) {
+    int64_t *pos = malloc(sizeof(int64_t) * (size_t)(3 * a->batch * L));
+    int64_t *d = malloc(sizeof(int64_t) * (size_t)a->batch);
+    const int rc = pe_mrope_position_ids(a, pos, d, e);
+    free(pos), free(d);
+    return rc;
+}
+
+static void bad_grids(void) {
+    const int64_t ids[2 * 10] = {1, VS, IMG, IMG, IMG, IMG, VE, 2, 3, 4,
+                                 1, VS, VID, VID, VID, VID, VE, VS, IMG, VE};
+    int64_t ig[6] = {1, 4, 4, 1, 2, 2}, vg[3] = {1, 4, 4};
+    pe_pos_error e;
+    pe_mrope_args a = base_args(PE_MROPE_QWEN2_VL, 2, 10, ids);
+    a.image_grid_thw = ig;
+    a.n_images = 2;
+    a.video_grid_thw = vg;
+    a.n_videos = 1;
+    CHECK(run_bad(&a, 10, &e) == PE_OK, "valid base for bad grids: problem %d", e.problem);
+
+    a.n_images = 1; /* too few image grids */
+    CHECK(run_bad(&a, 10, &e) == PE_ERR_GRID && e.problem == PE_POS_GRID_COUNT && !e.video &&
+              e.found == 2 && e.expected == 1, "too few grids: problem %d", e.problem);
+    a.n_images = 2;
+    int64_t ig3[9] = {1, 4, 4, 1, 2, 2, 1, 2, 2};
+    a.image_grid_thw = ig3;
+    a.n_images = 3; /* too many */
+    CHECK(run_bad(&a, 10, &e) == PE_ERR_GRID && e.problem == PE_POS_GRID_COUNT && e.found == 2 &&
+              e.expected == 3, "too many grids: problem %d", e.problem);
+    a.image_grid_thw = ig;
+    a.n_images = 2;
+
+    const int64_t bad_values[][3] = {{0, 4, 4}, {1, -2, 4}, {1, 4, 3}, {1, 5, 4}, {-1, 2, 2}};
+    for (int k = 0; k < 5; ++k) {
+        int64_t g[6] = {1, 4, 4, 1, 2, 2};
+        memcpy(g + 3, bad_values[k], sizeof bad_values[k]);
+        a.image_grid_thw = g;
+        CHECK(run_bad(&a, 10, &e) == PE_ERR_GRID && e.problem == PE_POS_BAD_GRID && e.grid == 1 &&
+                  !e.video, "bad grid value %d: problem %d", k, e.problem);
+    }
+    int64_t vbad[3] = {1, 4, 5};
+    a.image_grid_thw = ig;
+    a.video_grid_thw = vbad;
+    CHECK(run_bad(&a, 10, &e) == PE_ERR_GRID && e.problem == PE_POS_BAD_GRID && e.grid == 0 &&
+              e.video, "bad video grid: problem %d", e.problem);
+    a.video_grid_thw = vg;
+
+    /* grid larger than its run: 16 tokens wanted, 4 present (run ends at VE) */
+    int64_t big[6] = {1, 8, 8, 1, 2, 2};
+    a.image_grid_thw = big;
+    CHECK(run_bad(&a, 10, &e) == PE_ERR_GRID && e.problem == PE_POS_SHORT_RUN && e.row == 0 &&
+              e.token == 2 && e.grid == 0 && e.expected == 16 && e.found == 4,
+          "short run: problem %d row %lld token %lld found %lld", e.problem, (long long)e.row,
+          (long long)e.token, (long long)e.found);
+    /* the row ends inside the run */
+    {
+        const int64_t short_ids[4] = {1, VS, IMG, IMG};
+        pe_mrope_args r = base_args(PE_MROPE_QWEN2_VL, 1, 4, short_ids);
+        r.image_grid_thw = ig;
+        r.n_images = 1;
+        CHECK(run_bad(&r, 4, &e) == PE_ERR_GRID && e.problem == PE_POS_SHORT_RUN && e.token == 2 &&
+                  e.expected == 4 && e.found == 2, "row ends in the run: problem %d", e.problem);
+    }
+    /* a run shorter than its grid in the second row */
+    int64_t big2[6] = {1, 4, 4, 1, 4, 2};
+    a.image_grid_thw = big2;
+    CHECK(run_bad(&a, 10, &e) == PE_ERR_GRID && e.problem == PE_POS_SHORT_RUN && e.row == 1 &&
+              e.token == 8 && e.grid == 1 && e.expected == 2 && e.found == 1,
+          "short run, row 1: problem %d", e.problem);
+    /* grid smaller than its run: the rest of the run is stray */
+    int64_t small[6] = {1, 2, 4, 1, 2, 2};
+    a.image_grid_thw = small;
+    CHECK(run_bad(&a, 10, &e) == PE_ERR_GRID && e.problem == PE_POS_STRAY_TOKEN && e.row == 0 &&
+              e.token == 4 && !e.video, "long run: problem %d token %lld", e.problem,
+          (long long)e.token);
+    /* a huge grid (product overflows) is a short run, not an overflow */
+    int64_t huge[6] = {INT64_MAX / 2, 1LL << 40, 1LL << 40, 1, 2, 2};
+    a.image_grid_thw = huge;
+    CHECK(run_bad(&a, 10, &e) == PE_ERR_GRID && e.problem == PE_POS_SHORT_RUN && e.grid == 0,
+          "huge grid: problem %d", e.problem);
+    a.image_grid_thw = ig;
+
+    /* a placeholder without vision start after valid items */
+    const int64_t stray[10] = {1, VS, IMG, IMG, IMG, IMG, VE, IMG, 3, 4};
+    pe_mrope_args s = base_args(PE_MROPE_QWEN2_VL, 1, 10, stray);
+    s.image_grid_thw = ig;
+    s.n_images = 1;
+    CHECK(run_bad(&s, 10, &e) == PE_ERR_GRID && e.problem == PE_POS_STRAY_TOKEN && e.token == 7,
+          "stray placeholder: problem %d", e.problem);
+    /* ... and before the item (transformers would start the image there) */
+    const int64_t stray2[10] = {IMG, VS, IMG, IMG, IMG, IMG, VE, 2, 3, 4};
+    s.input_ids = stray2;
+    CHECK(run_bad(&s, 10, &e) == PE_ERR_GRID && e.problem == PE_POS_STRAY_TOKEN && e.token == 0,
+          "stray placeholder first: problem %d", e.problem);
+
+    /* Qwen3-VL: frames counted against the vision starts */
+    const int64_t q3[10] = {1, VS, VID, VID, VID, VID, VE, 2, 3, 4};
+    pe_mrope_args q = base_args(PE_MROPE_QWEN3_VL, 1, 10, q3);
+    int64_t two_frames[3] = {2, 4, 4};
+    q.video_grid_thw = two_frames;
+    q.n_videos = 1;
+    CHECK(run_bad(&q, 10, &e) == PE_ERR_GRID && e.problem == PE_POS_GRID_COUNT && e.video &&
+              e.found == 1 && e.expected == 2, "qwen3 frames count: problem %d", e.problem);
+    int64_t frame_bad[6] = {1, 2, 2, 1, 4, 4};
+    q.video_grid_thw = frame_bad;
+    q.n_videos = 2;
+    const int64_t q3b[10] = {1, VS, VID, VE, VS, VID, VID, VID, 2, 3};
+    q.input_ids = q3b;
+    CHECK(run_bad(&q, 10, &e) == PE_ERR_GRID && e.problem == PE_POS_SHORT_RUN && e.grid == 1 &&
+              e.frame == 0 && e.expected == 4 && e.found == 3,
+          "qwen3 short frame: problem %d grid %lld frame %lld", e.problem, (long long)e.grid,
+          (long long)e.frame);
+
+    /* Qwen2.5-VL seconds */
+    const int64_t v25[8] = {1, VS, VID, VID, VID, VID, VE, 2};
+    pe_mrope_args v = base_args(PE_MROPE_QWEN2_5_VL, 1, 8, v25);
+    int64_t vg2[3] = {4, 2, 2};
+    v.video_grid_thw = vg2;
+    v.n_videos = 1;
+    const double neg[1] = {-0.5}, huge_s[1] = {1e12};
+    v.second_per_grid_ts = neg;
+    CHECK(run_bad(&v, 8, &e) == PE_ERR_GRID && e.problem == PE_POS_BAD_SECONDS && e.grid == 0,
+          "negative seconds: problem %d", e.problem);
+    v.second_per_grid_ts = huge_s;
+    CHECK(run_bad(&v, 8, &e) == PE_ERR_GRID && e.problem == PE_POS_BAD_SECONDS,
+          "huge seconds: problem %d", e.problem);
+    v.second_per_grid_ts = NULL;
+    CHECK(run_bad(&v, 8, &e) == PE_OK, "4 frames of 1 token: problem %d", e.problem);
+
+    /* bad arguments */
+    pe_mrope_args z = base_args(PE_MROPE_QWEN2_VL, 1, 8, v25);
+    z.video_token_id = IMG;
+    CHECK(run_bad(&z, 8, &e) == PE_ERR_ARG && e.problem == PE_POS_BAD_ARG, "equal token ids");
+    z = base_args(PE_MROPE_QWEN2_VL, 1, 8, v25);
+    z.spatial_merge_size = 0;
+    CHECK(run_bad(&z, 8, &e) == PE_ERR_ARG, "merge size 0");
+    z = base_args((pe_mrope_model)7, 1, 8, v25);
+    CHECK(run_bad(&z, 8, &e) == PE_ERR_ARG, "unknown model");
+    z = base_args(PE_MROPE_QWEN2_VL, 1, 8, v25);
+    z.image_token_id = -5;
+    CHECK(run_bad(&z, 8, &e) == PE_ERR_ARG, "negative token id");
+    z = base_args(PE_MROPE_QWEN2_VL, 1, 8, v25);
+    const int64_t mask2[8] = {1, 1, 2, 1, 1, 1, 1, 1};
+    z.attention_mask = mask2;
+    CHECK(run_bad(&z, 8, &e) == PE_ERR_ARG && e.problem == PE_POS_BAD_MASK && e.token == 2 &&
+              e.found == 2, "mask value 2: problem %d", e.problem);
+    z = base_args(PE_MROPE_QWEN2_5_VL, 1, 8, v25);
+    z.tokens_per_second = -1;
+    CHECK(run_bad(&z, 8, &e) == PE_ERR_ARG, "negative tokens_per_second");
+}
+
+/* Errors in several rows of a threaded run: the lowest row is reported. */
+static void threaded_errors(void) {
+    const int64_t B = 8, L = 40000;
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(B * L));
+    int64_t grids[3 * 8];
+    for (int64_t b = 0; b < B; ++b) {
+        int64_t *row = ids + b * L;
+        for (int64_t j = 0; j < L; ++j) row[j] = 1000 + j % 7;
+        row[100] = VS;
+        for (int64_t j = 101; j < 105; ++j) row[j] = IMG;
+        row[105] = VE;
+        grids[3 * b] = 1, grids[3 * b + 1] = 4, grids[3 * b + 2] = 4;
+    }
+    ids[6 * L + 4000] = IMG; /* stray in row 6 */
+    ids[3 * L + 104] = 7;    /* short run in row 3 */
+    ids[5 * L + 50] = VID;   /* stray in row 5 */
+    pe_mrope_args a = base_args(PE_MROPE_QWEN2_VL, B, L, ids);
+    a.image_grid_thw = grids;
+    a.n_images = B;
+    a.nthreads = 4;
+    pe_pos_error e;
+    CHECK(run_bad(&a, L, &e) == PE_ERR_GRID && e.problem == PE_POS_SHORT_RUN && e.row == 3 &&
+              e.token == 101 && e.grid == 3 && e.found == 3,
+          "threaded errors: problem %d row %lld", e.problem, (long long)e.row);
+    ids[3 * L + 104] = IMG;
+    CHECK(run_bad(&a, L, &e) == PE_ERR_GRID && e.problem == PE_POS_STRAY_TOKEN && e.row == 5 &&
+              e.token == 50 && e.video, "threaded errors 2: problem %d row %lld", e.problem,
+          (long long)e.row);
+    free(ids);
+}
+
+/* ---- vision tower ids ----------------------------------------------------------------- */
+
+static void vision_ids(void) {
+    const int64_t grids[6] = {1, 4, 4, 2, 2, 4};
+    int64_t total = 0;
+    CHECK(pe_vision_position_count(2, grids, 2, &total, NULL) == PE_OK && total == 32,
+          "vision count %lld", (long long)total);
+    int64_t out[64];
+    CHECK(pe_vision_position_ids(2, grids, 2, total, out, 1, NULL) == PE_OK, "vision ids");
+    const int64_t first[32] = {0, 0, 0, 1, 1, 0, 1, 1, 0, 2, 0, 3, 1, 2, 1, 3,
+                               2, 0, 2, 1, 3, 0, 3, 1, 2, 2, 2, 3, 3, 2, 3, 3};
+    const int64_t second[16] = {0, 0, 0, 1, 1, 0, 1, 1, 0, 2, 0, 3, 1, 2, 1, 3};
+    expect_row("vision (1,4,4)", out, first, 32);
+    expect_row("vision (2,2,4) frame 0", out + 32, second, 16);
+    expect_row("vision (2,2,4) frame 1", out + 48, second, 16);
+
+    /* A larger list, threaded, against the window formula. */
+    int64_t g[3 * 40];
+    int64_t n = 0;
+    for (int i = 0; i < 40; ++i) {
+        g[3 * i] = 1 + rnd(3);
+        g[3 * i + 1] = 2 * (1 + rnd(20));
+        g[3 * i + 2] = 2 * (1 + rnd(20));
+    }
+    g[3 * 7] = 4, g[3 * 7 + 1] = 256, g[3 * 7 + 2] = 256; /* 2^18 patches: threads run */
+    CHECK(pe_vision_position_count(40, g, 2, &n, NULL) == PE_OK, "vision count (random)");
+    int64_t *o = malloc(sizeof(int64_t) * (size_t)(2 * n));
+    CHECK(pe_vision_position_ids(40, g, 2, n, o, 4, NULL) == PE_OK, "vision ids (random)");
+    int64_t k = 0;
+    int bad = 0;
+    for (int i = 0; i < 40; ++i) {
+        const int64_t t = g[3 * i], h = g[3 * i + 1], w = g[3 * i + 2], wm = w / 2;
+        for (int64_t f = 0; f < t; ++f)
+            for (int64_t p = 0; p < h * w; ++p, ++k) {
+                const int64_t win = p / 4, in = p % 4;
+                const int64_t row = (win / wm) * 2 + in / 2, col = (win % wm) * 2 + in % 2;
+                bad += o[2 * k] != row || o[2 * k + 1] != col;
+            }
+    }
+    CHECK(k == n && bad == 0, "vision ids vs formula: %d wrong", bad);
+    free(o);
+
+    pe_pos_error e;
+    const int64_t badg[6] = {1, 4, 4, 1, 3, 4};
+    CHECK(pe_vision_position_count(2, badg, 2, &total, &e) == PE_ERR_GRID &&
+              e.problem == PE_POS_BAD_GRID && e.grid == 1, "vision bad grid");
+    const int64_t zero[3] = {0, 4, 4};
+    CHECK(pe_vision_position_count(1, zero, 2, &total, &e) == PE_ERR_GRID, "vision zero grid");
+    const int64_t huge[3] = {1LL << 40, 1LL << 40, 1LL << 40};
+    CHECK(pe_vision_position_count(1, huge, 2, &total, &e) == PE_ERR_GRID, "vision huge grid");
+    CHECK(pe_vision_position_ids(2, grids, 2, 31, out, 1, &e) == PE_ERR_ARG, "vision wrong total");
+    CHECK(pe_vision_position_count(2, grids, 0, &total, &e) == PE_ERR_ARG, "vision merge 0");
+    CHECK(pe_vision_position_count(0, NULL, 2, &total, &e) == PE_OK && total == 0, "vision empty");
+}
+
+int main(void) {
+    example_image();
+    example_left_padding();
+    example_qwen25_video();
+    example_qwen3_frames();
+    example_no_grids();
+    bad_grids();
+    threaded_errors();
+    vision_ids();
+    for (int model = 0; model < 3; ++model) {
+        for (int rep = 0; rep < 4; ++rep) {
+            random_case((pe_mrope_model)model, 1 + rnd(4), 20 + rnd(200), rep % 2, 1);
+            random_case((pe_mrope_model)model, 3, 64, 1, 1);
+        }
+        /* large enough for the threaded path; threaded and serial must both match */
+        random_case((pe_mrope_model)model, 8, 40000, 1, 4);
+        random_case((pe_mrope_model)model, 8, 6000, 0, 1);
+    }
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("test_positions: all checks passed\n");
+    return 0;
+}
