@@ -52,6 +52,11 @@ def _rope_tables_fake(position_ids, inv_freq, mrope_section, interleaved, attent
     return (position_ids.new_empty(shape, dtype=dtype), position_ids.new_empty(shape, dtype=dtype))
 
 
+@torch.library.register_fake("posenc::sinusoidal")
+def _sinusoidal_fake(num_positions, dim, base, dtype):
+    return torch.empty((num_positions, dim), dtype=dtype)
+
+
 # ---------------------------------------------------------------------------------------
 # Autograd.  The backward of a rotation is the transpose rotation (the same op with
 # transpose flipped); table gradients are a separate reduction op.

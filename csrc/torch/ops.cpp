@@ -12,6 +12,8 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cmath>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -334,6 +336,36 @@ TORCH_LIBRARY_IMPL(posenc, CPU, m) {
     m.impl("rope_table_grad", &rope_table_grad_cpu);
     m.impl("rope_fused", &rope_fused_cpu);
     m.impl("rope_tables", &rope_tables_cpu);
+}
+
+// ---- posenc::sinusoidal: the absolute (Vaswani) position table.  It has no tensor inputs,
+// so no backend key selects a kernel: the implementation is registered under
+// CompositeExplicitAutograd, which also serves calls without any dispatch key.
+
+namespace {
+
+Tensor sinusoidal_impl(int64_t num_positions, int64_t dim, double base, at::ScalarType dtype) {
+    TORCH_CHECK(num_positions >= 0, "num_positions must be >= 0, got ", num_positions);
+    TORCH_CHECK(dim >= 1, "dim must be >= 1, got ", dim);
+    TORCH_CHECK(num_positions <= INT64_MAX / dim, "num_positions * dim overflows: ",
+                num_positions, " * ", dim);
+    TORCH_CHECK(std::isfinite(base) && base > 0.0, "base must be finite and > 0, got ", base);
+    const pe_dtype odt = to_pe_dtype(dtype, "dtype");
+    Tensor out = at::empty({num_positions, dim}, at::TensorOptions().dtype(dtype));
+    check_status(pe_sinusoidal(num_positions, dim, base, odt, out.mutable_data_ptr(),
+                               num_threads()),
+                 "posenc::sinusoidal");
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(posenc, m) {
+    m.def("sinusoidal(SymInt num_positions, SymInt dim, float base, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
+    m.impl("sinusoidal", &sinusoidal_impl);
 }
 
 // ---- posenc_torch._C: the module object, plus the SIMD-variant switch used by the tests.
