@@ -9,19 +9,9 @@
 
 #include "internal.h"
 #include "posenc.h"
+#include "check.h"
 
-static int failures = 0;
 static unsigned rng_state = 12345u;
-
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            ++failures;                                                    \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);           \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fprintf(stderr, "\n");                                         \
-        }                                                                  \
-    } while (0)
 
 static double urand(void) {
     rng_state = rng_state * 1664525u + 1013904223u;
@@ -357,10 +347,5 @@ int main(void) {
     pe_isa_set(pe_isa_best());
     empty_cases();
     bad_args();
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("test_rope: all checks passed (variants up to %s)\n", pe_isa_name(pe_isa_best()));
-    return 0;
+    return check_report("test_rope");
 }

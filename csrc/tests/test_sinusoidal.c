@@ -9,18 +9,8 @@
 
 #include "internal.h"
 #include "posenc.h"
+#include "check.h"
 
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            ++failures;                                                    \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);           \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fprintf(stderr, "\n");                                         \
-        }                                                                  \
-    } while (0)
 
 static double reference(int64_t p, int64_t j, int64_t dim, double base) {
     const double angle = (double)p / pow(base, (double)(2 * (j / 2)) / (double)dim);
@@ -105,10 +95,5 @@ int main(void) {
     worked_example();
     odd_dim();
     bad_args();
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("test_sinusoidal: all checks passed\n");
-    return 0;
+    return check_report("test_sinusoidal");
 }
