@@ -11,7 +11,6 @@ import torch
 from . import _C  # noqa: F401
 
 
-
 # ---------------------------------------------------------------------------------------
 # Fake kernels: shapes, dtypes and strides exactly as the C++ kernels produce them.
 
