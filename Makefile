@@ -6,7 +6,7 @@ VPY    := $(VENV)/bin/python
 HF4    := $(VENV)/hf4
 STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
-PYTEST := $(VPY) -m pytest -q -p no:cacheprovider
+PYTEST := $(abspath $(VPY)) -m pytest -q -p no:cacheprovider
 
 .PHONY: all venv build test pytest pytest-hf4 ctest sanitize bench bench-full notebooks clean
 
