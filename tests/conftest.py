@@ -3,7 +3,8 @@
 `make test` runs this suite twice: on the installed transformers 5.x, and with the
 transformers 4.57.6 overlay (.venv/hf4) first on PYTHONPATH, selecting the tests marked
 ``transformers4`` (they compare against 4.x-only functions such as Qwen2-VL's
-``apply_multimodal_rotary_pos_emb`` and the vision-start based ``get_rope_index``).
+``apply_multimodal_rotary_pos_emb`` and the vision-start based ``get_rope_index``) and
+those marked ``any_transformers`` (they hold under both, e.g. the transformers patch).
 """
 
 from __future__ import annotations
