@@ -11,6 +11,13 @@
 /* Problems below this many elements run on one thread: a parallel region costs more. */
 #define PE_SERIAL_ELEMENTS ((int64_t)1 << 15)
 
+/* Chunk of a dynamically scheduled loop of n items on nt threads: about 8 chunks per
+ * thread, so a thread that starts late (a busy machine) hands its share to the others. */
+static inline int64_t pe_chunk(int64_t n, int nt) {
+    const int64_t c = n / (8 * (int64_t)(nt > 0 ? nt : 1));
+    return c < 1 ? 1 : c;
+}
+
 static inline size_t pe_dtype_size(pe_dtype t) {
     switch (t) {
     case PE_FLOAT32: return 4;

@@ -1,13 +1,14 @@
 /*
  * RoPE kernels, compiled once per instruction set (see meson.build): PE_ISA_SUFFIX names
  * the variant (_baseline, _avx2, _avx512) and the compiler flags of that build select the
- * vector instructions.  The loops are written for the auto-vectorizer: unit-stride, no
- * aliasing (restrict), no fused multiply-add (-ffp-contract=off keeps HF's rounding).
+ * vector instructions.  Most loops are written for the auto-vectorizer (unit stride, no
+ * aliasing); the hot rows use intrinsics.  No fused multiply-add anywhere
+ * (-ffp-contract=off, and explicit mul + add), which keeps transformers' rounding.
  */
 #include <math.h>
 #include <stdlib.h>
 
-#if defined(__F16C__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -24,6 +25,8 @@
 typedef struct pe_row_plan {
     int64_t axes;            /* A: 1 or 3 table axes */
     uint8_t *chan_axis;      /* R: axis of channel e */
+    int64_t nruns;           /* channels as runs of one axis: [run_start[i], run_start[i+1]) */
+    int64_t *run_start;      /* nruns + 1 entries */
     int64_t *slot_pos_off;   /* R/2: position offset of slot i's axis */
 } pe_row_plan;
 
@@ -75,90 +78,154 @@ static void pe_sincos_scaled(const float *restrict ang, float *restrict c, float
 
 /*
  * Fast rows for the common case: half pairing, same dtype in and out, fp32 compute.  One
- * pass over all heads of a token reads both halves of each row, rotates and stores with
- * the conversion inline; nothing goes through a scratch buffer.  xs, os: head strides.
+ * pass over all heads of a token reads both halves of each row, rotates, and stores with
+ * the conversion inline; nothing goes through a scratch buffer.  The vector helpers below
+ * take the dtype as an argument and are always inlined with a constant, so each dtype gets
+ * its own straight-line loop.  The vectorizer handles plain fp32 well but not the bf16
+ * rounding or F16C, hence explicit intrinsics.
  */
-#define PE_ROT_HALF_ROW(name, T, load, store)                                                \
-    static inline __attribute__((always_inline)) void name##_body(                           \
-        const T *restrict x, int64_t xs, T *restrict o, int64_t os, int64_t nh,              \
-        const float *restrict c, const float *restrict ss, int64_t h) {                      \
-        for (int64_t hd = 0; hd < nh; ++hd, x += xs, o += os) {                              \
-            for (int64_t e = 0; e < h; ++e) {                                                \
-                const float x0 = load(x[e]), x1 = load(x[e + h]);                            \
-                o[e] = store(x0 * c[e] + x1 * ss[e]);                                        \
-                o[e + h] = store(x1 * c[e + h] + x0 * ss[e + h]);                            \
-            }                                                                                \
-        }                                                                                    \
-    }                                                                                        \
-    /* head_dim 128 (h = 64) gets a fully unrolled copy */                                   \
-    static void name(const T *x, int64_t xs, T *o, int64_t os, int64_t nh, const float *c,   \
-                     const float *ss, int64_t h) {                                           \
-        if (h == 64)                                                                         \
-            name##_body(x, xs, o, os, nh, c, ss, 64);                                        \
-        else                                                                                 \
-            name##_body(x, xs, o, os, nh, c, ss, h);                                         \
-    }
-
-static inline float pe_id_f32(float v) { return v; }
-static inline float pe_h2f(_Float16 v) { return (float)v; }
-static inline _Float16 pe_f2h(float v) { return (_Float16)v; }
-PE_ROT_HALF_ROW(rot_half_f32, float, pe_id_f32, pe_id_f32)
-PE_ROT_HALF_ROW(rot_half_bf16, uint16_t, pe_bf16_to_f32, pe_f32_to_bf16)
-
-#if defined(__F16C__)
-/* The vectorizer does not use F16C for _Float16 loops; convert 8 or 16 lanes explicitly. */
-static void rot_half_f16_row(const _Float16 *restrict x, _Float16 *restrict o,
-                             const float *restrict c, const float *restrict ss, int64_t h) {
-    int64_t e = 0;
-#if defined(__AVX512F__)
-    for (; e + 16 <= h; e += 16) {
-        const __m512 x0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + e)));
-        const __m512 x1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + e + h)));
-        const __m512 o0 = _mm512_add_ps(_mm512_mul_ps(x0, _mm512_loadu_ps(c + e)),
-                                        _mm512_mul_ps(x1, _mm512_loadu_ps(ss + e)));
-        const __m512 o1 = _mm512_add_ps(_mm512_mul_ps(x1, _mm512_loadu_ps(c + e + h)),
-                                        _mm512_mul_ps(x0, _mm512_loadu_ps(ss + e + h)));
-        _mm256_storeu_si256((__m256i *)(o + e), _mm512_cvtps_ph(o0, _MM_FROUND_TO_NEAREST_INT));
-        _mm256_storeu_si256((__m256i *)(o + e + h), _mm512_cvtps_ph(o1, _MM_FROUND_TO_NEAREST_INT));
-    }
-#endif
-    for (; e + 8 <= h; e += 8) {
-        const __m256 x0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + e)));
-        const __m256 x1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + e + h)));
-        const __m256 o0 = _mm256_add_ps(_mm256_mul_ps(x0, _mm256_loadu_ps(c + e)),
-                                        _mm256_mul_ps(x1, _mm256_loadu_ps(ss + e)));
-        const __m256 o1 = _mm256_add_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + e + h)),
-                                        _mm256_mul_ps(x0, _mm256_loadu_ps(ss + e + h)));
-        _mm_storeu_si128((__m128i *)(o + e), _mm256_cvtps_ph(o0, _MM_FROUND_TO_NEAREST_INT));
-        _mm_storeu_si128((__m128i *)(o + e + h), _mm256_cvtps_ph(o1, _MM_FROUND_TO_NEAREST_INT));
-    }
-    for (; e < h; ++e) {
-        const float x0 = (float)x[e], x1 = (float)x[e + h];
-        o[e] = (_Float16)(x0 * c[e] + x1 * ss[e]);
-        o[e + h] = (_Float16)(x1 * c[e + h] + x0 * ss[e + h]);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PE_VW 16
+typedef __m512 pe_vf;
+#define PE_INLINE static inline __attribute__((always_inline))
+PE_INLINE pe_vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+PE_INLINE pe_vf vf_rot(pe_vf a, pe_vf ca, pe_vf b, pe_vf sb) {
+    return _mm512_add_ps(_mm512_mul_ps(a, ca), _mm512_mul_ps(b, sb));
+}
+PE_INLINE pe_vf vx_load(const char *p, pe_dtype dt) {
+    if (dt == PE_FLOAT32) return _mm512_loadu_ps((const float *)p);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (dt == PE_FLOAT16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) {
+        _mm512_storeu_ps((float *)p, v);
+    } else if (dt == PE_FLOAT16) {
+        _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    } else { /* bf16: round to nearest even on the bits; NaN stays a (quiet) NaN */
+        const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+        const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+        __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+        r = _mm512_srli_epi32(r, 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                  _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+        _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
     }
 }
-
-static void rot_half_f16(const _Float16 *x, int64_t xs, _Float16 *o, int64_t os, int64_t nh,
-                         const float *c, const float *ss, int64_t h) {
-    for (int64_t hd = 0; hd < nh; ++hd) rot_half_f16_row(x + hd * xs, o + hd * os, c, ss, h);
+#elif defined(__AVX2__) && defined(__F16C__)
+#define PE_VW 8
+typedef __m256 pe_vf;
+#define PE_INLINE static inline __attribute__((always_inline))
+PE_INLINE pe_vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+PE_INLINE pe_vf vf_rot(pe_vf a, pe_vf ca, pe_vf b, pe_vf sb) {
+    return _mm256_add_ps(_mm256_mul_ps(a, ca), _mm256_mul_ps(b, sb));
+}
+PE_INLINE pe_vf vx_load(const char *p, pe_dtype dt) {
+    if (dt == PE_FLOAT32) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (dt == PE_FLOAT16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) {
+        _mm256_storeu_ps((float *)p, v);
+    } else if (dt == PE_FLOAT16) {
+        _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    } else { /* bf16, as above; packus keeps the 16-bit results, permute joins the lanes */
+        const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
+        const __m256i odd = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+        __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+        r = _mm256_srli_epi32(r, 16);
+        r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)),
+                               _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+        r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+        _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(r));
+    }
 }
 #else
-PE_ROT_HALF_ROW(rot_half_f16, _Float16, pe_h2f, pe_f2h)
+#define PE_INLINE static inline __attribute__((always_inline))
 #endif
 
-/* Rotates the nh heads of one token if the fast rows cover the dtype; returns 1 if so. */
+PE_INLINE float sx_load(const char *p, pe_dtype dt) {
+    uint16_t h;
+    if (dt == PE_FLOAT32) return *(const float *)p;
+    memcpy(&h, p, 2);
+    return dt == PE_FLOAT16 ? pe_f16_to_f32(h) : pe_bf16_to_f32(h);
+}
+
+PE_INLINE void sx_store(char *p, float v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) {
+        *(float *)p = v;
+        return;
+    }
+    const uint16_t h = dt == PE_FLOAT16 ? pe_f32_to_f16(v) : pe_f32_to_bf16(v);
+    memcpy(p, &h, 2);
+}
+
+/* out[e] = x[e] c[e] + x[e+h] ss[e],  out[e+h] = x[e+h] c[e+h] + x[e] ss[e+h] */
+PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const float *restrict c,
+                            const float *restrict ss, int64_t h, pe_dtype dt) {
+    const int64_t es = dt == PE_FLOAT32 ? 4 : 2, hb = h * es;
+    int64_t e = 0;
+#ifdef PE_VW
+    for (; e + PE_VW <= h; e += PE_VW) {
+        const pe_vf x0 = vx_load(x + e * es, dt), x1 = vx_load(x + e * es + hb, dt);
+        vx_store(o + e * es, vf_rot(x0, vf_load(c + e), x1, vf_load(ss + e)), dt);
+        vx_store(o + e * es + hb, vf_rot(x1, vf_load(c + e + h), x0, vf_load(ss + e + h)), dt);
+    }
+#endif
+    for (; e < h; ++e) {
+        const float x0 = sx_load(x + e * es, dt), x1 = sx_load(x + e * es + hb, dt);
+        sx_store(o + e * es, x0 * c[e] + x1 * ss[e], dt);
+        sx_store(o + e * es + hb, x1 * c[e + h] + x0 * ss[e + h], dt);
+    }
+}
+
+PE_INLINE void rot_half_rows(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
+                             const float *c, const float *ss, int64_t h, pe_dtype dt) {
+    for (int64_t hd = 0; hd < nh; ++hd) rot_half_row(x + hd * xs, o + hd * os, c, ss, h, dt);
+}
+
+#ifdef PE_VW
+/* n values of a 16-bit or fp32 dtype to fp32, a vector at a time (short MRoPE runs too). */
+PE_INLINE void to_f32_vec(float *restrict dst, const char *restrict src, int64_t n, pe_dtype dt) {
+    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
+    int64_t i = 0;
+    for (; i + PE_VW <= n; i += PE_VW) vx_store((char *)(dst + i), vx_load(src + i * es, dt), PE_FLOAT32);
+    for (; i < n; ++i) dst[i] = sx_load(src + i * es, dt);
+}
+
+/* Returns 1 if dt is one the vector conversion handles. */
+static int load_f32_vec(float *dst, const void *src, pe_dtype dt, int64_t n) {
+    switch (dt) {
+    case PE_FLOAT32: to_f32_vec(dst, (const char *)src, n, PE_FLOAT32); return 1;
+    case PE_BFLOAT16: to_f32_vec(dst, (const char *)src, n, PE_BFLOAT16); return 1;
+    case PE_FLOAT16: to_f32_vec(dst, (const char *)src, n, PE_FLOAT16); return 1;
+    default: return 0;
+    }
+}
+#endif
+
+/* Rotates the nh heads of one token (head strides xs, os in elements) if the fast rows
+ * cover the dtype; returns 1 if so.  head_dim 128 (h = 64) gets a fully unrolled copy. */
 static int rot_half_heads(const void *in, int64_t xs, void *out, int64_t os, int64_t nh,
                           pe_dtype dt, const float *c, const float *ss, int64_t R) {
+    const char *x = (const char *)in;
+    char *o = (char *)out;
+    const int64_t h = R / 2;
     switch (dt) {
     case PE_FLOAT32:
-        rot_half_f32((const float *)in, xs, (float *)out, os, nh, c, ss, R / 2);
+        if (h == 64) rot_half_rows(x, 4 * xs, o, 4 * os, nh, c, ss, 64, PE_FLOAT32);
+        else rot_half_rows(x, 4 * xs, o, 4 * os, nh, c, ss, h, PE_FLOAT32);
         return 1;
     case PE_BFLOAT16:
-        rot_half_bf16((const uint16_t *)in, xs, (uint16_t *)out, os, nh, c, ss, R / 2);
+        if (h == 64) rot_half_rows(x, 2 * xs, o, 2 * os, nh, c, ss, 64, PE_BFLOAT16);
+        else rot_half_rows(x, 2 * xs, o, 2 * os, nh, c, ss, h, PE_BFLOAT16);
         return 1;
     case PE_FLOAT16:
-        rot_half_f16((const _Float16 *)in, xs, (_Float16 *)out, os, nh, c, ss, R / 2);
+        if (h == 64) rot_half_rows(x, 2 * xs, o, 2 * os, nh, c, ss, 64, PE_FLOAT16);
+        else rot_half_rows(x, 2 * xs, o, 2 * os, nh, c, ss, h, PE_FLOAT16);
         return 1;
     default:
         return 0;
@@ -187,6 +254,7 @@ static int rot_half_heads(const void *in, int64_t xs, void *out, int64_t os, int
 static void plan_free(pe_row_plan *p) {
     free(p->chan_axis);
     free(p->slot_pos_off);
+    free(p->run_start);
 }
 
 static int plan_make(const pe_rope_args *a, pe_row_plan *p) {
@@ -196,11 +264,17 @@ static int plan_make(const pe_rope_args *a, pe_row_plan *p) {
     p->axes = axis ? 3 : 1;
     p->chan_axis = (uint8_t *)calloc((size_t)R + 1, 1);
     p->slot_pos_off = (int64_t *)calloc((size_t)nslot + 1, sizeof(int64_t));
-    if (!p->chan_axis || !p->slot_pos_off) {
+    p->run_start = (int64_t *)calloc((size_t)R + 1, sizeof(int64_t));
+    if (!p->chan_axis || !p->slot_pos_off || !p->run_start) {
         plan_free(p);
         return PE_ERR_NOMEM;
     }
-    for (int64_t e = 0; e < R; ++e) p->chan_axis[e] = axis ? axis[pe_slot(a->pairing, e, R)] : 0;
+    p->nruns = 0;
+    for (int64_t e = 0; e < R; ++e) {
+        p->chan_axis[e] = axis ? axis[pe_slot(a->pairing, e, R)] : 0;
+        if (e == 0 || p->chan_axis[e] != p->chan_axis[e - 1]) p->run_start[p->nruns++] = e;
+    }
+    p->run_start[p->nruns] = R;
     for (int64_t i = 0; i < nslot; ++i) p->slot_pos_off[i] = (axis ? axis[i] : 0) * src->pos_stride[0];
     return PE_OK;
 }
