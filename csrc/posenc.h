@@ -290,6 +290,28 @@ int pe_vision_position_ids(int64_t n_grids, const int64_t *grid_thw, int64_t spa
                            int64_t total, int64_t *out, int nthreads, pe_pos_error *err);
 
 /* ---------------------------------------------------------------------------------------
+ * Sinusoidal absolute position encoding (Vaswani et al.)
+ * ---------------------------------------------------------------------------------------
+ * out: (num_positions, dim), dense and row-major, in out_dtype.  Column j of position p:
+ *
+ *   angle(p, j) = p / base^(2 * floor(j / 2) / dim)
+ *   out[p, j]   = sin(angle(p, j)) for even j,  cos(angle(p, j)) for odd j
+ *
+ * i.e. interleaved [sin, cos, sin, cos, ...] over the frequency ladder base^(-2i/dim), as
+ * transformers' DistilBERT create_sinusoidal_embeddings builds it.  Everything runs in fp64
+ * (the exponent 2*floor(j/2)/dim as one fp64 division, pow, then p divided by it, then
+ * sin/cos); the result is rounded to fp32, and a bf16/fp16 output is rounded from that fp32
+ * value (the fp32 table cast to the dtype).  An fp64 output keeps the fp64 value.  An odd
+ * dim ends with a sine column (its cosine partner would be column dim).
+ *
+ * Returns PE_ERR_ARG when num_positions < 0, dim < 1, num_positions * dim overflows, base is
+ * not finite and positive, out_dtype is invalid, or out is NULL for a non-empty table.
+ * Rows are split over nthreads OpenMP threads when the table is large.
+ */
+int pe_sinusoidal(int64_t num_positions, int64_t dim, double base, pe_dtype out_dtype,
+                  void *out, int nthreads);
+
+/* ---------------------------------------------------------------------------------------
  * Runtime CPU dispatch
  * ------------------------------------------------------------------------------------- */
 typedef enum pe_isa {

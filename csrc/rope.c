@@ -17,28 +17,32 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
     return PE_OK;
 }
 
-/* Sizes and options; pointers are checked separately because empty tensors have none. */
-static int shape_ok(const pe_rope_args *a) {
+/* Empty tensors may have NULL data: pointers are checked only where data is touched. */
+static int tensor_ok(const pe_rope_tensor *x, int empty) {
+    if (x->heads == 0) return 1;
+    return x->heads > 0 && pe_dtype_valid(x->in_dtype) && pe_dtype_valid(x->out_dtype) &&
+           (empty || (x->in && x->out));
+}
+
+/* Sizes and options, independent of the angle source. */
+static int sizes_ok(const pe_rope_args *a) {
     if (!a || a->batch < 0 || a->seq < 0 || a->head_dim < 0) return 0;
     if (a->rot_dim < 2 || a->rot_dim % 2 || a->rot_dim > a->head_dim) return 0;
     if (a->pairing != PE_PAIR_HALF && a->pairing != PE_PAIR_ADJACENT) return 0;
-    if (a->q.heads < 0 || a->k.heads < 0) return 0;
-    const pe_rope_source *s = &a->src;
-    if (s->axis_of_slot) {
+    const uint8_t *axis = a->src.axis_of_slot;
+    if (axis) {
         for (int64_t i = 0; i < a->rot_dim / 2; ++i)
-            if (s->axis_of_slot[i] > 2) return 0;
+            if (axis[i] > 2) return 0;
     }
-    if (s->pos) return s->pos_batch == 1 || s->pos_batch == a->batch;
-    return pe_dtype_valid(s->table_dtype) && (s->table_batch == 1 || s->table_batch == a->batch);
+    return 1;
 }
 
-static int tensor_ok(const pe_rope_tensor *x) {
-    return x->heads == 0 ||
-           (x->in && x->out && pe_dtype_valid(x->in_dtype) && pe_dtype_valid(x->out_dtype));
+static int positions_ok(const pe_rope_source *s, int64_t batch) {
+    return s->pos && s->inv_freq && (s->pos_batch == 1 || s->pos_batch == batch);
 }
 
-static int source_ok(const pe_rope_source *s) {
-    return s->pos ? s->inv_freq != NULL : (s->cos && s->sin);
+static int table_shape_ok(const pe_rope_source *s, int64_t batch) {
+    return pe_dtype_valid(s->table_dtype) && (s->table_batch == 1 || s->table_batch == batch);
 }
 
 typedef int (*apply_fn)(const pe_rope_args *);
@@ -47,22 +51,30 @@ typedef int (*grad_fn)(const pe_rope_args *, const void *, const int64_t[3], con
 typedef int (*tables_fn)(const pe_rope_args *, pe_dtype, void *, void *);
 
 int pe_rope_apply(const pe_rope_args *a) {
-    if (!shape_ok(a)) return PE_ERR_ARG;
-    if (a->batch == 0 || a->seq == 0 || a->q.heads + a->k.heads == 0) return PE_OK;
-    if (!source_ok(&a->src) || !tensor_ok(&a->q) || !tensor_ok(&a->k)) return PE_ERR_ARG;
+    if (!sizes_ok(a)) return PE_ERR_ARG;
+    const int empty = a->batch == 0 || a->seq == 0;
+    if (!tensor_ok(&a->q, empty) || !tensor_ok(&a->k, empty)) return PE_ERR_ARG;
+    if (empty) return PE_OK;
+    const pe_rope_source *s = &a->src;
+    if (s->pos ? !positions_ok(s, a->batch)
+               : !(s->cos && s->sin && table_shape_ok(s, a->batch)))
+        return PE_ERR_ARG;
     static const apply_fn fns[] = {pe_rope_apply_baseline, pe_rope_apply_avx2, pe_rope_apply_avx512};
     return fns[pe_isa_current()](a);
 }
 
+/* The tables are written densely, (A, Bc, T, R); with B = 0 and Bc = 1 they are zeros. */
 int pe_rope_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t grad_q_stride[3],
                        const void *grad_k, const int64_t grad_k_stride[3], pe_dtype grad_dtype,
                        void *dcos, void *dsin) {
-    if (!shape_ok(a) || a->src.pos || !pe_dtype_valid(grad_dtype)) return PE_ERR_ARG;
-    if (a->src.table_batch == 0 || a->seq == 0) return PE_OK; /* empty tables */
-    if (!dcos || !dsin) return PE_ERR_ARG;
-    if (a->batch > 0 && ((a->q.heads && (!a->q.in || !grad_q)) ||
-                         (a->k.heads && (!a->k.in || !grad_k))))
+    if (!sizes_ok(a) || a->src.pos || !table_shape_ok(&a->src, a->batch) ||
+        !pe_dtype_valid(grad_dtype))
         return PE_ERR_ARG;
+    const int no_input = a->batch == 0 || a->seq == 0;
+    if (!tensor_ok(&a->q, no_input) || !tensor_ok(&a->k, no_input)) return PE_ERR_ARG;
+    if (!no_input && ((a->q.heads && !grad_q) || (a->k.heads && !grad_k))) return PE_ERR_ARG;
+    if (a->src.table_batch == 0 || a->seq == 0) return PE_OK;
+    if (!dcos || !dsin) return PE_ERR_ARG;
     static const grad_fn fns[] = {pe_rope_table_grad_baseline, pe_rope_table_grad_avx2,
                                   pe_rope_table_grad_avx512};
     return fns[pe_isa_current()](a, grad_q, grad_q_stride, grad_k, grad_k_stride, grad_dtype,
@@ -70,9 +82,9 @@ int pe_rope_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t 
 }
 
 int pe_rope_tables(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *sin) {
-    if (!shape_ok(a) || !a->src.pos || !pe_dtype_valid(out_dtype)) return PE_ERR_ARG;
+    if (!sizes_ok(a) || !pe_dtype_valid(out_dtype) || a->src.pos_batch < 0) return PE_ERR_ARG;
     if (a->src.pos_batch == 0 || a->seq == 0) return PE_OK;
-    if (!a->src.inv_freq || !cos || !sin) return PE_ERR_ARG;
+    if (!positions_ok(&a->src, a->batch) || !cos || !sin) return PE_ERR_ARG;
     static const tables_fn fns[] = {pe_rope_tables_baseline, pe_rope_tables_avx2, pe_rope_tables_avx512};
     return fns[pe_isa_current()](a, out_dtype, cos, sin);
 }

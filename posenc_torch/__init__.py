@@ -1,7 +1,8 @@
 """posenc_torch: rotary position embeddings for PyTorch with C kernels.
 
 RoPE and the multimodal RoPE (MRoPE) of Qwen2-VL / Qwen2.5-VL / Qwen3-VL, forward and
-backward, as ``torch.ops.posenc`` custom ops with autograd and ``torch.compile`` support.
+backward, as ``torch.ops.posenc`` custom ops with autograd and ``torch.compile`` support,
+and the sinusoidal absolute position table.
 The functions are drop-ins for the transformers functions of the same names.
 """
 
@@ -21,6 +22,7 @@ from .rope import (
     apply_rotary_pos_emb_vision,
     compute_mrope_cos_sin,
 )
+from .sinusoidal import sinusoidal_position_encoding
 
 __version__ = "0.1.0"
 
@@ -33,6 +35,7 @@ __all__ = [
     "compute_mrope_position_ids",
     "compute_mrope_decode_position_ids",
     "vision_rotary_position_ids",
+    "sinusoidal_position_encoding",
     "kernel_isa",
     "set_kernel_isa",
 ]

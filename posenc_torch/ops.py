@@ -10,11 +10,18 @@ import torch
 
 from . import _C  # noqa: F401
 
-PAIRINGS = {"half": 0, "adjacent": 1}
-
 
 # ---------------------------------------------------------------------------------------
 # Fake kernels: shapes, dtypes and strides exactly as the C++ kernels produce them.
+
+
+def _output_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The output layout of the rotation ops (csrc/torch/ops.cpp, output_like): like x when
+    that has a unit channel stride, else contiguous."""
+    out = torch.empty_like(x, dtype=dtype)
+    if out.shape[-1] > 1 and out.stride(-1) != 1:
+        out = x.new_empty(x.shape, dtype=dtype)
+    return out
 
 
 @torch.library.register_fake("posenc::rope")
@@ -22,7 +29,7 @@ def _rope_fake(q, k, cos, sin, mrope_section, interleaved, pairing, transpose,
                q_dtype=None, k_dtype=None):
     qd = q_dtype if q_dtype is not None else torch.result_type(q, cos)
     kd = k_dtype if k_dtype is not None else torch.result_type(k, cos)
-    return torch.empty_like(q, dtype=qd), torch.empty_like(k, dtype=kd)
+    return _output_like(q, qd), _output_like(k, kd)
 
 
 @torch.library.register_fake("posenc::rope_table_grad")
@@ -33,7 +40,7 @@ def _rope_table_grad_fake(grad_q, grad_k, q, k, cos, mrope_section, interleaved,
 @torch.library.register_fake("posenc::rope_fused")
 def _rope_fused_fake(q, k, position_ids, inv_freq, mrope_section, interleaved,
                      attention_scaling, pairing, transpose):
-    return torch.empty_like(q), torch.empty_like(k)
+    return _output_like(q, q.dtype), _output_like(k, k.dtype)
 
 
 @torch.library.register_fake("posenc::rope_tables")
@@ -41,6 +48,11 @@ def _rope_tables_fake(position_ids, inv_freq, mrope_section, interleaved, attent
                       pairing, dtype):
     shape = (position_ids.shape[-2], position_ids.shape[-1], 2 * inv_freq.shape[0])
     return (position_ids.new_empty(shape, dtype=dtype), position_ids.new_empty(shape, dtype=dtype))
+
+
+@torch.library.register_fake("posenc::sinusoidal")
+def _sinusoidal_fake(num_positions, dim, base, dtype):
+    return torch.empty((num_positions, dim), dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------

@@ -175,6 +175,10 @@ def apply_rope(
     dim = check_unsqueeze_dim(unsqueeze_dim)
     _check_qk(q, k, dim)
     sections = _check_positions(position_ids, inv_freq, mrope_section)
+    if 2 * inv_freq.shape[0] > q.shape[-1]:
+        raise ValueError(
+            f"inv_freq has {inv_freq.shape[0]} frequencies, so the rotary width "
+            f"2 * {inv_freq.shape[0]} = {2 * inv_freq.shape[0]} exceeds head_dim {q.shape[-1]}")
     check_same_device(q=q, k=k, position_ids=position_ids, inv_freq=inv_freq)
     q_out, k_out = torch.ops.posenc.rope_fused(
         _to_bthd(q, dim), _to_bthd(k, dim), position_ids, inv_freq, sections,

@@ -9,19 +9,9 @@
 #include <string.h>
 
 #include "posenc.h"
+#include "check.h"
 
-static int failures = 0;
 static unsigned rng_state = 4242u;
-
-#define CHECK(cond, ...)                                                   \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            ++failures;                                                    \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);           \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fprintf(stderr, "\n");                                         \
-        }                                                                  \
-    } while (0)
 
 enum { VS = 151652, VE = 151653, IMG = 151655, VID = 151656, PAD = 151643 };
 
@@ -668,10 +658,5 @@ int main(void) {
         random_case((pe_mrope_model)model, 8, 40000, 1, 4);
         random_case((pe_mrope_model)model, 8, 6000, 0, 1);
     }
-    if (failures) {
-        fprintf(stderr, "%d check(s) failed\n", failures);
-        return 1;
-    }
-    printf("test_positions: all checks passed\n");
-    return 0;
+    return check_report("test_positions");
 }

@@ -13,6 +13,7 @@
 
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -117,12 +118,13 @@ std::vector<uint8_t> axis_map(IntArrayRef sections, bool interleaved, int64_t ro
     return map;
 }
 
-// Output like x (same strides when x is dense) in dtype; the kernel needs a unit channel
-// stride, which empty_like gives for every layout the kernel accepts.
+// Output of x's shape in dtype, laid out like x (empty_like) when that gives the unit
+// channel stride the kernel writes with, else contiguous.  The fake kernels
+// (posenc_torch/ops.py, _output_like) follow the same rule.
 Tensor output_like(const Tensor& x, at::ScalarType dtype) {
     Tensor out = at::empty_like(x, x.options().dtype(dtype));
-    TORCH_CHECK(out.size(-1) <= 1 || out.stride(-1) == 1,
-                "internal: output channel stride is not 1");
+    if (out.size(-1) > 1 && out.stride(-1) != 1)
+        out = at::empty(x.sizes(), x.options().dtype(dtype));
     return out;
 }
 
@@ -541,6 +543,36 @@ TORCH_LIBRARY_IMPL(posenc, CPU, m) {
     m.impl("rope_tables", &rope_tables_cpu);
     m.impl("mrope_position_ids", &mrope_position_ids_cpu);
     m.impl("vision_position_ids", &vision_position_ids_cpu);
+}
+
+// ---- posenc::sinusoidal: the absolute (Vaswani) position table.  It has no tensor inputs,
+// so no backend key selects a kernel: the implementation is registered under
+// CompositeExplicitAutograd, which also serves calls without any dispatch key.
+
+namespace {
+
+Tensor sinusoidal_impl(int64_t num_positions, int64_t dim, double base, at::ScalarType dtype) {
+    TORCH_CHECK(num_positions >= 0, "num_positions must be >= 0, got ", num_positions);
+    TORCH_CHECK(dim >= 1, "dim must be >= 1, got ", dim);
+    TORCH_CHECK(num_positions <= INT64_MAX / dim, "num_positions * dim overflows: ",
+                num_positions, " * ", dim);
+    TORCH_CHECK(std::isfinite(base) && base > 0.0, "base must be finite and > 0, got ", base);
+    const pe_dtype odt = to_pe_dtype(dtype, "dtype");
+    Tensor out = at::empty({num_positions, dim}, at::TensorOptions().dtype(dtype));
+    check_status(pe_sinusoidal(num_positions, dim, base, odt, out.mutable_data_ptr(),
+                               num_threads()),
+                 "posenc::sinusoidal");
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(posenc, m) {
+    m.def("sinusoidal(SymInt num_positions, SymInt dim, float base, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
+    m.impl("sinusoidal", &sinusoidal_impl);
 }
 
 // ---- posenc_torch._C: the module object, plus the SIMD-variant switch used by the tests.
