@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -55,21 +56,34 @@ class _KernelManager(AsyncKernelManager):
         return _ThisInterpreter()
 
 
+_ENV_DIRS = ("JUPYTER_RUNTIME_DIR", "JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "IPYTHONDIR",
+             "MPLCONFIGDIR")
+_ENV_FLAGS = {"JUPYTER_PLATFORM_DIRS": "1", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+_active = False
+
+
 @contextlib.contextmanager
 def private_jupyter_dirs() -> Iterator[None]:
-    """Point Jupyter's runtime/config dirs, IPython's profile dir and matplotlib's cache at a
-    temporary directory for the duration (the kernel inherits the environment)."""
-    names = ("JUPYTER_RUNTIME_DIR", "JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "IPYTHONDIR",
-             "MPLCONFIGDIR", "JUPYTER_PLATFORM_DIRS", "PYDEVD_DISABLE_FILE_VALIDATION")
-    saved = {n: os.environ.get(n) for n in names}
+    """Point Jupyter's runtime/config/data dirs, IPython's profile dir and matplotlib's
+    config/cache dir at one temporary directory while the context is open (kernels inherit
+    the environment), and build matplotlib's font cache there once, so that no notebook
+    shows the "building the font cache" message.  Nested use reuses the outer directory."""
+    global _active
+    if _active:
+        yield
+        return
+    saved = {n: os.environ.get(n) for n in (*_ENV_DIRS, *_ENV_FLAGS)}
     with tempfile.TemporaryDirectory(prefix="posenc-nb-") as tmp:
-        for n in names[:5]:
+        for n in _ENV_DIRS:
             os.environ[n] = os.path.join(tmp, n.lower())
-        os.environ["JUPYTER_PLATFORM_DIRS"] = "1"
-        os.environ["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
+        os.environ.update(_ENV_FLAGS)
+        _active = True
         try:
+            subprocess.run([sys.executable, "-c", "import matplotlib.font_manager"],
+                           check=True, capture_output=True)
             yield
         finally:
+            _active = False
             for n, v in saved.items():
                 if v is None:
                     os.environ.pop(n, None)
@@ -97,12 +111,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=120, help="seconds per cell")
     args = parser.parse_args()
     paths = [Path(p) if Path(p).exists() else NOTEBOOK_DIR / p for p in args.notebooks]
-    for path in paths or notebook_paths():
-        nb = execute(path.resolve(), timeout=args.timeout)
-        if not args.check:
-            nbformat.write(nb, path)
-        print(f"{path.name}: ok{'' if args.check else ', outputs written'}"
-              f" ({path.stat().st_size / 1024:.0f} KiB)")
+    with private_jupyter_dirs():
+        for path in paths or notebook_paths():
+            nb = execute(path.resolve(), timeout=args.timeout)
+            if not args.check:
+                nbformat.write(nb, path)
+            print(f"{path.name}: ok{'' if args.check else ', outputs written'}"
+                  f" ({path.stat().st_size / 1024:.0f} KiB)")
     return 0
 
 
