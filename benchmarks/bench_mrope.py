@@ -32,25 +32,27 @@ import harness as H
 TOPIC = "mrope"
 PARTS = {"apply": 4, "fused": 5}
 
-SEQ = {"quick": (4096,), "full": H.SEQ_FULL, "smoke": (64,)}
 APPLY_METHODS = ("posenc", "hf_eager", "hf_compile", "liger", "copy")
 FUSED_METHODS = ("posenc_fused", "hf_eager", "hf_compile", "liger", "copy")
-FUSED_MODELS = ("Qwen2-VL-7B", "Qwen3-VL-8B")
+_QWEN2, _QWEN3 = "Qwen2-VL-7B", "Qwen3-VL-8B"
+APPLY_PLAN = {
+    "quick": [H.Sweep(_QWEN2, 1, (4096,)), H.decode(_QWEN2, ("bf16",))],
+    "full": [H.Sweep(_QWEN2, 1, H.SEQ_FULL), H.decode(_QWEN2)],
+    "smoke": [H.Sweep(_QWEN2, 1, (64,), ("fp32",))],
+}
+FUSED_PLAN = {
+    "quick": [H.Sweep(_QWEN2, 1, (4096,))],
+    "full": [H.Sweep(_QWEN2, 1, H.SEQ_FULL), H.Sweep(_QWEN3, 1, H.SEQ_FULL)],
+    "smoke": [H.Sweep(_QWEN2, 1, (64,), ("fp32",))],
+}
 
 
 def _apply_groups(opts: H.Options):
-    out = []
-    for dtype in opts.dtypes:
-        for t in SEQ[opts.suite]:
-            out.append(("Qwen2-VL-7B", 1, t, dtype, H.MODES))
-        if opts.decode:
-            out.append(("Qwen2-VL-7B", H.DECODE_BATCH, 1, dtype, ("fwd",)))
-    return out
+    return [g[1:] for g in H.expand(APPLY_PLAN[opts.suite])]
 
 
 def _fused_groups(opts: H.Options):
-    models = FUSED_MODELS[:1] if opts.suite == "smoke" else FUSED_MODELS
-    return step._groups(opts, models=models, decode_models=())
+    return [g[1:] for g in H.expand(FUSED_PLAN[opts.suite])]
 
 
 def plan(opts: H.Options):

@@ -19,22 +19,23 @@ import harness as H
 TOPIC = "rope"
 PARTS = {"apply": 5}  # part -> transformers major version it runs under
 
-SEQ = {"quick": (4096,), "full": H.SEQ_FULL, "smoke": (64,)}
-VISION_SEQ = {"quick": (4096,), "full": (1024, 4096, 16384), "smoke": (64,)}
 METHOD_NAMES = ("posenc", "hf_eager", "hf_compile", "liger", "copy")
+_TEXT, _VISION = "Llama-3-8B", "Qwen2-VL-ViT"
+PLAN = {
+    "quick": [H.Sweep(_TEXT, 1, (4096,), op="rope"),
+              H.decode(_TEXT, ("bf16",), op="rope"),
+              H.Sweep(_VISION, 1, (4096,), ("bf16",), op="rope_vision")],
+    "full": [H.Sweep(_TEXT, 1, H.SEQ_FULL, op="rope"),
+             H.decode(_TEXT, op="rope"),
+             H.Sweep(_VISION, 1, (1024, 4096, 16384), op="rope_vision")],
+    "smoke": [H.Sweep(_TEXT, 1, (64,), ("fp32",), op="rope"),
+              H.Sweep(_VISION, 1, (64,), ("fp32",), op="rope_vision")],
+}
 
 
 def _groups(opts: H.Options):
     """(op, model, batch, seq, dtype, modes) of every input group of this part."""
-    out = []
-    for dtype in opts.dtypes:
-        for t in SEQ[opts.suite]:
-            out.append(("rope", "Llama-3-8B", 1, t, dtype, H.MODES))
-        if opts.decode:
-            out.append(("rope", "Llama-3-8B", H.DECODE_BATCH, 1, dtype, ("fwd",)))
-        for n in VISION_SEQ[opts.suite]:
-            out.append(("rope_vision", "Qwen2-VL-ViT", 1, n, dtype, H.MODES))
-    return out
+    return H.expand(PLAN[opts.suite])
 
 
 def _case(opts, op, model, b, t, dtype, mode) -> H.Case:

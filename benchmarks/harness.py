@@ -94,6 +94,33 @@ MODELS: dict[str, Model] = {
 
 SEQ_FULL = (1024, 2048, 4096, 8192, 16384, 32768)
 DECODE_BATCH = 8
+BOTH = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One line of a topic's plan: these sequence lengths x dtypes x modes for one model."""
+
+    model: str
+    batch: int
+    seqs: tuple[int, ...]
+    dtypes: tuple[str, ...] = BOTH
+    modes: tuple[str, ...] = ("fwd", "bwd", "fwdbwd")
+    op: str = ""
+
+    def groups(self):
+        """(op, model, batch, seq, dtype, modes) per input group, dtype-major."""
+        return [(self.op, self.model, self.batch, t, dt, self.modes)
+                for dt in self.dtypes for t in self.seqs]
+
+
+def expand(sweeps: Sequence[Sweep]):
+    return [g for s in sweeps for g in s.groups()]
+
+
+def decode(model: str, dtypes: tuple[str, ...] = BOTH, op: str = "") -> Sweep:
+    """The decode step: B=8, T=1, forward only."""
+    return Sweep(model, DECODE_BATCH, (1,), dtypes, ("fwd",), op)
 
 
 # ---------------------------------------------------------------------------------------
@@ -623,14 +650,6 @@ class Options:
     def policy(self) -> TimingPolicy:
         return POLICIES[self.suite]
 
-    @property
-    def dtypes(self) -> tuple[str, ...]:
-        return ("fp32",) if self.suite == "smoke" else ("fp32", "bf16")
-
-    @property
-    def decode(self) -> bool:
-        """Whether the suite has the decode-step cases (B=8, T=1)."""
-        return self.suite != "smoke"
 
 
 class Reporter:
