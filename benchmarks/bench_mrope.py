@@ -101,7 +101,7 @@ def _run_apply(opts: H.Options, rep: H.Reporter) -> None:
         with torch.no_grad():
             ref_fwd = hf(q, k, cos, sin, section)
         ref_grad = (torch.autograd.grad(hf(q, k, cos, sin, section), (q, k), (gq, gk))
-                    if "bwd" in modes else None)
+                    if set(modes) - {"fwd"} else None)
         common = {"wrt": (q, k), "grad_outputs": (gq, gk)}
 
         def build(name, q=q, k=k, cos=cos, sin=sin, gq=gq, gk=gk, section=section, common=common):

@@ -117,7 +117,7 @@ def run(opts: H.Options, rep: H.Reporter) -> None:
         with torch.no_grad():
             ref_fwd = hf_fn(q, k, cos, sin)
         ref_grad = (torch.autograd.grad(hf_fn(q, k, cos, sin), (q, k), (gq, gk))
-                    if "bwd" in modes else None)
+                    if set(modes) - {"fwd"} else None)
 
         def build(name, q=q, k=k, cos=cos, sin=sin, gq=gq, gk=gk, hf_fn=hf_fn, ours=ours, op=op):
             common = {"wrt": (q, k), "grad_outputs": (gq, gk)}

@@ -173,7 +173,7 @@ def run_steps(opts: H.Options, rep: H.Reporter, topic: str, op: str, groups, met
         with torch.no_grad():
             ref_fwd = hf_step(q, k, x, pos)
         ref_grad = (torch.autograd.grad(hf_step(q, k, x, pos), (q, k), (gq, gk))
-                    if "bwd" in modes else None)
+                    if set(modes) - {"fwd"} else None)
         floor = H.floor_bytes(q, k)
         for mode in modes:
             case = make_case(opts, topic, op, model_name, b, t, dtype_name, mode)

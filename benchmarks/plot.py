@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 MODE_LABEL = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
-COLORS = {"posenc": "#1b6ca8", "posenc_fused": "#1b6ca8", "posenc_tables": "#6aa9d8",
+COLORS = {"posenc": "#1b6ca8", "posenc_fused": "#0b3c66", "posenc_tables": "#6aa9d8",
           "hf_eager": "#d1495b", "hf_compile": "#edae49", "liger": "#66a182",
           "copy": "#555555"}
 LABELS = {"posenc": "posenc_torch", "posenc_fused": "posenc_torch apply_rope (fused)",
@@ -41,6 +41,51 @@ def _title(payload: dict) -> str:
             f"{v['torch']}, posenc_torch {v['posenc_torch']}, {payload['date'][:10]}")
 
 
+def _plain_log_axis(ax) -> None:
+    """Log scale with tick labels like 2, 5, 10 (not 2x10^0)."""
+    from matplotlib.ticker import FormatStrFormatter, FuncFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(
+        lambda v, _: f"{v:g}" if f"{v:.1e}"[0] in "25" else ""))
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+
+
+def _bars(ax, sel: list[dict], metric: str, threads: list[int]) -> None:
+    """One sequence length only: a bar per method (and thread count)."""
+    bars = []
+    for method in sorted({r["method"] for r in sel}, key=ORDER.index):
+        if metric == "ratio" and method == "copy":
+            continue
+        for n in threads:
+            hit = [r for r in sel if r["method"] == method and r["threads"] == n]
+            if hit and (metric == "time" or hit[0].get("ratio_to_copy")):
+                bars.append((method, n, hit[0]))
+    xs = range(len(bars))
+    for x, (method, n, r) in zip(xs, bars):
+        label = f"{LABELS[method]}, {n} thr" if len(threads) > 1 else LABELS[method]
+        if metric == "time":
+            y = r["median_ms"]
+            ax.bar(x, y, color=COLORS[method], label=label,
+                   yerr=[[y - r["p10_ms"]], [r["p90_ms"] - y]], capsize=3)
+        else:
+            ax.bar(x, r["ratio_to_copy"], color=COLORS[method], label=label)
+            ax.text(x, r["ratio_to_copy"], f"{r['ratio_to_copy']:.2f}", ha="center",
+                    va="bottom", fontsize=8)
+    ax.set_xticks([])
+    _plain_log_axis(ax)
+    seq = sel[0]["seq"] if sel else ""
+    ax.set_xlabel(f"T = {seq}")
+    if metric == "ratio":
+        ax.axhline(1.0, color=COLORS["copy"], lw=1)
+        ax.axhline(1.3, color=COLORS["copy"], lw=0.8, ls=":")
+        ax.set_ylabel("time / copy time")
+    else:
+        ax.set_ylabel("median time (ms)")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+
+
 def _sweep_figure(plt, rows: list[dict], op: str, model: str, metric: str, title: str):
     modes = [m for m in MODE_LABEL if any(r["mode"] == m for r in rows)]
     dtypes = sorted({r["dtype"] for r in rows})
@@ -51,6 +96,10 @@ def _sweep_figure(plt, rows: list[dict], op: str, model: str, metric: str, title
         for j, dtype in enumerate(dtypes):
             ax = axes[i][j]
             sel = [r for r in rows if r["mode"] == mode and r["dtype"] == dtype]
+            ax.set_title(f"{MODE_LABEL[mode]}, {dtype}", fontsize=10)
+            if len({r["seq"] for r in rows}) == 1:
+                _bars(ax, sel, metric, threads)
+                continue
             for method in sorted({r["method"] for r in sel}, key=ORDER.index):
                 if metric == "ratio" and method == "copy":
                     continue
@@ -73,7 +122,10 @@ def _sweep_figure(plt, rows: list[dict], op: str, model: str, metric: str, title
                         ys = [r["ratio_to_copy"] for r in pts]
                         ax.plot(xs, ys, "o" + style, ms=4, color=COLORS[method], label=label)
             ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            seqs = sorted({r["seq"] for r in sel})
+            ax.set_xticks(seqs, [f"{t // 1024}k" if t >= 1024 else str(t) for t in seqs])
+            ax.minorticks_off()
+            _plain_log_axis(ax)
             if metric == "ratio":
                 ax.axhline(1.0, color=COLORS["copy"], lw=1)
                 ax.axhline(1.3, color=COLORS["copy"], lw=0.8, ls=":")
@@ -81,7 +133,6 @@ def _sweep_figure(plt, rows: list[dict], op: str, model: str, metric: str, title
             else:
                 ax.set_ylabel("median time (ms)")
             ax.set_xlabel("sequence length T")
-            ax.set_title(f"{MODE_LABEL[mode]}, {dtype}", fontsize=10)
             ax.grid(True, which="both", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     for row in axes:

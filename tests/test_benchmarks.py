@@ -192,3 +192,30 @@ def test_positions_topic_checks_against_get_rope_index():
     ids, grids, mask = bench_positions.make_prompts(2, 256, 1)
     assert int(mask[1].sum()) < 256 and (ids == bench_positions.IMAGE_PAD).sum() == \
         int((grids[:, 0] * grids[:, 1] * grids[:, 2]).sum()) // 4
+
+
+def test_plots_of_a_sweep(tmp_path):
+    """plot.py draws lines for a sequence sweep and both thread counts, from the file only."""
+    pytest.importorskip("matplotlib")
+    import plot
+
+    def row(method, seq, threads, ms):
+        case = H.Case("mrope", "mrope", "Qwen2-VL-7B", 1, seq, "bf16", "fwd", threads)
+        return dataclasses.asdict(H.Result.for_case(
+            case, method, "ok", median_ms=ms, p10_ms=0.9 * ms, p90_ms=1.1 * ms, min_ms=0.8 * ms,
+            ratio_to_copy=ms / seq * 1e3 if method != "copy" else 1.0))
+
+    rows = [row(m, t, n, t / 1e3 * f * (2 if n == 1 else 1))
+            for m, f in (("posenc", 1.2), ("hf_eager", 8.0), ("copy", 1.0))
+            for t in (1024, 4096, 16384) for n in (1, 2)]
+    rows.append(dataclasses.asdict(H.Result.for_case(
+        H.Case("positions", "mrope_position_ids", "Qwen2-VL-7B", 8, 8192, "int64", "fwd", 2),
+        "hf_eager", "ok", median_ms=5.0, p10_ms=4.0, p90_ms=6.0)))
+    payload = {"suite": "test", "date": "2026-01-01T00:00:00+00:00",
+               "machine": {"cpu": "test cpu", "usable_cores": 2, "posenc_isa": "avx2"},
+               "versions": {"torch": torch.__version__, "posenc_torch": "0"}, "results": rows}
+    path = tmp_path / "test.json"
+    path.write_text(json.dumps(payload))
+    made = sorted(Path(p).name for p in plot.main([str(path), "--out", str(tmp_path / "png")]))
+    assert made == ["mrope-Qwen2-VL-7B-ratio.png", "mrope-Qwen2-VL-7B-time.png",
+                    "other-time.png"]
