@@ -51,5 +51,10 @@ bench: build
 bench-full: build
 	$(VPY) benchmarks/run.py --full
 
+# Re-run the notebooks and store their outputs (figures included) in the .ipynb files;
+# tests/test_notebooks.py (part of `make pytest`) checks that they run and were committed so.
+notebooks: build
+	$(VPY) notebooks/execute.py
+
 clean:
 	rm -rf build builddir-c builddir-asan

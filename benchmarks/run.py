@@ -1,0 +1,355 @@
+"""Run the benchmark suite: posenc_torch against transformers eager, torch.compile of the
+transformers functions, Liger-Kernel (GPU only) and the copy floor.
+
+    python benchmarks/run.py                      # --quick: a few minutes on 2 cores
+    python benchmarks/run.py --full               # the whole sequence sweep, 1 and all threads
+    python benchmarks/run.py --topics rope,mrope --threads 1,all --out /tmp/bench
+
+Each (topic, part, thread count) runs in its own Python process: the thread count is fixed
+before torch starts any work, and the parts compared against transformers 4.57.6 get the
+.venv/hf4 overlay first on PYTHONPATH (see bench_mrope.py).  The driver shows one progress
+bar on stderr, prints the table and the target check on stdout, writes
+``<out>/<suite>.json`` and ``<out>/<suite>.csv`` and draws the plots from the JSON with
+plot.py into ``<out>/plots-<suite>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import bench_mrope  # noqa: E402
+import bench_positions  # noqa: E402
+import bench_rope  # noqa: E402
+import bench_rotary_step  # noqa: E402
+import harness as H  # noqa: E402
+
+TOPICS = {m.TOPIC: m for m in (bench_rope, bench_mrope, bench_positions, bench_rotary_step)}
+DEFAULT_THREADS = {"quick": "all", "full": "1,all", "smoke": "all"}
+
+
+def hf4_overlay() -> Path | None:
+    """Where transformers 4.57.6 is installed as an overlay (POSENC_HF4 or .venv/hf4)."""
+    env = os.environ.get("POSENC_HF4")
+    path = Path(env) if env else ROOT / ".venv" / "hf4"
+    return path if (path / "transformers").is_dir() else None
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def parse_threads(text: str) -> list[int]:
+    out: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        n = usable_cores() if item == "all" else int(item)
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"thread counts must be >= 1, got {item!r}")
+        if n not in out:
+            out.append(n)
+    return out
+
+
+@dataclasses.dataclass
+class Unit:
+    """One worker process: a part of a topic at one thread count."""
+
+    module: object
+    part: str
+    transformers_major: int
+    threads: int
+    planned: list  # [(Case, method names)]
+
+    @property
+    def size(self) -> int:
+        return sum(len(ms) for _, ms in self.planned)
+
+    @property
+    def label(self) -> str:
+        return f"{self.module.TOPIC}/{self.part} thr={self.threads}"
+
+
+def _worker_env(unit: Unit, overlay: Path | None) -> dict:
+    env = dict(os.environ)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+             if p and (overlay is None or Path(p).resolve() != overlay.resolve())]
+    if unit.transformers_major == 4 and overlay is not None:
+        paths.insert(0, str(overlay))
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(unit.threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _unit_failed(unit: Unit, status: str, reason: str, device: str) -> list[H.Result]:
+    return [H.Result.for_case(case, m, status, reason=reason)
+            for case, methods in unit.planned for m in methods]
+
+
+def run_unit(unit: Unit, suite: str, device: str, bar: H.ProgressBar,
+             overlay: Path | None) -> list[H.Result]:
+    if unit.transformers_major == 4 and overlay is None:
+        bar.advance(unit.size, unit.label)
+        return _unit_failed(unit, "skipped", "transformers 4.57.6 overlay not found "
+                            "(.venv/hf4, made by `make venv`; or set POSENC_HF4)", device)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_json = Path(tmp) / "results.json"
+        cmd = [sys.executable, str(Path(unit.module.__file__).resolve()), "--part", unit.part,
+               "--suite", suite, "--threads", str(unit.threads), "--device", device,
+               "--results-json", str(out_json)]
+        proc = subprocess.Popen(cmd, env=_worker_env(unit, overlay), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, cwd=tmp)
+        tail: list[str] = []
+        reported = 0
+        for line in proc.stdout:
+            if line.startswith(H.PROGRESS_MARK):
+                info = json.loads(line[len(H.PROGRESS_MARK):])
+                reported += info["done"]
+                bar.advance(info["done"], info.get("label", ""))
+            elif line.strip():
+                tail = (tail + [line.rstrip()])[-12:]
+                bar.message(f"[{unit.label}] {line.rstrip()}")
+        code = proc.wait()
+        if code != 0 or not out_json.exists():
+            bar.advance(max(unit.size - reported, 0), unit.label)
+            last = next((t for t in reversed(tail) if t.strip()), "no output")
+            return _unit_failed(unit, "failed", f"worker exited with code {code}: {last}",
+                                device)
+        payload = json.loads(out_json.read_text())
+        return H.results_from_dicts(payload["results"])
+
+
+# ---------------------------------------------------------------------------------------
+# Targets.  Speed is never a unit test; the suite reports whether these hold.
+
+
+def _ok(results, **match) -> list[H.Result]:
+    return [r for r in results if r.status == "ok" and all(
+        (v(getattr(r, k)) if callable(v) else getattr(r, k) == v) for k, v in match.items())]
+
+
+def _target(name: str, rows: list[tuple[str, float | None]], bound: float, kind: str) -> dict:
+    """``kind`` "max": every value <= bound; "min": every value >= bound."""
+    values = [(label, v) for label, v in rows if v is not None]
+    if not values:
+        return {"target": name, "status": "NOT RUN", "detail": [],
+                "note": "no measured rows for this target in this run"}
+    good = all((v <= bound) if kind == "max" else (v >= bound) for _, v in values)
+    return {"target": name, "status": "PASS" if good else "MISS",
+            "detail": [f"{label}: {v:.2f}" for label, v in values]}
+
+
+def evaluate_targets(results: list[H.Result], threads: int) -> list[dict]:
+    """The project's speed targets (for the 2-core CPU, all threads)."""
+    base = {"threads": threads, "device": "cpu", "batch": 1}
+    long_seq = lambda t: t >= 4096  # noqa: E731
+    apply_rows = _ok(results, op="mrope", model="Qwen2-VL-7B", seq=long_seq, **base)
+    fused_rows = _ok(results, op="mrope_fused", model="Qwen2-VL-7B", seq=long_seq, **base)
+
+    def lab(r):
+        return f"T={r.seq} {r.dtype} {r.mode}"
+
+    out = []
+    out.append(_target(
+        "1. Qwen2-VL-7B MRoPE apply, T>=4096: forward and backward each <= 1.3x copy time",
+        [(lab(r), r.ratio_to_copy) for r in apply_rows
+         if r.method == "posenc" and r.mode in ("fwd", "bwd")], 1.3, "max"))
+    out.append(_target(
+        "1b. (same bound, fused apply_rope; for information) forward and backward <= 1.3x copy",
+        [(lab(r), r.ratio_to_copy) for r in fused_rows
+         if r.method == "posenc_fused" and r.mode in ("fwd", "bwd")], 1.3, "max"))
+    out.append(_target(
+        "2a. Qwen2-VL-7B MRoPE apply, T>=4096: forward+backward >= 5x faster than HF eager",
+        [(lab(r), r.posenc_speedup) for r in apply_rows
+         if r.method == "hf_eager" and r.mode == "fwdbwd"], 5.0, "min"))
+    out.append(_target(
+        "2b. ... and >= 1.5x faster than torch.compile of HF",
+        [(lab(r), r.posenc_speedup) for r in apply_rows
+         if r.method == "hf_compile" and r.mode == "fwdbwd"], 1.5, "min"))
+    out.append(_target(
+        "3. fused positions -> rotated q,k (Qwen2-VL-7B, T>=4096, forward) >= 3x faster than "
+        "compiled HF rotary module + apply",
+        [(lab(r), r.posenc_speedup) for r in fused_rows
+         if r.method == "hf_compile" and r.mode == "fwd"], 3.0, "min"))
+    out.append(_target(
+        "4. compute_mrope_position_ids >= 20x faster than HF get_rope_index (B=8, L=8192)",
+        [(f"B={r.batch} L={r.seq}", r.posenc_speedup)
+         for r in _ok(results, op="mrope_position_ids", batch=8, seq=8192, method="hf_eager",
+                      threads=threads)], 20.0, "min"))
+    return out
+
+
+def format_targets(targets: list[dict], threads: int, cores: int) -> str:
+    lines = ["", f"Targets (checked at {threads} threads on a {cores}-core CPU; the targets "
+                 "are stated for the 2-core development CPU):"]
+    for t in targets:
+        lines.append(f"  [{t['status']:>7}] {t['target']}")
+        if t["detail"]:
+            lines.append("            " + "; ".join(t["detail"]))
+        if t.get("note"):
+            lines.append(f"            {t['note']}")
+    return "\n".join(lines)
+
+
+def format_summary(results: list[H.Result]) -> str:
+    """One line per case: our time, ratio to copy and speed-up over each peer."""
+    lines = ["", "Summary (paired medians; 'x eager' = HF eager time / posenc time, etc.):",
+             f"{'op':<19}{'model':<14}{'B':>3}{'T':>7} {'dtype':<6}{'mode':<7}{'thr':>3} "
+             f"{'method':<14}{'ms':>9}{'x copy':>8}{'x eager':>9}{'x compile':>10}{'x liger':>8}"]
+    for key, rows in H.group_by_case(results).items():
+        case = H.Case(*key)
+        ok = {r.method: r for r in rows if r.status == "ok"}
+        ours = next((ok[m] for m in sorted(ok, key=lambda m: H.PRIMARY.get(m, 9))
+                     if m in H.PRIMARY), None)
+        if ours is None:
+            why = next((r.reason for r in rows if r.method.startswith("posenc")), "")
+            lines.append(f"{case.op:<19}{case.model:<14}{case.batch:>3}{case.seq:>7} "
+                         f"{case.dtype:<6}{case.mode:<7}{case.threads:>3}  posenc not timed: "
+                         f"{why[:70]}")
+            continue
+
+        def sp(name):
+            r = ok.get(name)
+            return f"{r.posenc_speedup:.2f}" if r and r.posenc_speedup else "-"
+
+        ratio = f"{ours.ratio_to_copy:.2f}" if ours.ratio_to_copy else "-"
+        lines.append(f"{case.op:<19}{case.model:<14}{case.batch:>3}{case.seq:>7} "
+                     f"{case.dtype:<6}{case.mode:<7}{case.threads:>3} {ours.method:<14}"
+                     f"{ours.median_ms:>9.3f}{ratio:>8}{sp('hf_eager'):>9}{sp('hf_compile'):>10}"
+                     f"{sp('liger'):>8}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def write_csv(path: Path, results: list[H.Result]) -> None:
+    names = [f.name for f in dataclasses.fields(H.Result)]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=names)
+        w.writeheader()
+        for r in results:
+            w.writerow(dataclasses.asdict(r))
+
+
+def _overlay_version(overlay: Path | None) -> str | None:
+    if overlay is None:
+        return None
+    found = sorted(overlay.glob("transformers-*.dist-info"))
+    return found[0].name[len("transformers-"):-len(".dist-info")] if found else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quick", dest="suite", action="store_const", const="quick",
+                   help="a small subset, a few minutes on 2 cores (default)")
+    g.add_argument("--full", dest="suite", action="store_const", const="full",
+                   help="the whole sweep: T = 1k..32k, fp32 and bf16")
+    p.add_argument("--topics", default=",".join(TOPICS),
+                   help=f"comma-separated subset of {','.join(TOPICS)} (default: all)")
+    p.add_argument("--threads", default=None,
+                   help="comma-separated thread counts, 'all' = every usable core "
+                        f"(default: {DEFAULT_THREADS['quick']} for --quick, "
+                        f"{DEFAULT_THREADS['full']} for --full)")
+    p.add_argument("--out", default=str(HERE / "results"),
+                   help="directory for <suite>.json/.csv and the plots (default: %(default)s)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu (default), or cuda to compare the peers (posenc_torch is CPU-only)")
+    p.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")
+    g.add_argument("--smoke", dest="suite", action="store_const", const="smoke",
+                   help=argparse.SUPPRESS)  # tiny sizes, for tests/test_benchmarks.py
+    p.set_defaults(suite="quick")
+    args = p.parse_args(argv)
+
+    topics = [t.strip() for t in args.topics.split(",") if t.strip()]
+    unknown = [t for t in topics if t not in TOPICS]
+    if unknown:
+        p.error(f"unknown topic(s) {unknown}; choose from {list(TOPICS)}")
+    threads = parse_threads(args.threads or DEFAULT_THREADS[args.suite])
+    overlay = hf4_overlay()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    units = []
+    for topic in topics:
+        module = TOPICS[topic]
+        for part, major in module.PARTS.items():
+            for n in threads:
+                opts = H.Options(part, args.suite, n, args.device, None)
+                units.append(Unit(module, part, major, n, module.plan(opts)))
+
+    started = H.now_iso()
+    machine = H.machine_info(args.device)
+    t0 = time.perf_counter()
+    bar = H.ProgressBar(sum(u.size for u in units))
+    bar.message(f"posenc_torch benchmarks ({args.suite}): topics {','.join(topics)}, threads "
+                f"{threads}, {sum(u.size for u in units)} measurements in {len(units)} workers")
+    results: list[H.Result] = []
+    for unit in units:
+        results.extend(run_unit(unit, args.suite, args.device, bar, overlay))
+    bar.close()
+    H.derive_ratios(results)
+
+    top = max(threads)
+    targets = evaluate_targets(results, top)
+    machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    versions = H.versions()
+    versions["transformers_4_overlay"] = _overlay_version(overlay)
+    payload = {
+        "suite": args.suite,
+        "command": "benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": started,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "machine": machine,
+        "threads": threads,
+        "versions": versions,
+        "timing": {
+            "policy": dataclasses.asdict(H.FULL if args.suite == "full" else H.QUICK),
+            "method": H.__doc__,
+        },
+        "models": {name: dataclasses.asdict(m) for name, m in H.MODELS.items()},
+        "targets": targets,
+        "results": [dataclasses.asdict(r) for r in results],
+    }
+    json_path = out_dir / f"{args.suite}.json"
+    json_path.write_text(json.dumps(payload, indent=1))
+    write_csv(out_dir / f"{args.suite}.csv", results)
+
+    print(H.format_table(results))
+    print(format_summary(results))
+    print(format_targets(targets, top, machine["usable_cores"]))
+    load = machine.get("load_average"), machine.get("load_average_end")
+    print(f"\nMachine: {machine['cpu']}, {machine['usable_cores']} cores, posenc ISA "
+          f"{machine['posenc_isa']}; load average at start/end {load[0]} / {load[1]} "
+          "(a load above the core count means other work shared the CPU: expect noise).")
+    print(f"Results: {json_path} and {json_path.with_suffix('.csv')}")
+
+    if not args.no_plots:
+        try:
+            import plot
+            made = plot.main([str(json_path)])
+            print(f"Plots: {made}")
+        except ImportError as exc:
+            print(f"Plots not drawn: {exc} (pip install matplotlib)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

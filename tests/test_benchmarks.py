@@ -1,0 +1,221 @@
+"""The benchmark harness itself: it checks outputs before timing, and the suite writes its
+results file and plots.  No timing is asserted anywhere."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import harness as H  # noqa: E402
+
+TINY = H.Model("tiny", heads=4, kv_heads=2, head_dim=16, rope_theta=10000.0)
+
+
+def _tiny_case(mode: str, dtype: str = "fp32") -> H.Case:
+    return H.Case("test", "rope", "tiny", 2, 8, dtype, mode, torch.get_num_threads())
+
+
+def _tiny_inputs(dtype=torch.float32):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf
+
+    _, _, q, k = H.qk_as_hf(2, 8, TINY, dtype)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16))
+    ang = torch.arange(8).float()[:, None] * inv_freq
+    emb = torch.cat((ang, ang), -1)[None]
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    return hf, q, k, cos, sin, gq, gk
+
+
+@pytest.fixture
+def broken_method(monkeypatch):
+    """A method whose rotation is wrong (it forgets rotate_half)."""
+    monkeypatch.setitem(H.METHODS, "broken", H.Method("broken", "q * cos only", "peer"))
+    return "broken"
+
+
+TINY_POLICY = H.TimingPolicy(min_run_time=0.0, min_rounds=2, max_time=1.0, block_time=1e-4,
+                             warmup=0)
+
+
+@pytest.mark.parametrize("mode", H.MODES)
+def test_run_case_checks_outputs_before_timing(mode, broken_method):
+    import posenc_torch
+
+    hf, q, k, cos, sin, gq, gk = _tiny_inputs()
+    with torch.no_grad():
+        ref_fwd = hf(q, k, cos, sin)
+    ref_grad = torch.autograd.grad(hf(q, k, cos, sin), (q, k), (gq, gk))
+    common = {"wrt": (q, k), "grad_outputs": (gq, gk)}
+
+    def build(name):
+        if name == "posenc":
+            return H.Workload(lambda: posenc_torch.apply_rotary_pos_emb(q, k, cos, sin), **common)
+        if name == "hf_eager":
+            return H.Workload(lambda: hf(q, k, cos, sin), **common)
+        if name == "broken":
+            return H.Workload(lambda: (q * cos[:, None], k * cos[:, None]), **common)
+        if name == "copy":
+            return H.copy_workload((q, k), (gq, gk))
+        raise KeyError(name)
+
+    names = ("posenc", "hf_eager", "broken", "copy")
+    results = {r.method: r for r in H.run_case(
+        _tiny_case(mode), names, build, ref_fwd if mode == "fwd" else ref_grad, TINY_POLICY,
+        floor=H.floor_bytes(q, k))}
+
+    assert results["broken"].status == "failed"
+    assert "not timed" in results["broken"].reason
+    assert results["broken"].median_ms is None and results["broken"].samples == 0
+    for name in ("posenc", "hf_eager", "copy"):
+        r = results[name]
+        assert r.status == "ok", r.reason
+        assert r.samples >= TINY_POLICY.min_rounds and r.median_ms > 0
+        assert r.p10_ms <= r.median_ms <= r.p90_ms
+        assert r.ratio_to_copy is not None
+    assert results["posenc"].max_rel_err <= H.VERIFY_TOL["fp32"]
+    assert results["copy"].max_rel_err is None  # the floor is not checked: it is a copy
+    assert results["hf_eager"].posenc_speedup is not None
+
+
+def test_backward_callable_returns_the_gradients():
+    hf, q, k, cos, sin, gq, gk = _tiny_inputs()
+    work = H.Workload(lambda: hf(q, k, cos, sin), wrt=(q, k), grad_outputs=(gq, gk))
+    expected = torch.autograd.grad(hf(q, k, cos, sin), (q, k), (gq, gk))
+    bwd = H.timed_callable(work, "bwd")
+    for _ in range(2):  # the retained graph serves every timed call
+        got = bwd()
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    got = H.timed_callable(work, "fwdbwd")()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_copy_floor_keeps_the_layout():
+    _, q, k, _, _, gq, gk = _tiny_inputs()
+    work = H.copy_workload((q, k), (gq, gk))
+    qc, kc = work.timed["fwd"]()
+    assert qc.stride() == q.stride() and kc.stride() == k.stride()
+    assert len(work.timed["fwdbwd"]()) == 4
+    assert H.floor_bytes(q, k) == 2 * (q.numel() + k.numel()) * 4
+
+
+def test_exact_comparison_and_failures_are_reported(broken_method):
+    ids = torch.arange(12).view(3, 4)
+
+    def build(name):
+        if name == "hf_eager":
+            return H.Workload(lambda: (ids.clone(),))
+        if name == "broken":
+            return H.Workload(lambda: (ids + 1,))
+        if name == "posenc":
+            raise NotImplementedError("not in this build")
+        if name == "copy":
+            raise RuntimeError("boom")
+        raise KeyError(name)
+
+    case = H.Case("test", "ids", "tiny", 3, 4, "int64", "fwd", 1)
+    results = {r.method: r for r in H.run_case(case, ("posenc", "hf_eager", "broken", "copy"),
+                                               build, (ids,), TINY_POLICY, exact=True)}
+    assert results["hf_eager"].status == "ok"
+    assert results["broken"].status == "failed" and "exact" in results["broken"].reason
+    assert results["posenc"].status == "skipped" and results["posenc"].reason == \
+        "not in this build"
+    assert results["copy"].status == "failed" and "boom" in results["copy"].reason
+
+
+def test_gpu_only_methods_are_skipped_with_a_reason_on_cpu():
+    reason = H.method_unavailable(H.METHODS["liger"], "cpu")
+    assert reason and "CPU" in reason
+    assert H.method_unavailable(H.METHODS["posenc"], "cuda") == "posenc_torch has CPU kernels only"
+
+
+def test_summary_statistics():
+    s = H.summarize([0.004, 0.001, 0.002, 0.003, 0.005])
+    assert s["median_ms"] == pytest.approx(3.0) and s["min_ms"] == pytest.approx(1.0)
+    assert s["p10_ms"] == pytest.approx(1.4) and s["p90_ms"] == pytest.approx(4.6)
+    assert s["iqr_ms"] == pytest.approx(2.0)
+    assert H.paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == pytest.approx(2.0)
+
+
+def test_driver_writes_results_and_plots(tmp_path):
+    """`run.py` on tiny sizes: results JSON/CSV with machine and versions, and the PNGs."""
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), "--smoke", "--topics", "rope", "--threads", "1",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads((tmp_path / "smoke.json").read_text())
+    for key in ("cpu", "cores", "posenc_isa", "load_average"):
+        assert key in payload["machine"]
+    assert "hostname" not in json.dumps(payload["machine"]).lower()
+    assert {"torch", "transformers", "posenc_torch"} <= set(payload["versions"])
+    rows = payload["results"]
+    fields = {f.name for f in dataclasses.fields(H.Result)}
+    assert rows and all(set(r) == fields for r in rows)
+    ok = {(r["op"], r["mode"], r["method"]) for r in rows if r["status"] == "ok"}
+    for op in ("rope", "rope_vision"):
+        for mode in H.MODES:
+            for method in ("posenc", "hf_eager", "hf_compile", "copy"):
+                assert (op, mode, method) in ok, (op, mode, method)
+    assert all(r["status"] == "skipped" for r in rows if r["method"] == "liger")
+    assert [t["target"][:2] for t in payload["targets"]] == ["1.", "1b", "2a", "2b", "3.", "4."]
+    assert (tmp_path / "smoke.csv").read_text().startswith("topic,op,model")
+    plots = sorted(p.name for p in (tmp_path / "plots-smoke").glob("*.png"))
+    assert "rope-Llama-3-8B-time.png" in plots and "rope-Llama-3-8B-ratio.png" in plots
+    assert all((tmp_path / "plots-smoke" / p).stat().st_size > 10_000 for p in plots)
+    assert "Targets" in proc.stdout and "posenc" in proc.stdout
+
+
+@pytest.mark.transformers4
+def test_positions_topic_checks_against_get_rope_index():
+    """Under transformers 4.57.6: HF get_rope_index is timed; posenc's function is either
+    absent (skipped, with the reason) or equal to it (else it is reported as failed)."""
+    import bench_positions
+
+    opts = H.Options("qwen2_vl", "smoke", 1, "cpu", None)
+    rep = H.Reporter(sum(len(m) for _, m in bench_positions.plan(opts)), to_driver=True)
+    bench_positions.run(opts, rep)
+    by = {r.method: r for r in rep.results}
+    assert by["hf_eager"].status == "ok"
+    assert by["posenc"].status in ("ok", "skipped"), by["posenc"].reason
+    if by["posenc"].status == "skipped":
+        assert "compute_mrope_position_ids" in by["posenc"].reason
+    ids, grids, mask = bench_positions.make_prompts(2, 256, 1)
+    assert int(mask[1].sum()) < 256 and (ids == bench_positions.IMAGE_PAD).sum() == \
+        int((grids[:, 0] * grids[:, 1] * grids[:, 2]).sum()) // 4
+
+
+def test_plots_of_a_sweep(tmp_path):
+    """plot.py draws lines for a sequence sweep and both thread counts, from the file only."""
+    pytest.importorskip("matplotlib")
+    import plot
+
+    def row(method, seq, threads, ms):
+        case = H.Case("mrope", "mrope", "Qwen2-VL-7B", 1, seq, "bf16", "fwd", threads)
+        return dataclasses.asdict(H.Result.for_case(
+            case, method, "ok", median_ms=ms, p10_ms=0.9 * ms, p90_ms=1.1 * ms, min_ms=0.8 * ms,
+            ratio_to_copy=ms / seq * 1e3 if method != "copy" else 1.0))
+
+    rows = [row(m, t, n, t / 1e3 * f * (2 if n == 1 else 1))
+            for m, f in (("posenc", 1.2), ("hf_eager", 8.0), ("copy", 1.0))
+            for t in (1024, 4096, 16384) for n in (1, 2)]
+    rows.append(dataclasses.asdict(H.Result.for_case(
+        H.Case("positions", "mrope_position_ids", "Qwen2-VL-7B", 8, 8192, "int64", "fwd", 2),
+        "hf_eager", "ok", median_ms=5.0, p10_ms=4.0, p90_ms=6.0)))
+    payload = {"suite": "test", "date": "2026-01-01T00:00:00+00:00",
+               "machine": {"cpu": "test cpu", "usable_cores": 2, "posenc_isa": "avx2"},
+               "versions": {"torch": torch.__version__, "posenc_torch": "0"}, "results": rows}
+    path = tmp_path / "test.json"
+    path.write_text(json.dumps(payload))
+    made = sorted(Path(p).name for p in plot.main([str(path), "--out", str(tmp_path / "png")]))
+    assert made == ["mrope-Qwen2-VL-7B-ratio.png", "mrope-Qwen2-VL-7B-time.png",
+                    "other-time.png"]
