@@ -27,6 +27,7 @@ typedef struct pe_row_plan {
     uint8_t *chan_axis;      /* R: axis of channel e */
     int64_t nruns;           /* channels as runs of one axis: [run_start[i], run_start[i+1]) */
     int64_t *run_start;      /* nruns + 1 entries */
+    int stream;              /* outputs large enough for streaming stores */
     int64_t *slot_pos_off;   /* R/2: position offset of slot i's axis */
 } pe_row_plan;
 
@@ -98,11 +99,17 @@ PE_INLINE pe_vf vx_load(const char *p, pe_dtype dt) {
     if (dt == PE_FLOAT16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
+PE_INLINE void vx_store16(char *p, __m256i v, int nt) {
+    if (nt) _mm256_stream_si256((__m256i *)p, v);
+    else _mm256_storeu_si256((__m256i *)p, v);
+}
+/* nt: non-temporal (streaming) store; p must then be aligned to the vector size */
+PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt, int nt) {
     if (dt == PE_FLOAT32) {
-        _mm512_storeu_ps((float *)p, v);
+        if (nt) _mm512_stream_ps((float *)p, v);
+        else _mm512_storeu_ps((float *)p, v);
     } else if (dt == PE_FLOAT16) {
-        _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        vx_store16(p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT), nt);
     } else { /* bf16: round to nearest even on the bits; NaN stays a (quiet) NaN */
         const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
         const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
@@ -110,7 +117,7 @@ PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
         r = _mm512_srli_epi32(r, 16);
         r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
                                   _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-        _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+        vx_store16(p, _mm512_cvtepi32_epi16(r), nt);
     }
 }
 #elif defined(__AVX2__) && defined(__F16C__)
@@ -127,11 +134,16 @@ PE_INLINE pe_vf vx_load(const char *p, pe_dtype dt) {
     if (dt == PE_FLOAT16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
+PE_INLINE void vx_store16(char *p, __m128i v, int nt) {
+    if (nt) _mm_stream_si128((__m128i *)p, v);
+    else _mm_storeu_si128((__m128i *)p, v);
+}
+PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt, int nt) {
     if (dt == PE_FLOAT32) {
-        _mm256_storeu_ps((float *)p, v);
+        if (nt) _mm256_stream_ps((float *)p, v);
+        else _mm256_storeu_ps((float *)p, v);
     } else if (dt == PE_FLOAT16) {
-        _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        vx_store16(p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT), nt);
     } else { /* bf16, as above; packus keeps the 16-bit results, permute joins the lanes */
         const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
         const __m256i odd = _mm256_and_si256(hi, _mm256_set1_epi32(1));
@@ -140,7 +152,7 @@ PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
         r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)),
                                _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
         r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
-        _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(r));
+        vx_store16(p, _mm256_castsi256_si128(r), nt);
     }
 }
 #else
@@ -165,14 +177,14 @@ PE_INLINE void sx_store(char *p, float v, pe_dtype dt) {
 
 /* out[e] = x[e] c[e] + x[e+h] ss[e],  out[e+h] = x[e+h] c[e+h] + x[e] ss[e+h] */
 PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const float *restrict c,
-                            const float *restrict ss, int64_t h, pe_dtype dt) {
+                            const float *restrict ss, int64_t h, pe_dtype dt, int nt) {
     const int64_t es = dt == PE_FLOAT32 ? 4 : 2, hb = h * es;
     int64_t e = 0;
 #ifdef PE_VW
     for (; e + PE_VW <= h; e += PE_VW) {
         const pe_vf x0 = vx_load(x + e * es, dt), x1 = vx_load(x + e * es + hb, dt);
-        vx_store(o + e * es, vf_rot(x0, vf_load(c + e), x1, vf_load(ss + e)), dt);
-        vx_store(o + e * es + hb, vf_rot(x1, vf_load(c + e + h), x0, vf_load(ss + e + h)), dt);
+        vx_store(o + e * es, vf_rot(x0, vf_load(c + e), x1, vf_load(ss + e)), dt, nt);
+        vx_store(o + e * es + hb, vf_rot(x1, vf_load(c + e + h), x0, vf_load(ss + e + h)), dt, nt);
     }
 #endif
     for (; e < h; ++e) {
@@ -182,9 +194,22 @@ PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const floa
     }
 }
 
+/*
+ * Streaming (non-temporal) stores skip reading the output lines before writing them, which
+ * a large output would otherwise pay for in memory traffic; every vector store must then be
+ * aligned, so rows whose starts or halves are not 64-byte aligned use ordinary stores.
+ */
 PE_INLINE void rot_half_rows(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
-                             const float *c, const float *ss, int64_t h, pe_dtype dt) {
-    for (int64_t hd = 0; hd < nh; ++hd) rot_half_row(x + hd * xs, o + hd * os, c, ss, h, dt);
+                             const float *c, const float *ss, int64_t h, pe_dtype dt, int stream) {
+    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
+    const int aligned = (uintptr_t)o % 64 == 0 && (os * es) % 64 == 0 && (h * es) % 64 == 0;
+    if (stream && aligned) {
+        for (int64_t hd = 0; hd < nh; ++hd)
+            rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt, 1);
+    } else {
+        for (int64_t hd = 0; hd < nh; ++hd)
+            rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt, 0);
+    }
 }
 
 #ifdef PE_VW
@@ -192,7 +217,8 @@ PE_INLINE void rot_half_rows(const char *x, int64_t xs, char *o, int64_t os, int
 PE_INLINE void to_f32_vec(float *restrict dst, const char *restrict src, int64_t n, pe_dtype dt) {
     const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
     int64_t i = 0;
-    for (; i + PE_VW <= n; i += PE_VW) vx_store((char *)(dst + i), vx_load(src + i * es, dt), PE_FLOAT32);
+    for (; i + PE_VW <= n; i += PE_VW)
+        vx_store((char *)(dst + i), vx_load(src + i * es, dt), PE_FLOAT32, 0);
     for (; i < n; ++i) dst[i] = sx_load(src + i * es, dt);
 }
 
@@ -210,26 +236,33 @@ static int load_f32_vec(float *dst, const void *src, pe_dtype dt, int64_t n) {
 /* Rotates the nh heads of one token (head strides xs, os in elements) if the fast rows
  * cover the dtype; returns 1 if so.  head_dim 128 (h = 64) gets a fully unrolled copy. */
 static int rot_half_heads(const void *in, int64_t xs, void *out, int64_t os, int64_t nh,
-                          pe_dtype dt, const float *c, const float *ss, int64_t R) {
+                          pe_dtype dt, const float *c, const float *ss, int64_t R, int stream) {
     const char *x = (const char *)in;
     char *o = (char *)out;
     const int64_t h = R / 2;
     switch (dt) {
     case PE_FLOAT32:
-        if (h == 64) rot_half_rows(x, 4 * xs, o, 4 * os, nh, c, ss, 64, PE_FLOAT32);
-        else rot_half_rows(x, 4 * xs, o, 4 * os, nh, c, ss, h, PE_FLOAT32);
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT32, stream);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT32, stream);
         return 1;
     case PE_BFLOAT16:
-        if (h == 64) rot_half_rows(x, 2 * xs, o, 2 * os, nh, c, ss, 64, PE_BFLOAT16);
-        else rot_half_rows(x, 2 * xs, o, 2 * os, nh, c, ss, h, PE_BFLOAT16);
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_BFLOAT16, stream);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16, stream);
         return 1;
     case PE_FLOAT16:
-        if (h == 64) rot_half_rows(x, 2 * xs, o, 2 * os, nh, c, ss, 64, PE_FLOAT16);
-        else rot_half_rows(x, 2 * xs, o, 2 * os, nh, c, ss, h, PE_FLOAT16);
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT16, stream);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT16, stream);
         return 1;
     default:
         return 0;
     }
+}
+
+/* Orders this thread's streaming stores before the call returns. */
+static inline void store_fence(void) {
+#ifdef PE_VW
+    _mm_sfence();
+#endif
 }
 
 #define REAL float
@@ -262,6 +295,7 @@ static int plan_make(const pe_rope_args *a, pe_row_plan *p) {
     const pe_rope_source *src = &a->src;
     const uint8_t *axis = src->axis_of_slot;
     p->axes = axis ? 3 : 1;
+    p->stream = 0;
     p->chan_axis = (uint8_t *)calloc((size_t)R + 1, 1);
     p->slot_pos_off = (int64_t *)calloc((size_t)nslot + 1, sizeof(int64_t));
     p->run_start = (int64_t *)calloc((size_t)R + 1, sizeof(int64_t));
@@ -291,6 +325,10 @@ int PE_ISA_FN(pe_rope_apply)(const pe_rope_args *a) {
     pe_row_plan plan;
     int rc = plan_make(a, &plan);
     if (rc) return rc;
+    const int64_t rows = a->batch * a->seq, D = a->head_dim;
+    plan.stream = rows * D * (a->q.heads * (int64_t)pe_dtype_size(a->q.out_dtype) +
+                              a->k.heads * (int64_t)pe_dtype_size(a->k.out_dtype)) >=
+                  PE_STREAM_BYTES;
     rc = wants_f64(a, PE_FLOAT32) ? apply_f64(a, &plan) : apply_f32(a, &plan);
     plan_free(&plan);
     return rc;
