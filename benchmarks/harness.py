@@ -129,7 +129,10 @@ def decode(model: str, dtypes: tuple[str, ...] = BOTH, op: str = "") -> Sweep:
 
 @dataclass(frozen=True)
 class Case:
-    """One measured configuration; ``name`` reads like ``MROPE(Qwen2-VL-7B,B=1,T=4096,bf16,fwd,thr=2)``."""
+    """One measured configuration.
+
+    ``name`` reads like ``MROPE(Qwen2-VL-7B,B=1,T=4096,bf16,fwd,thr=2)``.
+    """
 
     topic: str
     op: str
@@ -801,7 +804,8 @@ def format_table(results: list[Result]) -> str:
     for key, rows in group_by_case(results).items():
         r0 = rows[0]
         lines.append("")
-        lines.append(f"== {Case(*key).name}  [{r0.transformers and 'transformers ' + r0.transformers}]")
+        hf = f"  [transformers {r0.transformers}]" if r0.transformers else ""
+        lines.append(f"== {Case(*key).name}{hf}")
         lines.append(head)
         for r in sorted(rows, key=lambda r: (METHODS[r.method].role != "posenc", r.method)):
             if r.status == "ok":

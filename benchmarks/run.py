@@ -96,7 +96,7 @@ def _worker_env(unit: Unit, overlay: Path | None) -> dict:
     return env
 
 
-def _unit_failed(unit: Unit, status: str, reason: str, device: str) -> list[H.Result]:
+def _unit_failed(unit: Unit, status: str, reason: str) -> list[H.Result]:
     return [H.Result.for_case(case, m, status, reason=reason)
             for case, methods in unit.planned for m in methods]
 
@@ -106,7 +106,7 @@ def run_unit(unit: Unit, suite: str, device: str, bar: H.ProgressBar,
     if unit.transformers_major == 4 and overlay is None:
         bar.advance(unit.size, unit.label)
         return _unit_failed(unit, "skipped", "transformers 4.57.6 overlay not found "
-                            "(.venv/hf4, made by `make venv`; or set POSENC_HF4)", device)
+                            "(.venv/hf4, made by `make venv`; or set POSENC_HF4)")
     with tempfile.TemporaryDirectory() as tmp:
         out_json = Path(tmp) / "results.json"
         cmd = [sys.executable, str(Path(unit.module.__file__).resolve()), "--part", unit.part,
@@ -128,8 +128,7 @@ def run_unit(unit: Unit, suite: str, device: str, bar: H.ProgressBar,
         if code != 0 or not out_json.exists():
             bar.advance(max(unit.size - reported, 0), unit.label)
             last = next((t for t in reversed(tail) if t.strip()), "no output")
-            return _unit_failed(unit, "failed", f"worker exited with code {code}: {last}",
-                                device)
+            return _unit_failed(unit, "failed", f"worker exited with code {code}: {last}")
         payload = json.loads(out_json.read_text())
         return H.results_from_dicts(payload["results"])
 
