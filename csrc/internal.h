@@ -17,6 +17,10 @@
  * for the attention that reads them next. */
 #define PE_STREAM_BYTES ((int64_t)32 << 20)
 
+/* Tokens per tile when the heads are the outer dimension in memory: the tile's cos/sin
+ * rows (fp32) stay in L1 while each head's rows of the tile are rotated. */
+#define PE_TOKEN_TILE 16
+
 /* Chunk of a dynamically scheduled loop of n items on nt threads: about 8 chunks per
  * thread, so a thread that starts late (a busy machine) hands its share to the others. */
 static inline int64_t pe_chunk(int64_t n, int nt) {

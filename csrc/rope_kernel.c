@@ -120,6 +120,28 @@ PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt, int nt) {
         vx_store16(p, _mm512_cvtepi32_epi16(r), nt);
     }
 }
+/* The first n < 16 lanes, for row tails (head_dim 80: 40 = 2 x 16 + 8). */
+#define PE_VTAIL 1
+PE_INLINE pe_vf vf_load_n(const float *p, int64_t n) {
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
+PE_INLINE pe_vf vx_load_n(const char *p, pe_dtype dt, int64_t n) {
+    const __mmask16 m = (__mmask16)((1u << n) - 1);
+    if (dt == PE_FLOAT32) return _mm512_maskz_loadu_ps(m, (const float *)p);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    if (dt == PE_FLOAT16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+PE_INLINE void vx_store_n(char *p, pe_vf v, pe_dtype dt, int64_t n) {
+    const __mmask16 m = (__mmask16)((1u << n) - 1);
+    if (dt == PE_FLOAT32) {
+        _mm512_mask_storeu_ps((float *)p, m, v);
+        return;
+    }
+    char tmp[32];
+    vx_store(tmp, v, dt, 0);
+    _mm256_mask_storeu_epi16(p, m, _mm256_loadu_si256((const __m256i *)tmp));
+}
 #elif defined(__AVX2__) && defined(__F16C__)
 #define PE_VW 8
 typedef __m256 pe_vf;
@@ -185,6 +207,16 @@ PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const floa
         const pe_vf x0 = vx_load(x + e * es, dt), x1 = vx_load(x + e * es + hb, dt);
         vx_store(o + e * es, vf_rot(x0, vf_load(c + e), x1, vf_load(ss + e)), dt, nt);
         vx_store(o + e * es + hb, vf_rot(x1, vf_load(c + e + h), x0, vf_load(ss + e + h)), dt, nt);
+    }
+#endif
+#ifdef PE_VTAIL
+    if (e < h) {
+        const int64_t n = h - e;
+        const pe_vf x0 = vx_load_n(x + e * es, dt, n), x1 = vx_load_n(x + e * es + hb, dt, n);
+        vx_store_n(o + e * es, vf_rot(x0, vf_load_n(c + e, n), x1, vf_load_n(ss + e, n)), dt, n);
+        vx_store_n(o + e * es + hb,
+                   vf_rot(x1, vf_load_n(c + e + h, n), x0, vf_load_n(ss + e + h, n)), dt, n);
+        return;
     }
 #endif
     for (; e < h; ++e) {
