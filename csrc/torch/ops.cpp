@@ -517,6 +517,22 @@ Tensor vision_position_ids_cpu(const Tensor& grid_thw, int64_t spatial_merge_siz
     return out;
 }
 
+// posenc::sinusoidal has no tensor inputs, so no backend key selects a kernel: it is
+// registered under CompositeExplicitAutograd, which also serves calls without a key.
+Tensor sinusoidal_impl(int64_t num_positions, int64_t dim, double base, at::ScalarType dtype) {
+    TORCH_CHECK(num_positions >= 0, "num_positions must be >= 0, got ", num_positions);
+    TORCH_CHECK(dim >= 1, "dim must be >= 1, got ", dim);
+    TORCH_CHECK(num_positions <= INT64_MAX / dim, "num_positions * dim overflows: ",
+                num_positions, " * ", dim);
+    TORCH_CHECK(std::isfinite(base) && base > 0.0, "base must be finite and > 0, got ", base);
+    const pe_dtype odt = to_pe_dtype(dtype, "dtype");
+    Tensor out = at::empty({num_positions, dim}, at::TensorOptions().dtype(dtype));
+    check_status(pe_sinusoidal(num_positions, dim, base, odt, out.mutable_data_ptr(),
+                               num_threads()),
+                 "posenc::sinusoidal");
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(posenc, m) {
@@ -534,6 +550,7 @@ TORCH_LIBRARY(posenc, m) {
           "int video_token_id, int vision_start_token_id, int spatial_merge_size, "
           "float tokens_per_second) -> (Tensor, Tensor)");
     m.def("vision_position_ids(Tensor grid_thw, int spatial_merge_size) -> Tensor");
+    m.def("sinusoidal(SymInt num_positions, SymInt dim, float base, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
@@ -543,32 +560,6 @@ TORCH_LIBRARY_IMPL(posenc, CPU, m) {
     m.impl("rope_tables", &rope_tables_cpu);
     m.impl("mrope_position_ids", &mrope_position_ids_cpu);
     m.impl("vision_position_ids", &vision_position_ids_cpu);
-}
-
-// ---- posenc::sinusoidal: the absolute (Vaswani) position table.  It has no tensor inputs,
-// so no backend key selects a kernel: the implementation is registered under
-// CompositeExplicitAutograd, which also serves calls without any dispatch key.
-
-namespace {
-
-Tensor sinusoidal_impl(int64_t num_positions, int64_t dim, double base, at::ScalarType dtype) {
-    TORCH_CHECK(num_positions >= 0, "num_positions must be >= 0, got ", num_positions);
-    TORCH_CHECK(dim >= 1, "dim must be >= 1, got ", dim);
-    TORCH_CHECK(num_positions <= INT64_MAX / dim, "num_positions * dim overflows: ",
-                num_positions, " * ", dim);
-    TORCH_CHECK(std::isfinite(base) && base > 0.0, "base must be finite and > 0, got ", base);
-    const pe_dtype odt = to_pe_dtype(dtype, "dtype");
-    Tensor out = at::empty({num_positions, dim}, at::TensorOptions().dtype(dtype));
-    check_status(pe_sinusoidal(num_positions, dim, base, odt, out.mutable_data_ptr(),
-                               num_threads()),
-                 "posenc::sinusoidal");
-    return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(posenc, m) {
-    m.def("sinusoidal(SymInt num_positions, SymInt dim, float base, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
