@@ -41,7 +41,7 @@ APPLY_PLAN = {
     "smoke": [H.Sweep(_QWEN2, 1, (64,), ("fp32",))],
 }
 FUSED_PLAN = {
-    "quick": [H.Sweep(_QWEN2, 1, (4096,))],
+    "quick": [H.Sweep(_QWEN2, 1, (4096,)), H.Sweep(_QWEN2, 1, (8192,), ("bf16",), ("fwd", "fwdbwd"))],
     "full": [H.Sweep(_QWEN2, 1, H.SEQ_FULL), H.Sweep(_QWEN3, 1, H.SEQ_FULL)],
     "smoke": [H.Sweep(_QWEN2, 1, (64,), ("fp32",))],
 }
