@@ -41,6 +41,16 @@ def _title(payload: dict) -> str:
             f"{v['torch']}, posenc_torch {v['posenc_torch']}, {payload['date'][:10]}")
 
 
+def _metric_axis(ax, metric: str) -> None:
+    """y label; for ratios also the copy floor (1x) and the 1.3x target line."""
+    if metric == "ratio":
+        ax.axhline(1.0, color=COLORS["copy"], lw=1)
+        ax.axhline(1.3, color=COLORS["copy"], lw=0.8, ls=":")
+        ax.set_ylabel("time / copy time")
+    else:
+        ax.set_ylabel("median time (ms)")
+
+
 def _plain_log_axis(ax) -> None:
     """Log scale with tick labels like 2, 5, 10 (not 2x10^0)."""
     from matplotlib.ticker import FormatStrFormatter, FuncFormatter
@@ -77,12 +87,7 @@ def _bars(ax, sel: list[dict], metric: str, threads: list[int]) -> None:
     _plain_log_axis(ax)
     seq = sel[0]["seq"] if sel else ""
     ax.set_xlabel(f"T = {seq}")
-    if metric == "ratio":
-        ax.axhline(1.0, color=COLORS["copy"], lw=1)
-        ax.axhline(1.3, color=COLORS["copy"], lw=0.8, ls=":")
-        ax.set_ylabel("time / copy time")
-    else:
-        ax.set_ylabel("median time (ms)")
+    _metric_axis(ax, metric)
     ax.grid(True, axis="y", which="both", alpha=0.3)
 
 
@@ -126,12 +131,7 @@ def _sweep_figure(plt, rows: list[dict], op: str, model: str, metric: str, title
             ax.set_xticks(seqs, [f"{t // 1024}k" if t >= 1024 else str(t) for t in seqs])
             ax.minorticks_off()
             _plain_log_axis(ax)
-            if metric == "ratio":
-                ax.axhline(1.0, color=COLORS["copy"], lw=1)
-                ax.axhline(1.3, color=COLORS["copy"], lw=0.8, ls=":")
-                ax.set_ylabel("time / copy time")
-            else:
-                ax.set_ylabel("median time (ms)")
+            _metric_axis(ax, metric)
             ax.set_xlabel("sequence length T")
             ax.grid(True, which="both", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
