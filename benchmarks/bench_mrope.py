@@ -48,11 +48,11 @@ FUSED_PLAN = {
 
 
 def _apply_groups(opts: H.Options):
-    return [g[1:] for g in H.expand(APPLY_PLAN[opts.suite])]
+    return [g[1:] for g in H.expand(APPLY_PLAN[opts.suite], opts.seqs)]
 
 
 def _fused_groups(opts: H.Options):
-    return [g[1:] for g in H.expand(FUSED_PLAN[opts.suite])]
+    return [g[1:] for g in H.expand(FUSED_PLAN[opts.suite], opts.seqs)]
 
 
 def plan(opts: H.Options):

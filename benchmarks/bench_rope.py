@@ -35,7 +35,7 @@ PLAN = {
 
 def _groups(opts: H.Options):
     """(op, model, batch, seq, dtype, modes) of every input group of this part."""
-    return H.expand(PLAN[opts.suite])
+    return H.expand(PLAN[opts.suite], opts.seqs)
 
 
 def _case(opts, op, model, b, t, dtype, mode) -> H.Case:

@@ -39,7 +39,7 @@ PLAN = {
 
 def _groups(opts: H.Options):
     """(model, batch, seq, dtype, modes) of every input group."""
-    return [g[1:] for g in H.expand(PLAN[opts.suite])]
+    return [g[1:] for g in H.expand(PLAN[opts.suite], opts.seqs)]
 
 
 def make_case(opts, topic, op, model, b, t, dtype, mode) -> H.Case:

@@ -114,7 +114,12 @@ class Sweep:
                 for dt in self.dtypes for t in self.seqs]
 
 
-def expand(sweeps: Sequence[Sweep]):
+def expand(sweeps: Sequence[Sweep], seqs: Sequence[int] | None = None):
+    """The input groups of a plan; ``seqs`` (``run.py --seq``) replaces the sequence
+    lengths of every sweep except the decode steps (T = 1)."""
+    if seqs:
+        sweeps = [s if s.seqs == (1,) else dataclasses.replace(s, seqs=tuple(seqs))
+                  for s in sweeps]
     return [g for s in sweeps for g in s.groups()]
 
 
@@ -648,11 +653,11 @@ class Options:
     threads: int
     device: str
     out: str | None
+    seqs: tuple[int, ...] | None = None  # run.py --seq: sequence lengths instead of the plan's
 
     @property
     def policy(self) -> TimingPolicy:
         return POLICIES[self.suite]
-
 
 
 class Reporter:
@@ -694,11 +699,13 @@ def worker_main(topic_module, argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--results-json", help="where the worker writes its results")
+    p.add_argument("--seq", default=None, help="comma-separated sequence lengths (run.py --seq)")
     args = p.parse_args(argv)
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     configure_dynamo()
-    opts = Options(args.part, args.suite, threads, args.device, args.results_json)
+    seqs = tuple(int(t) for t in args.seq.split(",")) if args.seq else None
+    opts = Options(args.part, args.suite, threads, args.device, args.results_json, seqs)
     plan = topic_module.plan(opts)
     reporter = Reporter(sum(len(ms) for _, ms in plan), to_driver=args.results_json is not None)
     topic_module.run(opts, reporter)

@@ -180,7 +180,7 @@ def _other_figure(plt, rows: list[dict], title: str):
 def main(argv: Sequence[str] | None = None) -> list[str]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("results", help="a results JSON written by run.py")
-    p.add_argument("--out", help="plot directory (default: plots-<suite>/ beside the file)")
+    p.add_argument("--out", help="plot directory (default: plots-<file name>/ beside the file)")
     args = p.parse_args(argv)
 
     import matplotlib
@@ -190,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
 
     path = Path(args.results)
     payload = json.loads(path.read_text())
-    out = Path(args.out) if args.out else path.parent / f"plots-{payload['suite']}"
+    out = Path(args.out) if args.out else path.parent / f"plots-{path.stem}"
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):
         old.unlink()

@@ -102,7 +102,7 @@ def _unit_failed(unit: Unit, status: str, reason: str) -> list[H.Result]:
 
 
 def run_unit(unit: Unit, suite: str, device: str, bar: H.ProgressBar,
-             overlay: Path | None) -> list[H.Result]:
+             overlay: Path | None, seqs: tuple[int, ...] | None = None) -> list[H.Result]:
     if unit.transformers_major == 4 and overlay is None:
         bar.advance(unit.size, unit.label)
         return _unit_failed(unit, "skipped", "transformers 4.57.6 overlay not found "
@@ -112,6 +112,8 @@ def run_unit(unit: Unit, suite: str, device: str, bar: H.ProgressBar,
         cmd = [sys.executable, str(Path(unit.module.__file__).resolve()), "--part", unit.part,
                "--suite", suite, "--threads", str(unit.threads), "--device", device,
                "--results-json", str(out_json)]
+        if seqs:
+            cmd += ["--seq", ",".join(map(str, seqs))]
         proc = subprocess.Popen(cmd, env=_worker_env(unit, overlay), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, cwd=tmp)
         tail: list[str] = []
@@ -272,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu (default), or cuda to compare the peers (posenc_torch is CPU-only)")
     p.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")
+    p.add_argument("--seq", default=None,
+                   help="comma-separated sequence lengths replacing the suite's (decode steps "
+                        "and position-id cases stay); results go to <suite>-T<seqs>.json")
     g.add_argument("--smoke", dest="suite", action="store_const", const="smoke",
                    help=argparse.SUPPRESS)  # tiny sizes, for tests/test_benchmarks.py
     p.set_defaults(suite="quick")
@@ -282,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown topic(s) {unknown}; choose from {list(TOPICS)}")
     threads = parse_threads(args.threads or DEFAULT_THREADS[args.suite])
+    seqs = tuple(int(t) for t in args.seq.split(",")) if args.seq else None
+    run_name = args.suite + (f"-T{'_'.join(map(str, seqs))}" if seqs else "")
     overlay = hf4_overlay()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -291,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         module = TOPICS[topic]
         for part, major in module.PARTS.items():
             for n in threads:
-                opts = H.Options(part, args.suite, n, args.device, None)
+                opts = H.Options(part, args.suite, n, args.device, None, seqs)
                 units.append(Unit(module, part, major, n, module.plan(opts)))
 
     started = H.now_iso()
@@ -302,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{threads}, {sum(u.size for u in units)} measurements in {len(units)} workers")
     results: list[H.Result] = []
     for unit in units:
-        results.extend(run_unit(unit, args.suite, args.device, bar, overlay))
+        results.extend(run_unit(unit, args.suite, args.device, bar, overlay, seqs))
     bar.close()
     H.derive_ratios(results)
 
@@ -327,9 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "targets": targets,
         "results": [dataclasses.asdict(r) for r in results],
     }
-    json_path = out_dir / f"{args.suite}.json"
+    json_path = out_dir / f"{run_name}.json"
     json_path.write_text(json.dumps(payload, indent=1))
-    write_csv(out_dir / f"{args.suite}.csv", results)
+    write_csv(out_dir / f"{run_name}.csv", results)
 
     print(H.format_table(results))
     print(format_summary(results))
