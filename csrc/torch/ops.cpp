@@ -203,17 +203,16 @@ TensorPair rope_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& cos_in
     }
     const int32_t qd = q_dtype ? dtype_code(*q_dtype) : result_type(qm.dtype, cm.dtype);
     const int32_t kd = k_dtype ? dtype_code(*k_dtype) : result_type(km.dtype, cm.dtype);
-    Tensor q_out = output_like(q_in, qm, qd);
-    Tensor k_out = output_like(k_in, km, kd);
-    const Meta qom(q_out), kom(k_out);
-    to_pe_dtype(qom.dtype, "q_dtype");
-    to_pe_dtype(kom.dtype, "k_dtype");
+    to_pe_dtype(qd, "q_dtype");
+    to_pe_dtype(kd, "k_dtype");
+    const Output q_out = output_like(q_in, qm, qd);
+    const Output k_out = output_like(k_in, km, kd);
 
     set_table_source(a.src, cos.t, cos.m, sin.t, Bc, map);
-    bind(a.q, q.t, q.m, q_out, qom, "q");
-    bind(a.k, k.t, k.m, k_out, kom, "k");
+    bind(a.q, q.t, q.m, q_out.t, q_out.m, "q");
+    bind(a.k, k.t, k.m, k_out.t, k_out.m, "k");
     check_status(run_rope_apply(q_in, a), "posenc::rope");
-    return {q_out, k_out};
+    return {q_out.t, k_out.t};
 }
 
 TensorPair rope_table_grad_cpu(const Tensor& grad_q_in, const Tensor& grad_k_in,
@@ -321,12 +320,12 @@ TensorPair rope_fused_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& 
     PositionSource ps = position_source(a.src, position_ids, inv_freq, mrope_section, interleaved,
                                         attention_scaling, a.batch, a.seq);
     const Dense q(q_in, qm), k(k_in, km);
-    Tensor q_out = output_like(q_in, qm, qm.dtype);
-    Tensor k_out = output_like(k_in, km, km.dtype);
-    bind(a.q, q.t, q.m, q_out, Meta(q_out), "q");
-    bind(a.k, k.t, k.m, k_out, Meta(k_out), "k");
+    const Output q_out = output_like(q_in, qm, qm.dtype);
+    const Output k_out = output_like(k_in, km, km.dtype);
+    bind(a.q, q.t, q.m, q_out.t, q_out.m, "q");
+    bind(a.k, k.t, k.m, k_out.t, k_out.m, "k");
     check_status(run_rope_apply(q_in, a), "posenc::rope_fused");
-    return {q_out, k_out};
+    return {q_out.t, k_out.t};
 }
 
 TensorPair rope_tables_cpu(const Tensor& position_ids, const Tensor& inv_freq,

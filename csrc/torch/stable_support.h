@@ -276,11 +276,15 @@ inline Tensor empty(IntList sizes, ScalarType dtype, const Tensor& on) {
     return empty(sizes, dtype_code(dtype), Meta(on));
 }
 
-// empty_like(x, dtype) with torch's layout rule: x's strides when x is non-overlapping and
-// dense, else whatever torch picks (asked from torch, off the fast path).
-inline Tensor empty_like(const Tensor& x, const Meta& m, int32_t dtype) {
-    if (non_overlapping_and_dense(m.sizes, m.strides))
-        return empty_strided(m.sizes, m.strides, dtype, m.device_type, m.device_index);
+// A new tensor and its metadata.
+struct Output {
+    Tensor t;
+    Meta m;
+};
+
+// empty_like(x) in dtype, asked from torch (for inputs that are not non-overlapping and
+// dense, where torch's choice of layout is not reproduced here).
+inline Tensor torch_empty_like(const Tensor& x, int32_t dtype) {
     std::array<StableIValue, 6> stack{
         torch::stable::detail::from(x),
         torch::stable::detail::from(std::optional<ScalarType>(scalar_type(dtype))),
@@ -293,13 +297,24 @@ inline Tensor empty_like(const Tensor& x, const Meta& m, int32_t dtype) {
     return torch::stable::detail::to<Tensor>(stack[0]);
 }
 
-// Output of x's shape in dtype, laid out like x (empty_like) when that gives the unit
-// channel stride the kernels write with, else contiguous.  The fake kernels
-// (posenc_torch/ops.py, _output_like) follow the same rule.
-inline Tensor output_like(const Tensor& x, const Meta& m, int32_t dtype) {
-    Tensor out = empty_like(x, m, dtype);
-    if (m.size(-1) <= 1 || out.stride(-1) == 1) return out;
-    return empty(m.sizes, dtype, m);
+// Output of x's shape in dtype, laid out as empty_like(x) lays it out (x's own strides
+// when x is non-overlapping and dense) when that gives the unit channel stride the kernels
+// write with, else contiguous.  The fake kernels (posenc_torch/ops.py, _output_like)
+// follow the same rule.
+inline Output output_like(const Tensor& x, const Meta& m, int32_t dtype) {
+    if (non_overlapping_and_dense(m.sizes, m.strides)) {
+        if (m.channel_dense()) {
+            Meta om = m;  // same sizes and strides as x (which outlives the op call)
+            om.dtype = dtype;
+            return {empty_strided(m.sizes, m.strides, dtype, m.device_type, m.device_index), om};
+        }
+    } else {
+        Tensor out = torch_empty_like(x, dtype);
+        Meta om(out);
+        if (om.channel_dense()) return {out, om};
+    }
+    Tensor out = empty(m.sizes, dtype, m);
+    return {out, Meta(out)};
 }
 
 }  // namespace posenc
