@@ -49,8 +49,7 @@ int run_vision_position_ids([[maybe_unused]] const Tensor& on, int64_t n, const 
     return pe_vision_position_ids(n, grids, merge, total, out, num_threads(), err);
 }
 
-int run_sinusoidal([[maybe_unused]] const Tensor& on, int64_t n, int64_t dim, double base,
-                   pe_dtype dtype) {
+int run_sinusoidal(const Tensor& on, int64_t n, int64_t dim, double base, pe_dtype dtype) {
     return pe_sinusoidal(n, dim, base, dtype, on.mutable_data_ptr(), num_threads());
 }
 
