@@ -377,8 +377,7 @@ std::optional<Tensor> grid_tensor(const std::optional<Tensor>& g, const char* na
 std::string grid_text(const std::optional<Tensor>& grids, int64_t i) {
     if (!grids.has_value() || i < 0 || i >= grids->size(0)) return "?";
     const int64_t* g = grids->const_data_ptr<int64_t>() + 3 * i;
-    return "(" + std::to_string(g[0]) + ", " + std::to_string(g[1]) + ", " + std::to_string(g[2]) +
-           ")";
+    return cat("(", g[0], ", ", g[1], ", ", g[2], ")");
 }
 
 // Turns a pe_pos_error into a ValueError that names the argument at fault.
