@@ -406,26 +406,29 @@ PE_INLINE void token_heads(const pe_rope_args *a, const pe_rope_tensor *x, int64
 }
 
 /*
- * A tile of n consecutive tokens (flat index i0 = b*T + t) when the heads are the outer
- * dimension in memory ((B, H, T, D) tensors, e.g. gradients coming back from attention):
- * the tokens' tables are prepared once, then each head's rows of the tile, which are
- * adjacent in memory, are rotated in order.
+ * A tile of n consecutive tokens (flat index i0 = b*T + t): the tokens' tables are prepared
+ * once, then the rows are rotated.  With the heads inner in memory a tile is one token and
+ * all its heads go at once; with the heads outer ((B, H, T, D) tensors, e.g. gradients
+ * coming back from attention) tiles are PE_TOKEN_TILE tokens, rotated head by head so the
+ * rows of each head, adjacent in memory, are visited in order.
  */
-PE_INLINE void tile_heads_outer(const pe_rope_args *a, const pe_rope_plan *plan, int64_t i0,
-                                 int64_t n, float *restrict c, float *restrict ss,
-                                 float *restrict s, float *restrict xb, float *restrict ob,
-                                 float *restrict rows, float *restrict scratch) {
+PE_INLINE void rotate_tile(const pe_rope_args *a, const pe_rope_plan *plan, int64_t i0, int64_t n,
+                           int heads_outer, float *restrict c, float *restrict ss,
+                           float *restrict s, float *restrict xb, float *restrict ob,
+                           float *restrict rows, float *restrict scratch) {
     const int64_t T = a->seq, R = a->rot_dim;
     for (int64_t j = 0; j < n; ++j) {
         token_tables(a, plan, (i0 + j) / T, (i0 + j) % T, c + j * R, s, rows, scratch);
         sign_sine(s, ss + j * R, R, a->pairing, a->transpose);
     }
     const pe_rope_tensor *xs[2] = {&a->q, &a->k};
-    for (int w = 0; w < 2; ++w)
-        for (int64_t h = 0; h < xs[w]->heads; ++h)
+    for (int w = 0; w < 2; ++w) {
+        const int64_t H = xs[w]->heads, step = heads_outer ? 1 : H;
+        for (int64_t h = 0; h < H; h += step)
             for (int64_t j = 0; j < n; ++j)
-                token_heads(a, xs[w], (i0 + j) / T, (i0 + j) % T, h, h + 1, c + j * R,
-                                ss + j * R, xb, ob, plan->stream);
+                token_heads(a, xs[w], (i0 + j) / T, (i0 + j) % T, h, h + step, c + j * R,
+                            ss + j * R, xb, ob, plan->stream);
+    }
 }
 
 PE_INLINE int rope_f32_apply(const pe_rope_args *a, const pe_rope_plan *plan) {
@@ -455,16 +458,8 @@ PE_INLINE int rope_f32_apply(const pe_rope_args *a, const pe_rope_plan *plan) {
             if (!buf || !scratch) continue;
             float *c = buf, *ss = buf + tile * R, *s = ss + tile * R, *xb = s + R, *ob = xb + D;
             float *rows = ob + D;
-            if (heads_outer) {
-                const int64_t i0 = i * tile, n = ntok - i0 < tile ? ntok - i0 : tile;
-                tile_heads_outer(a, plan, i0, n, c, ss, s, xb, ob, rows, scratch);
-                continue;
-            }
-            const int64_t b = i / T, t = i % T;
-            token_tables(a, plan, b, t, c, s, rows, scratch);
-            sign_sine(s, ss, R, a->pairing, a->transpose);
-            token_heads(a, &a->q, b, t, 0, a->q.heads, c, ss, xb, ob, plan->stream);
-            token_heads(a, &a->k, b, t, 0, a->k.heads, c, ss, xb, ob, plan->stream);
+            const int64_t i0 = i * tile, n = ntok - i0 < tile ? ntok - i0 : tile;
+            rotate_tile(a, plan, i0, n, heads_outer, c, ss, s, xb, ob, rows, scratch);
         }
         store_fence();
         free(buf);
