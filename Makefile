@@ -15,8 +15,8 @@ COMPAT_STAMP := $(COMPAT)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 PYTEST := $(abspath $(VPY)) -m pytest -q -p no:cacheprovider
 
-.PHONY: all venv wheel build test pytest pytest-hf4 compat abi-audit ctest sanitize bench \
-	bench-full notebooks clean
+.PHONY: all venv wheel build test pytest pytest-hf4 compat abi-audit ctest sanitize fuzz \
+	ctest-aarch64 bench bench-full notebooks clean
 
 all: build
 
@@ -39,10 +39,11 @@ wheel: $(STAMP)
 build: wheel
 	$(VPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
 
-# Everything: C tests, the same under ASan + UBSan, Python tests on transformers 5.x and
-# the transformers-4.x tests against the 4.57.6 overlay, then the same wheel's ABI audit
-# and op tests under another torch release.
-test: build ctest sanitize pytest pytest-hf4 abi-audit compat
+# Everything: C tests, the same under ASan + UBSan, a bounded fuzzing run, the C tests on
+# aarch64 under emulation, Python tests on transformers 5.x and the transformers-4.x tests
+# against the 4.57.6 overlay, then the same wheel's ABI audit and op tests under another
+# torch release.
+test: build ctest sanitize fuzz ctest-aarch64 pytest pytest-hf4 abi-audit compat
 
 pytest: build
 	cd tests && $(PYTEST) .
@@ -81,6 +82,52 @@ sanitize: $(STAMP)
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
 		$(VENV)/bin/meson test -C builddir-asan --print-errorlogs
 
+# Debian packages a target needs: installed when missing (as root, or through sudo).  Only
+# where that is impossible (no apt-get) does the target stop, loudly, without failing.
+define need_packages
+	@missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null; then \
+		echo "!!!! SKIPPED $@: needs$$missing and this machine has no apt-get to install them !!!!"; \
+		touch $(VENV)/.skip-$@; exit 0; fi; \
+	sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
+	echo "$@: installing$$missing"; \
+	$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq $$missing >/dev/null
+endef
+
+# libFuzzer with ASan + UBSan over the C entry points (csrc/fuzz), FUZZ_SECONDS per
+# harness, starting from the committed seed corpus (new inputs go to builddir-fuzz/).
+FUZZ_SECONDS ?= 30
+FUZZERS := rope positions
+fuzz: $(STAMP)
+	@rm -f $(VENV)/.skip-fuzz
+	$(call need_packages,clang libclang-rt-14-dev libomp-14-dev)
+	@if [ -e $(VENV)/.skip-fuzz ]; then exit 0; fi; set -e; \
+	CC=clang $(VENV)/bin/meson setup builddir-fuzz -Dpython_extension=false -Dfuzz=true \
+		-Dbuildtype=debugoptimized -Db_sanitize=address,undefined -Db_lundef=false \
+		--reconfigure >/dev/null; \
+	$(VENV)/bin/meson compile -C builddir-fuzz >/dev/null; \
+	for f in $(FUZZERS); do \
+		mkdir -p builddir-fuzz/corpus-$$f; \
+		UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
+		builddir-fuzz/csrc/fuzz/fuzz_$$f -max_total_time=$(FUZZ_SECONDS) -max_len=512 \
+			-timeout=20 -print_final_stats=1 -artifact_prefix=builddir-fuzz/crash-$$f- \
+			builddir-fuzz/corpus-$$f csrc/fuzz/corpus/$$f >builddir-fuzz/fuzz-$$f.log 2>&1 \
+			|| { tail -n 80 builddir-fuzz/fuzz-$$f.log; exit 1; }; \
+		echo "fuzz_$$f:"; grep -E "^#[0-9]+[[:space:]]+(INITED|DONE)|^stat::number_of_executed_units" \
+			builddir-fuzz/fuzz-$$f.log; \
+	done
+
+# The C kernels and their tests built for aarch64 (cross/aarch64-linux-gnu.ini) and run
+# under qemu-user.
+ctest-aarch64: $(STAMP)
+	@rm -f $(VENV)/.skip-ctest-aarch64
+	$(call need_packages,gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user)
+	@if [ -e $(VENV)/.skip-ctest-aarch64 ]; then exit 0; fi; set -e; \
+	$(VENV)/bin/meson setup builddir-aarch64 --cross-file cross/aarch64-linux-gnu.ini \
+		-Dpython_extension=false --reconfigure >/dev/null; \
+	$(VENV)/bin/meson test -C builddir-aarch64 --print-errorlogs
+
 bench: build
 	$(VPY) benchmarks/run.py --quick
 
@@ -93,4 +140,4 @@ notebooks: build
 	$(VPY) notebooks/execute.py
 
 clean:
-	rm -rf build builddir-c builddir-asan $(WHEEL_DIR)
+	rm -rf build builddir-c builddir-asan builddir-fuzz builddir-aarch64 $(WHEEL_DIR)

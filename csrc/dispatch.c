@@ -1,17 +1,26 @@
 /* Run-time choice of the SIMD variant: the best the CPU has, unless one is forced. */
 #include "internal.h"
 
+#ifdef PE_HAVE_X86_VARIANTS
+#include <cpuid.h>
+
+/* F16C through cpuid: not every compiler's __builtin_cpu_supports knows it. */
+static int has_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+}
+#endif
+
 static int isa_forced = -1;
 
 pe_isa pe_isa_best(void) {
-#if defined(__x86_64__) || defined(__i386__)
+#ifdef PE_HAVE_X86_VARIANTS /* the AVX2 / AVX-512 kernels were built */
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
+        has_f16c() && __builtin_cpu_supports("fma"))
         return PE_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c())
         return PE_ISA_AVX2;
 #endif
     return PE_ISA_BASELINE;

@@ -1,4 +1,5 @@
-/* Internal helpers shared by the kernel files: dtype conversion, per-ISA entry points. */
+/* Internal helpers shared by the kernel files: sizes, tuning constants, per-ISA entry points
+ * (the per-element conversions and arithmetic are in rope_math.h). */
 #ifndef POSENC_INTERNAL_H
 #define POSENC_INTERNAL_H
 
@@ -7,6 +8,7 @@
 #include <string.h>
 
 #include "posenc.h"
+#include "rope_math.h"
 
 /* Problems below this many elements run on one thread: a parallel region costs more. */
 #define PE_SERIAL_ELEMENTS ((int64_t)1 << 15)
@@ -40,50 +42,68 @@ static inline size_t pe_dtype_size(pe_dtype t) {
 
 static inline int pe_dtype_valid(pe_dtype t) { return pe_dtype_size(t) != 0; }
 
-static inline float pe_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Round to nearest even; NaN stays NaN (quieted). */
-static inline uint16_t pe_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    uint32_t nan = (u >> 16) | 0x40u;
-    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
-}
-
-static inline float pe_f16_to_f32(uint16_t h) {
-    _Float16 v;
-    memcpy(&v, &h, 2);
-    return (float)v;
-}
-
-static inline uint16_t pe_f32_to_f16(float f) {
-    _Float16 v = (_Float16)f; /* IEEE conversion: round to nearest even */
-    uint16_t h;
-    memcpy(&h, &v, 2);
-    return h;
-}
-
 /* Slot of rotary channel e (R = rotary width). */
 static inline int64_t pe_slot(pe_pairing p, int64_t e, int64_t R) {
     return p == PE_PAIR_HALF ? (e < R / 2 ? e : e - R / 2) : e / 2;
 }
 
-/* Per-ISA implementations: arguments are validated by the public wrappers. */
-#define PE_DECLARE_ISA(sfx)                                                                   \
-    int pe_rope_apply##sfx(const pe_rope_args *a);                                            \
-    int pe_rope_table_grad##sfx(const pe_rope_args *a, const void *gq, const int64_t gqs[3],  \
-                                const void *gk, const int64_t gks[3], pe_dtype gdt,           \
-                                void *dcos, void *dsin);                                      \
-    int pe_rope_tables##sfx(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *sin);
+/* Per-call layout facts shared by every token (built by rope.c). */
+typedef struct pe_rope_plan {
+    int64_t axes;          /* A: 1 or 3 table axes */
+    uint8_t *chan_axis;    /* R: axis of channel e */
+    int64_t nruns;         /* channels as runs of one axis: [run_start[i], run_start[i+1]) */
+    int64_t *run_start;    /* nruns + 1 entries */
+    int64_t *slot_pos_off; /* R/2: position offset of slot i's axis */
+    int stream;            /* outputs large enough for streaming stores */
+} pe_rope_plan;
 
-PE_DECLARE_ISA(_baseline)
-PE_DECLARE_ISA(_avx2)
-PE_DECLARE_ISA(_avx512)
+/* The gradient side of pe_rope_table_grad. */
+typedef struct pe_rope_grads {
+    const void *grad_q, *grad_k;
+    int64_t grad_q_stride[3], grad_k_stride[3];
+    pe_dtype grad_dtype;
+    void *dcos, *dsin;
+} pe_rope_grads;
+
+/* Fused path: scaling * cos and scaling * sin of each frequency slot of token (b, t). */
+static inline void pe_rope_slot_sincos(const pe_rope_args *a, const pe_rope_plan *plan, int64_t b,
+                                       int64_t t, float *restrict cs, float *restrict sn) {
+    const pe_rope_source *src = &a->src;
+    const int64_t nslot = a->rot_dim / 2;
+    const int64_t *pos = src->pos + (src->pos_batch == 1 ? 0 : b) * src->pos_stride[1] +
+                         t * src->pos_stride[2];
+    int any_large = 0;
+    for (int64_t i = 0; i < nslot; ++i) { /* branch-free: vectorizes */
+        const float ang = pe_rope_angle(src->inv_freq[i], pos[plan->slot_pos_off[i]]);
+        pe_sincos_fast(ang, src->scaling, cs + i, sn + i);
+        any_large |= !(ang <= PE_SINCOS_FAST_LIMIT && ang >= -PE_SINCOS_FAST_LIMIT);
+    }
+    if (!any_large) return;
+    for (int64_t i = 0; i < nslot; ++i) {
+        const float ang = pe_rope_angle(src->inv_freq[i], pos[plan->slot_pos_off[i]]);
+        if (!(ang <= PE_SINCOS_FAST_LIMIT && ang >= -PE_SINCOS_FAST_LIMIT))
+            pe_sincos_large(ang, src->scaling, cs + i, sn + i);
+    }
+}
+
+/* The fp32 core (rope_f32.h) compiled per instruction set, in rope_<isa>.c; arguments are
+ * validated by the public entry points in rope.c. */
+int pe_rope_apply_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p);
+int pe_rope_table_grad_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p,
+                                    const pe_rope_grads *g);
+int pe_rope_tables_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p, pe_dtype out_dtype,
+                                void *cos, void *sin);
+#ifdef PE_HAVE_X86_VARIANTS
+int pe_rope_apply_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p);
+int pe_rope_table_grad_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p,
+                                const pe_rope_grads *g);
+int pe_rope_tables_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p, pe_dtype out_dtype,
+                            void *cos, void *sin);
+int pe_rope_apply_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p);
+int pe_rope_table_grad_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p,
+                                  const pe_rope_grads *g);
+int pe_rope_tables_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p, pe_dtype out_dtype,
+                              void *cos, void *sin);
+#endif
 
 #endif /* POSENC_INTERNAL_H */
