@@ -108,6 +108,55 @@ def _rope_backward(ctx, grad_q, grad_k):
 torch.library.register_autograd("posenc::rope", _rope_backward, setup_context=_rope_setup_context)
 
 
+# rope_table_grad(a_q, a_k, b_q, b_k, cos) is bilinear in (a, b): over the rotary channels
+# of every head (and every batch row when the tables have batch 1),
+#     dcos = sum a * b,    dsin = sum a * rot(b),
+# rot(b) being the partner term of the forward rotation (out = cos * b + sin * rot(b)).
+# With incoming table gradients (Gc, Gs) its derivatives are therefore rotations again:
+#     d/da = Gc * b + Gs * rot(b)          the forward rotation of b with tables (Gc, Gs)
+#     d/db = Gc * a + rot^T(Gs * a)        the transpose rotation of a with the same tables
+# and zero in the channels past the rotary width (the tables do not reach them).
+
+
+def _rope_table_grad_setup_context(ctx, inputs, output):
+    grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing = inputs
+    ctx.args = (list(mrope_section), interleaved, pairing)
+    ctx.dtypes = (grad_q.dtype, grad_k.dtype, q.dtype, k.dtype)
+    ctx.save_for_backward(grad_q, grad_k, q, k)
+
+
+def _rotary_part(x: torch.Tensor, rot_dim: int) -> torch.Tensor:
+    return x if x.shape[-1] == rot_dim else x.narrow(-1, 0, rot_dim)
+
+
+def _pad_channels(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    pad = head_dim - x.shape[-1]
+    return x if pad == 0 else torch.nn.functional.pad(x, (0, pad))
+
+
+def _rope_table_grad_backward(ctx, g_cos, g_sin):
+    sections, interleaved, pairing = ctx.args
+    grad_q, grad_k, q, k = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    rot_dim, head_dim = g_cos.shape[-1], q.shape[-1]
+    d_grad_q = d_grad_k = d_q = d_k = None
+    if need[0] or need[1]:
+        d_grad_q, d_grad_k = torch.ops.posenc.rope(
+            _rotary_part(q, rot_dim), _rotary_part(k, rot_dim), g_cos, g_sin, sections,
+            interleaved, pairing, False, ctx.dtypes[0], ctx.dtypes[1])
+        d_grad_q, d_grad_k = _pad_channels(d_grad_q, head_dim), _pad_channels(d_grad_k, head_dim)
+    if need[2] or need[3]:
+        d_q, d_k = torch.ops.posenc.rope(
+            _rotary_part(grad_q, rot_dim), _rotary_part(grad_k, rot_dim), g_cos, g_sin,
+            sections, interleaved, pairing, True, ctx.dtypes[2], ctx.dtypes[3])
+        d_q, d_k = _pad_channels(d_q, head_dim), _pad_channels(d_k, head_dim)
+    return d_grad_q, d_grad_k, d_q, d_k, None, None, None, None
+
+
+torch.library.register_autograd("posenc::rope_table_grad", _rope_table_grad_backward,
+                                setup_context=_rope_table_grad_setup_context)
+
+
 def _rope_fused_setup_context(ctx, inputs, output):
     _, _, position_ids, inv_freq, mrope_section, interleaved, scaling, pairing, transpose = inputs
     ctx.args = (list(mrope_section), interleaved, scaling, pairing, transpose)
