@@ -1,4 +1,5 @@
-"""Fake (meta) kernels and autograd formulas for the ops in ``torch.ops.posenc``.
+"""Fake (meta) kernels and autograd formulas for the ops in ``torch.ops.posenc``, and the
+eager entry points ``rope`` / ``rope_fused`` / ``rope_tables`` that the public functions use.
 
 The schemas and CPU kernels are registered in C++ (csrc/torch/ops.cpp); importing
 ``posenc_torch._C`` loads them.  This module must be imported after it.
@@ -7,6 +8,7 @@ The schemas and CPU kernels are registered in C++ (csrc/torch/ops.cpp); importin
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from . import _C  # noqa: F401
 
@@ -199,3 +201,83 @@ def _vision_position_ids_fake(grid_thw, spatial_merge_size):
     # The patch count sum(t * h * w) depends on the values of grid_thw.
     n = torch.library.get_ctx().new_dynamic_size()
     return grid_thw.new_empty((n, 2), dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------
+# Eager entry points.  Calling an op through the dispatcher runs torch.library's Python
+# autograd kernel on every call, even when nothing records a gradient, which costs more
+# than a decode-size rotation itself.  In eager mode these helpers therefore call the op
+# below the autograd layer when no input can record a gradient, and otherwise apply an
+# autograd.Function built from the same setup_context/backward as the registered formula.
+# Under torch.compile / export tracing, functorch transforms or forward-mode AD they call
+# the registered op, so graphs keep one ``posenc::*`` node and its registered autograd.
+
+_ROPE = torch.ops.posenc.rope.default
+_ROPE_FUSED = torch.ops.posenc.rope_fused.default
+_ROPE_TABLES = torch.ops.posenc.rope_tables.default
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def _dispatch_through_autograd() -> bool:
+    """True where the registered op must be called as is (tracing, transforms, forward AD)."""
+    return (torch.compiler.is_compiling() or _transforms_active()
+            or _forward_ad._current_level >= 0)
+
+
+class _RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *args):
+        with _below_autograd():
+            out = _ROPE(*args)
+        _rope_setup_context(ctx, args, out)
+        return out
+
+    backward = staticmethod(_rope_backward)
+
+
+class _RopeFusedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *args):
+        with _below_autograd():
+            out = _ROPE_FUSED(*args)
+        _rope_fused_setup_context(ctx, args, out)
+        return out
+
+    backward = staticmethod(_rope_fused_backward)
+
+
+def rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False, q_dtype=None,
+         k_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.posenc.rope`` with the eager fast paths (same arguments and results)."""
+    args = (q, k, cos, sin, mrope_section, interleaved, pairing, transpose, q_dtype, k_dtype)
+    if _dispatch_through_autograd():
+        return torch.ops.posenc.rope(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad
+                                    or sin.requires_grad):
+        return _RopeFunction.apply(*args)
+    with _below_autograd():
+        return _ROPE(*args)
+
+
+def rope_fused(q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+               pairing, transpose=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.posenc.rope_fused`` with the eager fast paths."""
+    args = (q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+            pairing, transpose)
+    if _dispatch_through_autograd():
+        return torch.ops.posenc.rope_fused(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _RopeFusedFunction.apply(*args)
+    with _below_autograd():
+        return _ROPE_FUSED(*args)
+
+
+def rope_tables(position_ids, inv_freq, mrope_section, interleaved, attention_scaling, pairing,
+                dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.posenc.rope_tables`` (integer positions in: nothing to differentiate)."""
+    args = (position_ids, inv_freq, mrope_section, interleaved, attention_scaling, pairing, dtype)
+    if _dispatch_through_autograd():
+        return torch.ops.posenc.rope_tables(*args)
+    with _below_autograd():
+        return _ROPE_TABLES(*args)
