@@ -953,3 +953,26 @@ def test_empty_batch_table_gradients_are_zero():
     out = P.apply_multimodal_rotary_pos_emb(q, k, cos, sin, [2, 1, 1])
     gc, gs = torch.autograd.grad(out, (cos, sin), [torch.ones_like(o) for o in out])
     assert torch.equal(gc, torch.zeros_like(cos)) and torch.equal(gs, torch.zeros_like(sin))
+
+
+# =======================================================================================
+# inv_freq is a constant: requiring grad on it is an error, never silently ignored
+# =======================================================================================
+
+
+def test_inv_freq_requiring_grad_is_rejected():
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)).requires_grad_()
+    pos = torch.arange(5)[None]
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8)
+    with pytest.raises(ValueError, match="inv_freq requires grad"):
+        P.apply_rope(q, k, pos, inv_freq)
+    with pytest.raises(ValueError, match="inv_freq requires grad"):
+        P.apply_rope(q.requires_grad_(), k, pos, inv_freq)
+    with pytest.raises(ValueError, match="inv_freq requires grad"):
+        P.compute_mrope_cos_sin(pos, inv_freq)
+    with torch.no_grad():  # nothing is recorded, so nothing is lost: allowed
+        ref = P.apply_rope(q, k, pos, inv_freq.detach())
+        assert torch.equal(P.apply_rope(q, k, pos, inv_freq)[0], ref[0])
+        P.compute_mrope_cos_sin(pos, inv_freq)
+    out = P.apply_rope(q, k, pos, inv_freq.detach())
+    assert torch.equal(out[0], ref[0]) and out[0].requires_grad
