@@ -15,8 +15,8 @@ import torch
 
 from . import ops
 from ._checks import (
-    FLOAT_DTYPES,
     check_float,
+    check_float_dtype,
     check_same_device,
     check_sections,
     check_tensor,
@@ -285,8 +285,7 @@ def compute_mrope_cos_sin(
     rejected with a ``ValueError`` naming it.
     """
     sections = _check_positions(position_ids, inv_freq, mrope_section)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be float32, float64, bfloat16 or float16, got {dtype}")
+    check_float_dtype("dtype", dtype)
     check_same_device(position_ids=position_ids, inv_freq=inv_freq)
     return ops.rope_tables(position_ids, inv_freq, sections, bool(interleaved),
                            float(attention_scaling), pairing_code(pairing), dtype)
