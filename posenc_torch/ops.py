@@ -91,16 +91,16 @@ def _rope_backward(ctx, grad_q, grad_k):
         return (None,) * 10
     grad_q = _grad_or_zeros(grad_q, ctx.out_meta[0])
     grad_k = _grad_or_zeros(grad_k, ctx.out_meta[1])
-    dq, dk = torch.ops.posenc.rope(grad_q, grad_k, cos, sin, sections, interleaved, pairing,
+    dq, dk = rope(grad_q, grad_k, cos, sin, sections, interleaved, pairing,
                                    not transpose, ctx.dtypes[0], ctx.dtypes[1])
     dcos = dsin = None
     if ctx.table_grad:
         q, k = saved
         if transpose:  # adjoint rotation: the table gradients swap input and gradient
-            dcos, dsin = torch.ops.posenc.rope_table_grad(q, k, grad_q, grad_k, cos, sections,
+            dcos, dsin = rope_table_grad(q, k, grad_q, grad_k, cos, sections,
                                                          interleaved, pairing)
         else:
-            dcos, dsin = torch.ops.posenc.rope_table_grad(grad_q, grad_k, q, k, cos, sections,
+            dcos, dsin = rope_table_grad(grad_q, grad_k, q, k, cos, sections,
                                                          interleaved, pairing)
         dcos = dcos if cos.requires_grad else None
         dsin = dsin if sin.requires_grad else None
@@ -143,12 +143,12 @@ def _rope_table_grad_backward(ctx, g_cos, g_sin):
     rot_dim, head_dim = g_cos.shape[-1], q.shape[-1]
     d_grad_q = d_grad_k = d_q = d_k = None
     if need[0] or need[1]:
-        d_grad_q, d_grad_k = torch.ops.posenc.rope(
+        d_grad_q, d_grad_k = rope(
             _rotary_part(q, rot_dim), _rotary_part(k, rot_dim), g_cos, g_sin, sections,
             interleaved, pairing, False, ctx.dtypes[0], ctx.dtypes[1])
         d_grad_q, d_grad_k = _pad_channels(d_grad_q, head_dim), _pad_channels(d_grad_k, head_dim)
     if need[2] or need[3]:
-        d_q, d_k = torch.ops.posenc.rope(
+        d_q, d_k = rope(
             _rotary_part(grad_q, rot_dim), _rotary_part(grad_k, rot_dim), g_cos, g_sin,
             sections, interleaved, pairing, True, ctx.dtypes[2], ctx.dtypes[3])
         d_q, d_k = _pad_channels(d_q, head_dim), _pad_channels(d_k, head_dim)
@@ -174,7 +174,7 @@ def _rope_fused_backward(ctx, grad_q, grad_k):
         return (None,) * 9
     grad_q = _grad_or_zeros(grad_q, ctx.out_meta[0])
     grad_k = _grad_or_zeros(grad_k, ctx.out_meta[1])
-    dq, dk = torch.ops.posenc.rope_fused(grad_q, grad_k, position_ids, inv_freq, sections,
+    dq, dk = rope_fused(grad_q, grad_k, position_ids, inv_freq, sections,
                                          interleaved, scaling, pairing, not transpose)
     return dq, dk, None, None, None, None, None, None, None
 
@@ -213,6 +213,7 @@ def _vision_position_ids_fake(grid_thw, spatial_merge_size):
 # the registered op, so graphs keep one ``posenc::*`` node and its registered autograd.
 
 _ROPE = torch.ops.posenc.rope.default
+_ROPE_TABLE_GRAD = torch.ops.posenc.rope_table_grad.default
 _ROPE_FUSED = torch.ops.posenc.rope_fused.default
 _ROPE_TABLES = torch.ops.posenc.rope_tables.default
 _below_autograd = torch._C._AutoDispatchBelowAutograd
@@ -225,25 +226,49 @@ def _dispatch_through_autograd() -> bool:
             or _forward_ad._current_level >= 0)
 
 
+def _reject_forward_mode(op: str, tensors: tuple[torch.Tensor, ...]) -> None:
+    """The ops have reverse-mode formulas only; a forward-mode tangent would be dropped
+    without a word (torch.library has no jvp hook), so forward mode is an error."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    dual = _forward_ad._current_level >= 0 and any(
+        _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    jvp = _transforms_active() and any(
+        i.key() == torch._C._functorch.TransformType.Jvp
+        for i in retrieve_all_functorch_interpreters())
+    if dual or jvp:
+        raise NotImplementedError(
+            f"posenc::{op} has no forward-mode derivative (forward AD / torch.func.jvp); "
+            "use reverse mode (backward, torch.func.grad / vjp)")
+
+
 class _RopeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, *args):
+    def forward(*args):
         with _below_autograd():
-            out = _ROPE(*args)
-        _rope_setup_context(ctx, args, out)
-        return out
+            return _ROPE(*args)
 
+    setup_context = staticmethod(_rope_setup_context)
     backward = staticmethod(_rope_backward)
+
+
+class _RopeTableGradFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(*args):
+        with _below_autograd():
+            return _ROPE_TABLE_GRAD(*args)
+
+    setup_context = staticmethod(_rope_table_grad_setup_context)
+    backward = staticmethod(_rope_table_grad_backward)
 
 
 class _RopeFusedFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, *args):
+    def forward(*args):
         with _below_autograd():
-            out = _ROPE_FUSED(*args)
-        _rope_fused_setup_context(ctx, args, out)
-        return out
+            return _ROPE_FUSED(*args)
 
+    setup_context = staticmethod(_rope_fused_setup_context)
     backward = staticmethod(_rope_fused_backward)
 
 
@@ -251,7 +276,12 @@ def rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False, q
          k_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.posenc.rope`` with the eager fast paths (same arguments and results)."""
     args = (q, k, cos, sin, mrope_section, interleaved, pairing, transpose, q_dtype, k_dtype)
-    if _dispatch_through_autograd():
+    if torch.compiler.is_compiling():
+        return torch.ops.posenc.rope(*args)
+    if _transforms_active() or _forward_ad._current_level >= 0:
+        _reject_forward_mode("rope", (q, k, cos, sin))
+        if _transforms_active():  # torch.func.grad / vjp: the Function supports them
+            return _RopeFunction.apply(*args)
         return torch.ops.posenc.rope(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad
                                     or sin.requires_grad):
@@ -260,12 +290,31 @@ def rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False, q
         return _ROPE(*args)
 
 
+def rope_table_grad(grad_q, grad_k, q, k, cos, mrope_section, interleaved,
+                    pairing) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.posenc.rope_table_grad`` with the eager fast paths."""
+    args = (grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing)
+    if torch.compiler.is_compiling():
+        return torch.ops.posenc.rope_table_grad(*args)
+    if _transforms_active() or (torch.is_grad_enabled() and (
+            grad_q.requires_grad or grad_k.requires_grad or q.requires_grad
+            or k.requires_grad)):
+        return _RopeTableGradFunction.apply(*args)
+    with _below_autograd():
+        return _ROPE_TABLE_GRAD(*args)
+
+
 def rope_fused(q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
                pairing, transpose=False) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.posenc.rope_fused`` with the eager fast paths."""
     args = (q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
             pairing, transpose)
-    if _dispatch_through_autograd():
+    if torch.compiler.is_compiling():
+        return torch.ops.posenc.rope_fused(*args)
+    if _transforms_active() or _forward_ad._current_level >= 0:
+        _reject_forward_mode("rope_fused", (q, k))
+        if _transforms_active():
+            return _RopeFusedFunction.apply(*args)
         return torch.ops.posenc.rope_fused(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return _RopeFusedFunction.apply(*args)

@@ -140,3 +140,34 @@ def test_gradgradcheck_vision():
     kw = dict(eps=1e-3, atol=1e-3, rtol=1e-3)
     assert torch.autograd.gradcheck(f, (q, k, cos, sin), **kw)
     assert torch.autograd.gradgradcheck(f, (q, k, cos, sin), **kw)
+
+
+def test_forward_mode_is_an_error_not_a_dropped_tangent():
+    """Reverse-mode formulas only: forward AD and torch.func.jvp must raise, not return a
+    zero tangent (they did before).  Reverse-mode transforms work (torch.func.grad raised
+    before: torch.library's autograd does not support functorch)."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, c, s = (t.detach() for t in _leaves((1, 2, 3, 8), (1, 1, 3, 8), (1, 3, 8), (1, 3, 8)))
+    with fwAD.dual_level():
+        qd = fwAD.make_dual(q, torch.randn_like(q))
+        with pytest.raises(NotImplementedError, match="forward-mode"):
+            pt.apply_rotary_pos_emb(qd, k, c, s)
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(lambda x: pt.apply_rotary_pos_emb(x, k, c, s)[0], (q,),
+                       (torch.randn_like(q),))
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(lambda x: pt.apply_rope(x, k, torch.arange(3)[None],
+                                               torch.rand(4))[0], (q,), (torch.randn_like(q),))
+    def loss(fn, x, cos):
+        return fn(x, k, cos, s)[0].square().sum()
+
+    mine = torch.func.grad(lambda x, cos: loss(pt.apply_rotary_pos_emb, x, cos), (0, 1))(q, c)
+    ref = torch.func.grad(lambda x, cos: loss(hf_apply, x, cos), (0, 1))(q, c)
+    for a, b in zip(mine, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    pos, inv_freq = torch.arange(3)[None], torch.rand(4)
+    fused = torch.func.grad(lambda x: pt.apply_rope(x, k, pos, inv_freq)[0].square().sum())(q)
+    x = q.clone().requires_grad_()
+    pt.apply_rope(x, k, pos, inv_freq)[0].square().sum().backward()
+    torch.testing.assert_close(fused, x.grad, rtol=1e-12, atol=1e-12)
