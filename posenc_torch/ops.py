@@ -206,11 +206,12 @@ def _vision_position_ids_fake(grid_thw, spatial_merge_size):
 # ---------------------------------------------------------------------------------------
 # Eager entry points.  Calling an op through the dispatcher runs torch.library's Python
 # autograd kernel on every call, even when nothing records a gradient, which costs more
-# than a decode-size rotation itself.  In eager mode these helpers therefore call the op
-# below the autograd layer when no input can record a gradient, and otherwise apply an
-# autograd.Function built from the same setup_context/backward as the registered formula.
-# Under torch.compile / export tracing, functorch transforms or forward-mode AD they call
-# the registered op, so graphs keep one ``posenc::*`` node and its registered autograd.
+# than a decode-size rotation itself.  So in eager mode these helpers call the op below the
+# autograd layer when no input can record a gradient, and otherwise apply an
+# autograd.Function built from the same setup_context/backward as the registered formula
+# (unlike torch.library's, it also serves torch.func.grad / vjp).  Under torch.compile /
+# export tracing they call the registered op, so graphs keep one ``posenc::*`` node with its
+# registered autograd.  Forward mode (forward AD, torch.func.jvp) raises: there is no jvp.
 
 _ROPE = torch.ops.posenc.rope.default
 _ROPE_TABLE_GRAD = torch.ops.posenc.rope_table_grad.default
@@ -218,12 +219,6 @@ _ROPE_FUSED = torch.ops.posenc.rope_fused.default
 _ROPE_TABLES = torch.ops.posenc.rope_tables.default
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _transforms_active = torch._C._are_functorch_transforms_active
-
-
-def _dispatch_through_autograd() -> bool:
-    """True where the registered op must be called as is (tracing, transforms, forward AD)."""
-    return (torch.compiler.is_compiling() or _transforms_active()
-            or _forward_ad._current_level >= 0)
 
 
 def _reject_forward_mode(op: str, tensors: tuple[torch.Tensor, ...]) -> None:
@@ -278,13 +273,11 @@ def rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False, q
     args = (q, k, cos, sin, mrope_section, interleaved, pairing, transpose, q_dtype, k_dtype)
     if torch.compiler.is_compiling():
         return torch.ops.posenc.rope(*args)
-    if _transforms_active() or _forward_ad._current_level >= 0:
+    transforms = _transforms_active()
+    if transforms or _forward_ad._current_level >= 0:
         _reject_forward_mode("rope", (q, k, cos, sin))
-        if _transforms_active():  # torch.func.grad / vjp: the Function supports them
-            return _RopeFunction.apply(*args)
-        return torch.ops.posenc.rope(*args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad
-                                    or sin.requires_grad):
+    if transforms or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                  or cos.requires_grad or sin.requires_grad):
         return _RopeFunction.apply(*args)
     with _below_autograd():
         return _ROPE(*args)
@@ -311,12 +304,10 @@ def rope_fused(q, k, position_ids, inv_freq, mrope_section, interleaved, attenti
             pairing, transpose)
     if torch.compiler.is_compiling():
         return torch.ops.posenc.rope_fused(*args)
-    if _transforms_active() or _forward_ad._current_level >= 0:
+    transforms = _transforms_active()
+    if transforms or _forward_ad._current_level >= 0:
         _reject_forward_mode("rope_fused", (q, k))
-        if _transforms_active():
-            return _RopeFusedFunction.apply(*args)
-        return torch.ops.posenc.rope_fused(*args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+    if transforms or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return _RopeFusedFunction.apply(*args)
     with _below_autograd():
         return _ROPE_FUSED(*args)
@@ -326,7 +317,7 @@ def rope_tables(position_ids, inv_freq, mrope_section, interleaved, attention_sc
                 dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.posenc.rope_tables`` (integer positions in: nothing to differentiate)."""
     args = (position_ids, inv_freq, mrope_section, interleaved, attention_scaling, pairing, dtype)
-    if _dispatch_through_autograd():
+    if torch.compiler.is_compiling() or _transforms_active():
         return torch.ops.posenc.rope_tables(*args)
     with _below_autograd():
         return _ROPE_TABLES(*args)
