@@ -9,6 +9,11 @@ Methods: the public ``apply_rotary_pos_emb``, the op alone (``torch.ops.posenc.r
 the (B, T, H, D) views, through the dispatcher and its autograd key), transformers eager,
 and both copy floors.
 
+The thread count matters here: this case is 2^15 elements, the size at which the kernels
+start to use more than one OpenMP thread, so at "all" threads a busy machine adds the
+fork/join of a parallel region (and its waits) to every call; the one-thread row is the
+call itself.
+
 Run alone: ``python benchmarks/bench_overhead.py`` (goes through run.py).
 """
 
