@@ -289,6 +289,31 @@ def test_mixed_dtype_gradients_keep_input_dtypes():
     assert torch.equal(q.grad, ref_q.grad.bfloat16())
 
 
+def test_eager_fast_paths_record_only_what_can_be_differentiated():
+    """The eager helpers skip the autograd layer when nothing can record a gradient; the
+    results must not depend on which path ran, and nothing may be silently detached."""
+    s = Shape("qwen2-vl-7b-heads", 2, 4, 2, 3, 16, cos_batch=2)
+    q, k, _ = make_qk(s, "hf-transposed", torch.float32)
+    cos, sin = make_tables(s, torch.float32)
+    ref = hf_apply(q, k, cos, sin)
+    qg = q.detach().requires_grad_()
+    with torch.no_grad():
+        out = pt.apply_rotary_pos_emb(qg, k, cos, sin)
+    assert not out[0].requires_grad and torch.equal(out[0], ref[0])
+    with torch.inference_mode():
+        out = pt.apply_rotary_pos_emb(q, k, cos, sin)
+    assert out[0].is_inference() and torch.equal(out[1], ref[1])
+    out = pt.apply_rotary_pos_emb(q, k, cos, sin)
+    assert not out[0].requires_grad and out[0].grad_fn is None
+    sg = sin.detach().requires_grad_()  # only a table records: q and k outputs both depend
+    out = pt.apply_rotary_pos_emb(q, k, cos, sg)
+    assert out[0].requires_grad and out[1].requires_grad
+    (out[0].sum() + out[1].sum()).backward()
+    sr = sin.detach().requires_grad_()
+    sum(o.sum() for o in hf_apply(q, k, cos, sr)).backward()
+    torch.testing.assert_close(sg.grad, sr.grad, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------- opcheck, compile, export
 
 
