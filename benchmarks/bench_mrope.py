@@ -32,8 +32,9 @@ import harness as H
 TOPIC = "mrope"
 PARTS = {"apply": 4, "fused": 5}
 
-APPLY_METHODS = ("posenc", "hf_eager", "hf_compile", "liger", "copy")
-FUSED_METHODS = ("posenc_fused", "hf_eager", "hf_compile", "liger", "copy")
+APPLY_METHODS = ("posenc", "hf_eager", "hf_compile", "liger", *H.FLOORS)
+FUSED_METHODS = ("posenc_fused", "hf_eager", "hf_compile", "liger",
+                 *H.FLOORS)
 _QWEN2, _QWEN3 = "Qwen2-VL-7B", "Qwen3-VL-8B"
 APPLY_PLAN = {
     "quick": [H.Sweep(_QWEN2, 1, (4096,)), H.decode(_QWEN2, ("bf16",))],
@@ -120,8 +121,8 @@ def _run_apply(opts: H.Options, rep: H.Reporter) -> None:
                 lq, lk = H.inplace_copies(q, k)
                 return H.Workload(lambda: liger_multimodal_rotary_pos_emb(
                     lq, lk, cos, sin, section), wrt=(lq, lk), grad_outputs=(gq, gk))
-            if name == "copy":
-                return H.copy_workload((q, k), (gq, gk))
+            if name in H.FLOORS:
+                return H.floor_workload(name, (q, k), (gq, gk))
             raise KeyError(name)
 
         floor = H.floor_bytes(q, k)

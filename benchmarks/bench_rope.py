@@ -19,7 +19,7 @@ import harness as H
 TOPIC = "rope"
 PARTS = {"apply": 5}  # part -> transformers major version it runs under
 
-METHOD_NAMES = ("posenc", "hf_eager", "hf_compile", "liger", "copy")
+METHOD_NAMES = ("posenc", "hf_eager", "hf_compile", "liger", *H.FLOORS)
 _TEXT, _VISION = "Llama-3-8B", "Qwen2-VL-ViT"
 PLAN = {
     "quick": [H.Sweep(_TEXT, 1, (4096,), op="rope"),
@@ -133,8 +133,8 @@ def run(opts: H.Options, rep: H.Reporter) -> None:
                 lq, lk = H.inplace_copies(q, k)  # Liger rotates in place: its own q, k
                 return H.Workload(lambda: fn(lq, lk, cos, sin), wrt=(lq, lk),
                                   grad_outputs=(gq, gk))
-            if name == "copy":
-                return H.copy_workload((q, k), (gq, gk))
+            if name in H.FLOORS:
+                return H.floor_workload(name, (q, k), (gq, gk))
             raise KeyError(name)
 
         for mode in modes:

@@ -24,7 +24,8 @@ import harness as H
 TOPIC = "step"
 PARTS = {"step": 5}
 
-METHOD_NAMES = ("posenc_fused", "posenc_tables", "hf_eager", "hf_compile", "liger", "copy")
+METHOD_NAMES = ("posenc_fused", "posenc_tables", "hf_eager", "hf_compile", "liger",
+                *H.FLOORS)
 _FWD_FWDBWD = ("fwd", "fwdbwd")
 # Qwen2-VL-7B's step at T=4096 is also bench_mrope's "fused" part; quick does not repeat it.
 PLAN = {
@@ -151,8 +152,8 @@ def step_builder(model: H.Model, q, k, x, pos, gq, gk, rotary, hf_apply):
                 cos, sin = rotary(x, pos)
                 return liger_rotary_pos_emb(lq, lk, cos, sin)
             return H.Workload(liger_step, wrt=(lq, lk), grad_outputs=(gq, gk))
-        if name == "copy":
-            return H.copy_workload((q, k), (gq, gk))
+        if name in H.FLOORS:
+            return H.floor_workload(name, (q, k), (gq, gk))
         raise KeyError(name)
 
     return build, hf_step

@@ -26,11 +26,31 @@ Timing of the modes (what each number means):
   views of q and k that the rotation receives, so the projection's reshape is not included.
 - ``fwdbwd``: forward with autograd recording plus that backward, both timed together.
 
-"copy" is the memory floor of the same tensors in the same layout: ``q.clone(); k.clone()``
-for the forward, the same of the two incoming gradients for the backward, all four for
-forward+backward.  GB/s counts that floor's bytes (read the inputs, write the outputs; cos/sin
-tables, positions and temporaries are not counted), so GB/s is comparable between methods
-and ``ratio to copy`` is time / copy time.
+Two memory floors are timed in every case, on the same tensors in the same layout (q, k for
+the forward, the two incoming gradients for the backward, all four for forward+backward):
+
+- "copy" (the *clone* floor): ``q.clone(); k.clone()`` — allocates its outputs, as every
+  method does.  On a CPU a fresh large allocation is served by new pages that fault on first
+  touch, so this floor includes the allocator's page-fault cost, which varies with the
+  allocator's state (the same clone can take 4x longer in one process than in another).
+- "copy_into" (the *copy_* floor): ``q_out.copy_(q); k_out.copy_(k)`` into tensors allocated
+  once beforehand — the bandwidth limit, without allocation.
+
+Ratio columns name their floor: ``x clone`` (``ratio_to_copy``) and ``x copy_``
+(``ratio_to_copy_into``).  GB/s counts the floor's bytes (read the inputs, write the
+outputs; cos/sin tables, positions and temporaries are not counted), so GB/s is comparable
+between methods.
+
+A topic module (``bench_<topic>.py``) depends on this harness only, never on run.py or on
+another topic's private names, and provides:
+
+- ``TOPIC``: its name in ``run.py --topics``; ``PARTS``: ``{part: transformers major}``
+  (each part runs in its own process, under that transformers version);
+- ``plan(opts) -> [(Case, method names)]``: what ``run(opts, rep)`` will report, in order;
+- ``run(opts, rep)``: builds inputs, calls :func:`run_case` per case, ``rep.add`` per result;
+- ``if __name__ == "__main__": sys.exit(H.worker_main(sys.modules[__name__]))``.
+
+run.py imports the topic modules listed in its ``TOPICS`` and runs their parts as workers.
 """
 
 from __future__ import annotations
@@ -179,9 +199,13 @@ METHODS: dict[str, Method] = {
         Method("hf_eager", "transformers eager", "peer"),
         Method("hf_compile", "torch.compile(transformers)", "peer"),
         Method("liger", "Liger-Kernel", "peer", needs_cuda=True),
-        Method("copy", "copy q,k (memory floor)", "floor"),
+        Method("posenc_op", "torch.ops.posenc.rope alone (dispatcher call)", "posenc",
+               cpu_only=True),
+        Method("copy", "clone q,k (allocating floor)", "floor"),
+        Method("copy_into", "copy_ into preallocated q,k (bandwidth floor)", "floor"),
     )
 }
+FLOORS = ("copy", "copy_into")
 
 
 def method_unavailable(method: Method, device: str) -> str | None:
@@ -244,8 +268,9 @@ class Result:
     first_call_s: float | None = None
     max_rel_err: float | None = None
     transformers: str = ""
-    ratio_to_copy: float | None = None
+    ratio_to_copy: float | None = None       # time / clone-floor time (paired)
     posenc_speedup: float | None = None
+    ratio_to_copy_into: float | None = None  # time / copy_-floor time (paired)
 
     @classmethod
     def for_case(cls, case: Case, method: str, status: str, **kw) -> Result:
@@ -285,21 +310,33 @@ def floor_bytes(*tensors: torch.Tensor) -> int:
     return 2 * sum(t.numel() * t.element_size() for t in tensors)
 
 
-def copy_workload(fwd_in: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> Workload:
-    """The memory floor: clone the same tensors in the same layout."""
+def copy_workload(fwd_in: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                  preallocated: bool = False) -> Workload:
+    """A memory floor: copy the same tensors in the same layout, into fresh tensors
+    (``clone``, the "copy" floor) or into tensors allocated once here (``copy_``, the
+    "copy_into" floor)."""
+    if preallocated:
+        outs = {id(t): torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                for t in (*fwd_in, *grads)}
 
-    def fwd():
-        with torch.no_grad():
-            return tuple(t.clone() for t in fwd_in)
+        def copy(ts):
+            with torch.no_grad():
+                return tuple(outs[id(t)].copy_(t) for t in ts)
+    else:
+        def copy(ts):
+            with torch.no_grad():
+                return tuple(t.clone() for t in ts)
 
-    def bwd():
-        return tuple(g.clone() for g in grads)
+    return Workload(timed={"fwd": lambda: copy(fwd_in), "bwd": lambda: copy(grads),
+                           "fwdbwd": lambda: copy((*fwd_in, *grads))}, verify=False)
 
-    def fwdbwd():
-        with torch.no_grad():
-            return tuple(t.clone() for t in (*fwd_in, *grads))
 
-    return Workload(timed={"fwd": fwd, "bwd": bwd, "fwdbwd": fwdbwd}, verify=False)
+def floor_workload(name: str, fwd_in: Sequence[torch.Tensor],
+                   grads: Sequence[torch.Tensor]) -> Workload:
+    """The workload of floor method ``name`` ("copy" or "copy_into")."""
+    if name not in FLOORS:
+        raise KeyError(name)
+    return copy_workload(fwd_in, grads, preallocated=name == "copy_into")
 
 
 def compile_fn(fn: Callable, **kw) -> Callable:
@@ -572,6 +609,8 @@ def run_case(case: Case, method_names: Sequence[str], build: Callable[[str], Wor
                             **extra[name], **common)
         if "copy" in samples:
             r.ratio_to_copy = paired_ratio(xs, samples["copy"])
+        if "copy_into" in samples:
+            r.ratio_to_copy_into = paired_ratio(xs, samples["copy_into"])
         if ours is not None and METHODS[name].role != "posenc":
             r.posenc_speedup = paired_ratio(xs, samples[ours])
         results[name] = r
@@ -691,8 +730,11 @@ def worker_main(topic_module, argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--part" not in argv and not any(a.startswith("--part=") for a in argv):
-        import run
-        return run.main(["--topics", topic_module.TOPIC, *argv])
+        # The driver runs the topic's parts (each in its own process, with its own
+        # transformers); it is started as a program, so the harness never imports it.
+        import subprocess
+        driver = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.py")
+        return subprocess.call([sys.executable, driver, "--topics", topic_module.TOPIC, *argv])
     p = argparse.ArgumentParser(description=topic_module.__doc__.splitlines()[0])
     p.add_argument("--part", help="run one part in this process (used by run.py)")
     p.add_argument("--suite", choices=tuple(POLICIES), default="quick")
@@ -791,13 +833,15 @@ def derive_ratios(results: list[Result]) -> None:
     """Fill ``ratio_to_copy`` / ``posenc_speedup`` where a run did not (unpaired medians)."""
     for rows in group_by_case(results).values():
         ok = {r.method: r for r in rows if r.status == "ok"}
-        copy = ok.get("copy")
+        copy, copy_into = ok.get("copy"), ok.get("copy_into")
         ours = [ok[m] for m in sorted(ok, key=lambda m: PRIMARY.get(m, 9)) if m in PRIMARY]
         for r in rows:
             if r.status != "ok":
                 continue
             if copy is not None and r.ratio_to_copy is None:
                 r.ratio_to_copy = r.median_ms / copy.median_ms
+            if copy_into is not None and r.ratio_to_copy_into is None:
+                r.ratio_to_copy_into = r.median_ms / copy_into.median_ms
             if ours and METHODS[r.method].role != "posenc" and r.posenc_speedup is None:
                 r.posenc_speedup = r.median_ms / ours[0].median_ms
 
@@ -806,7 +850,7 @@ def format_table(results: list[Result]) -> str:
     """The stdout table: one block per case, one line per method."""
     derive_ratios(results)
     head = (f"{'method':<15} {'median ms':>10} {'p10-p90 ms':>19} {'GB/s':>7} "
-            f"{'x copy':>7} {'posenc faster':>13} {'1st call s':>10}  note")
+            f"{'x clone':>7} {'x copy_':>7} {'posenc faster':>13} {'1st call s':>10}  note")
     lines: list[str] = []
     for key, rows in group_by_case(results).items():
         r0 = rows[0]
@@ -820,7 +864,8 @@ def format_table(results: list[Result]) -> str:
                 speed = f"{r.posenc_speedup:.2f}x" if r.posenc_speedup else ""
                 lines.append(
                     f"{r.method:<15} {r.median_ms:>10.3f} {spread:>19} {_fmt(r.gbps, '.1f'):>7} "
-                    f"{_fmt(r.ratio_to_copy, '.2f'):>7} {speed:>13} "
+                    f"{_fmt(r.ratio_to_copy, '.2f'):>7} {_fmt(r.ratio_to_copy_into, '.2f'):>7} "
+                    f"{speed:>13} "
                     f"{_fmt(r.first_call_s, '.2f'):>10}")
             else:
                 lines.append(f"{r.method:<15} {r.status.upper():>10}  {r.reason}")

@@ -4,7 +4,8 @@
 
 For every op and model measured over sequence lengths (batch 1): ``<op>-<model>-time.png``
 (median time vs T per method, p10-p90 as error bars) and ``<op>-<model>-ratio.png`` (time /
-copy time per method, with the copy floor at 1 and the 1.3x target line); rows are forward,
+clone-floor time per method, with the clone floor at 1, the 1.3x target line, and the
+copy_ floor as its own line below 1); rows are forward,
 backward and forward+backward, columns the dtypes, solid lines all threads, dashed one
 thread.  Decode steps and position-id cases go to ``other-time.png`` as bars.  Everything
 is read from the file; nothing is measured here.
@@ -22,11 +23,12 @@ from pathlib import Path
 MODE_LABEL = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
 COLORS = {"posenc": "#1b6ca8", "posenc_fused": "#0b3c66", "posenc_tables": "#6aa9d8",
           "hf_eager": "#d1495b", "hf_compile": "#edae49", "liger": "#66a182",
-          "copy": "#555555"}
+          "posenc_op": "#9ecae1", "copy": "#555555", "copy_into": "#999999"}
 LABELS = {"posenc": "posenc_torch", "posenc_fused": "posenc_torch apply_rope (fused)",
           "posenc_tables": "posenc_torch tables + apply", "hf_eager": "transformers eager",
           "hf_compile": "torch.compile(transformers)", "liger": "Liger-Kernel",
-          "copy": "copy q,k (floor)"}
+          "posenc_op": "posenc op alone", "copy": "clone q,k (allocating floor)",
+          "copy_into": "copy_ into preallocated q,k (bandwidth floor)"}
 ORDER = list(COLORS)
 
 
@@ -42,11 +44,11 @@ def _title(payload: dict) -> str:
 
 
 def _metric_axis(ax, metric: str) -> None:
-    """y label; for ratios also the copy floor (1x) and the 1.3x target line."""
+    """y label; for ratios also the clone floor (1x) and the 1.3x target line."""
     if metric == "ratio":
         ax.axhline(1.0, color=COLORS["copy"], lw=1)
         ax.axhline(1.3, color=COLORS["copy"], lw=0.8, ls=":")
-        ax.set_ylabel("time / copy time")
+        ax.set_ylabel("time / clone-floor time")
     else:
         ax.set_ylabel("median time (ms)")
 
@@ -143,7 +145,7 @@ def _sweep_figure(plt, rows: list[dict], op: str, model: str, metric: str, title
                     handles.append(a)
                     labels.append(b)
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8)
-    what = "time" if metric == "time" else "time relative to copying q and k"
+    what = "time" if metric == "time" else "time relative to cloning q and k (clone floor)"
     fig.suptitle(f"{op} {model}: {what}\n{title}", fontsize=10)
     fig.tight_layout(rect=(0, 0.07 + 0.02 * (len(labels) > 3), 1, 0.92))
     return fig

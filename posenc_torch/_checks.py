@@ -1,7 +1,9 @@
 """Argument checks that need Python: layouts, option names, devices.
 
-The C++ shim checks shapes, dtypes and sizes again (it is the contract of the ops); the
-checks here speak in terms of the public functions' own arguments.
+The C++ shim checks the shapes, dtypes and sizes of what an op receives (it is the
+contract of the ops).  The checks here speak in terms of the public functions' own
+arguments; the rotation functions run them only where the shim cannot (see rope.py).
+The float dtype list and its message are defined here once.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_FLOAT_TEXT = "float32, float64, bfloat16 or float16"
 
 
 def pairing_code(pairing: str) -> int:
@@ -30,10 +33,13 @@ def check_tensor(name: str, t: object, ndim: int | tuple[int, ...], layout: str)
     return t
 
 
+def check_float_dtype(name: str, dtype: torch.dtype) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be {_FLOAT_TEXT}, got {dtype}")
+
+
 def check_float(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
+    check_float_dtype(name, t.dtype)
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:

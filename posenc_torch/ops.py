@@ -1,4 +1,5 @@
-"""Fake (meta) kernels and autograd formulas for the ops in ``torch.ops.posenc``.
+"""Fake (meta) kernels and autograd formulas for the ops in ``torch.ops.posenc``, and the
+eager entry points ``rope`` / ``rope_fused`` / ``rope_tables`` that the public functions use.
 
 The schemas and CPU kernels are registered in C++ (csrc/torch/ops.cpp); importing
 ``posenc_torch._C`` loads them.  This module must be imported after it.
@@ -7,6 +8,7 @@ The schemas and CPU kernels are registered in C++ (csrc/torch/ops.cpp); importin
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from . import _C  # noqa: F401
 
@@ -89,16 +91,16 @@ def _rope_backward(ctx, grad_q, grad_k):
         return (None,) * 10
     grad_q = _grad_or_zeros(grad_q, ctx.out_meta[0])
     grad_k = _grad_or_zeros(grad_k, ctx.out_meta[1])
-    dq, dk = torch.ops.posenc.rope(grad_q, grad_k, cos, sin, sections, interleaved, pairing,
+    dq, dk = rope(grad_q, grad_k, cos, sin, sections, interleaved, pairing,
                                    not transpose, ctx.dtypes[0], ctx.dtypes[1])
     dcos = dsin = None
     if ctx.table_grad:
         q, k = saved
         if transpose:  # adjoint rotation: the table gradients swap input and gradient
-            dcos, dsin = torch.ops.posenc.rope_table_grad(q, k, grad_q, grad_k, cos, sections,
+            dcos, dsin = rope_table_grad(q, k, grad_q, grad_k, cos, sections,
                                                          interleaved, pairing)
         else:
-            dcos, dsin = torch.ops.posenc.rope_table_grad(grad_q, grad_k, q, k, cos, sections,
+            dcos, dsin = rope_table_grad(grad_q, grad_k, q, k, cos, sections,
                                                          interleaved, pairing)
         dcos = dcos if cos.requires_grad else None
         dsin = dsin if sin.requires_grad else None
@@ -106,6 +108,55 @@ def _rope_backward(ctx, grad_q, grad_k):
 
 
 torch.library.register_autograd("posenc::rope", _rope_backward, setup_context=_rope_setup_context)
+
+
+# rope_table_grad(a_q, a_k, b_q, b_k, cos) is bilinear in (a, b): over the rotary channels
+# of every head (and every batch row when the tables have batch 1),
+#     dcos = sum a * b,    dsin = sum a * rot(b),
+# rot(b) being the partner term of the forward rotation (out = cos * b + sin * rot(b)).
+# With incoming table gradients (Gc, Gs) its derivatives are therefore rotations again:
+#     d/da = Gc * b + Gs * rot(b)          the forward rotation of b with tables (Gc, Gs)
+#     d/db = Gc * a + rot^T(Gs * a)        the transpose rotation of a with the same tables
+# and zero in the channels past the rotary width (the tables do not reach them).
+
+
+def _rope_table_grad_setup_context(ctx, inputs, output):
+    grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing = inputs
+    ctx.args = (list(mrope_section), interleaved, pairing)
+    ctx.dtypes = (grad_q.dtype, grad_k.dtype, q.dtype, k.dtype)
+    ctx.save_for_backward(grad_q, grad_k, q, k)
+
+
+def _rotary_part(x: torch.Tensor, rot_dim: int) -> torch.Tensor:
+    return x if x.shape[-1] == rot_dim else x.narrow(-1, 0, rot_dim)
+
+
+def _pad_channels(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    pad = head_dim - x.shape[-1]
+    return x if pad == 0 else torch.nn.functional.pad(x, (0, pad))
+
+
+def _rope_table_grad_backward(ctx, g_cos, g_sin):
+    sections, interleaved, pairing = ctx.args
+    grad_q, grad_k, q, k = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    rot_dim, head_dim = g_cos.shape[-1], q.shape[-1]
+    d_grad_q = d_grad_k = d_q = d_k = None
+    if need[0] or need[1]:
+        d_grad_q, d_grad_k = rope(
+            _rotary_part(q, rot_dim), _rotary_part(k, rot_dim), g_cos, g_sin, sections,
+            interleaved, pairing, False, ctx.dtypes[0], ctx.dtypes[1])
+        d_grad_q, d_grad_k = _pad_channels(d_grad_q, head_dim), _pad_channels(d_grad_k, head_dim)
+    if need[2] or need[3]:
+        d_q, d_k = rope(
+            _rotary_part(grad_q, rot_dim), _rotary_part(grad_k, rot_dim), g_cos, g_sin,
+            sections, interleaved, pairing, True, ctx.dtypes[2], ctx.dtypes[3])
+        d_q, d_k = _pad_channels(d_q, head_dim), _pad_channels(d_k, head_dim)
+    return d_grad_q, d_grad_k, d_q, d_k, None, None, None, None
+
+
+torch.library.register_autograd("posenc::rope_table_grad", _rope_table_grad_backward,
+                                setup_context=_rope_table_grad_setup_context)
 
 
 def _rope_fused_setup_context(ctx, inputs, output):
@@ -123,7 +174,7 @@ def _rope_fused_backward(ctx, grad_q, grad_k):
         return (None,) * 9
     grad_q = _grad_or_zeros(grad_q, ctx.out_meta[0])
     grad_k = _grad_or_zeros(grad_k, ctx.out_meta[1])
-    dq, dk = torch.ops.posenc.rope_fused(grad_q, grad_k, position_ids, inv_freq, sections,
+    dq, dk = rope_fused(grad_q, grad_k, position_ids, inv_freq, sections,
                                          interleaved, scaling, pairing, not transpose)
     return dq, dk, None, None, None, None, None, None, None
 
@@ -150,3 +201,123 @@ def _vision_position_ids_fake(grid_thw, spatial_merge_size):
     # The patch count sum(t * h * w) depends on the values of grid_thw.
     n = torch.library.get_ctx().new_dynamic_size()
     return grid_thw.new_empty((n, 2), dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------
+# Eager entry points.  Calling an op through the dispatcher runs torch.library's Python
+# autograd kernel on every call, even when nothing records a gradient, which costs more
+# than a decode-size rotation itself.  So in eager mode these helpers call the op below the
+# autograd layer when no input can record a gradient, and otherwise apply an
+# autograd.Function built from the same setup_context/backward as the registered formula
+# (unlike torch.library's, it also serves torch.func.grad / vjp).  Under torch.compile /
+# export tracing they call the registered op, so graphs keep one ``posenc::*`` node with its
+# registered autograd.  Forward mode (forward AD, torch.func.jvp) raises: there is no jvp.
+
+_ROPE = torch.ops.posenc.rope.default
+_ROPE_TABLE_GRAD = torch.ops.posenc.rope_table_grad.default
+_ROPE_FUSED = torch.ops.posenc.rope_fused.default
+_ROPE_TABLES = torch.ops.posenc.rope_tables.default
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def _reject_forward_mode(op: str, tensors: tuple[torch.Tensor, ...]) -> None:
+    """The ops have reverse-mode formulas only; a forward-mode tangent would be dropped
+    without a word (torch.library has no jvp hook), so forward mode is an error."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    dual = _forward_ad._current_level >= 0 and any(
+        _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    jvp = _transforms_active() and any(
+        i.key() == torch._C._functorch.TransformType.Jvp
+        for i in retrieve_all_functorch_interpreters())
+    if dual or jvp:
+        raise NotImplementedError(
+            f"posenc::{op} has no forward-mode derivative (forward AD / torch.func.jvp); "
+            "use reverse mode (backward, torch.func.grad / vjp)")
+
+
+class _RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(*args):
+        with _below_autograd():
+            return _ROPE(*args)
+
+    setup_context = staticmethod(_rope_setup_context)
+    backward = staticmethod(_rope_backward)
+
+
+class _RopeTableGradFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(*args):
+        with _below_autograd():
+            return _ROPE_TABLE_GRAD(*args)
+
+    setup_context = staticmethod(_rope_table_grad_setup_context)
+    backward = staticmethod(_rope_table_grad_backward)
+
+
+class _RopeFusedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(*args):
+        with _below_autograd():
+            return _ROPE_FUSED(*args)
+
+    setup_context = staticmethod(_rope_fused_setup_context)
+    backward = staticmethod(_rope_fused_backward)
+
+
+def rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False, q_dtype=None,
+         k_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.posenc.rope`` with the eager fast paths (same arguments and results)."""
+    args = (q, k, cos, sin, mrope_section, interleaved, pairing, transpose, q_dtype, k_dtype)
+    if torch.compiler.is_compiling():
+        return torch.ops.posenc.rope(*args)
+    transforms = _transforms_active()
+    if transforms or _forward_ad._current_level >= 0:
+        _reject_forward_mode("rope", (q, k, cos, sin))
+    if transforms or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                  or cos.requires_grad or sin.requires_grad):
+        return _RopeFunction.apply(*args)
+    with _below_autograd():
+        return _ROPE(*args)
+
+
+def rope_table_grad(grad_q, grad_k, q, k, cos, mrope_section, interleaved,
+                    pairing) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.posenc.rope_table_grad`` with the eager fast paths."""
+    args = (grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing)
+    if torch.compiler.is_compiling():
+        return torch.ops.posenc.rope_table_grad(*args)
+    if _transforms_active() or (torch.is_grad_enabled() and (
+            grad_q.requires_grad or grad_k.requires_grad or q.requires_grad
+            or k.requires_grad)):
+        return _RopeTableGradFunction.apply(*args)
+    with _below_autograd():
+        return _ROPE_TABLE_GRAD(*args)
+
+
+def rope_fused(q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+               pairing, transpose=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.posenc.rope_fused`` with the eager fast paths."""
+    args = (q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+            pairing, transpose)
+    if torch.compiler.is_compiling():
+        return torch.ops.posenc.rope_fused(*args)
+    transforms = _transforms_active()
+    if transforms or _forward_ad._current_level >= 0:
+        _reject_forward_mode("rope_fused", (q, k))
+    if transforms or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _RopeFusedFunction.apply(*args)
+    with _below_autograd():
+        return _ROPE_FUSED(*args)
+
+
+def rope_tables(position_ids, inv_freq, mrope_section, interleaved, attention_scaling, pairing,
+                dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.posenc.rope_tables`` (integer positions in: nothing to differentiate)."""
+    args = (position_ids, inv_freq, mrope_section, interleaved, attention_scaling, pairing, dtype)
+    if torch.compiler.is_compiling() or _transforms_active():
+        return torch.ops.posenc.rope_tables(*args)
+    with _below_autograd():
+        return _ROPE_TABLES(*args)

@@ -1,13 +1,22 @@
-"""Public RoPE functions: transformers drop-ins and the fused positions-in path."""
+"""Public RoPE functions: transformers drop-ins and the fused positions-in path.
+
+Argument checks live in one layer: the C++ shim checks sizes, dtypes and devices of what the
+op receives.  The checks here cover what only Python sees (option names, the caller's
+layout, tensor types, mixed devices) and run before the op only where a fast path does not
+apply (tracing, non-CPU tensors); on the eager CPU path they run after the op has failed,
+to replace its message with one in terms of the public function's own arguments.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from . import ops
 from ._checks import (
     check_float,
+    check_float_dtype,
     check_same_device,
     check_sections,
     check_tensor,
@@ -29,6 +38,34 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, unsqueeze_dim: int) -> None:
     check_tensor("k", k, 4, f"4-D {layout} for unsqueeze_dim={unsqueeze_dim}")
     check_float("q", q)
     check_float("k", k)
+
+
+def _fast(*tensors: object) -> bool:
+    """Eager call on CPU tensors: the op's own checks come first (see the module doc)."""
+    return not torch.compiler.is_compiling() and all(
+        isinstance(t, torch.Tensor) and t.is_cpu for t in tensors)
+
+
+def _checked_call(check: Callable[[], None], fast: bool, call: Callable[[], tuple]) -> tuple:
+    """``call()``; ``check()`` first unless ``fast``, else only to explain a failure of it."""
+    if not fast:
+        check()
+        return call()
+    try:
+        return call()
+    except Exception:
+        try:
+            check()
+        except (TypeError, ValueError, NotImplementedError) as err:
+            raise err from None
+        raise
+
+
+def _check_no_inv_freq_grad(inv_freq: torch.Tensor) -> None:
+    if inv_freq.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "inv_freq requires grad, but posenc_torch does not differentiate with respect to "
+            "the frequencies; pass inv_freq.detach() (rotary modules keep it as a buffer)")
 
 
 def apply_rotary_pos_emb(
@@ -59,15 +96,21 @@ def apply_rotary_pos_emb(
     if isinstance(position_ids, int) and not isinstance(position_ids, bool):
         unsqueeze_dim, position_ids = position_ids, None
     dim = check_unsqueeze_dim(unsqueeze_dim)
-    _check_qk(q, k, dim)
-    check_tensor("cos", cos, 3, "3-D (batch, seq, rot_dim)")
-    check_tensor("sin", sin, 3, "3-D (batch, seq, rot_dim)")
-    check_float("cos", cos)
-    check_float("sin", sin)
-    check_same_device(q=q, k=k, cos=cos, sin=sin)
-    q_out, k_out = torch.ops.posenc.rope(
-        _to_bthd(q, dim), _to_bthd(k, dim), cos, sin, [], False, pairing_code(pairing), False)
-    return _to_bthd(q_out, dim), _to_bthd(k_out, dim)
+    code = pairing_code(pairing)
+
+    def check() -> None:
+        _check_qk(q, k, dim)
+        check_tensor("cos", cos, 3, "3-D (batch, seq, rot_dim)")
+        check_tensor("sin", sin, 3, "3-D (batch, seq, rot_dim)")
+        check_float("cos", cos)
+        check_float("sin", sin)
+        check_same_device(q=q, k=k, cos=cos, sin=sin)
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        q_out, k_out = ops.rope(_to_bthd(q, dim), _to_bthd(k, dim), cos, sin, [], False, code)
+        return _to_bthd(q_out, dim), _to_bthd(k_out, dim)
+
+    return _checked_call(check, _fast(q, k, cos, sin), call)
 
 
 def apply_multimodal_rotary_pos_emb(
@@ -89,20 +132,25 @@ def apply_multimodal_rotary_pos_emb(
     Returns ``(q_embed, k_embed)``, dtype ``torch.result_type(q, cos)``.
     """
     dim = check_unsqueeze_dim(unsqueeze_dim)
-    _check_qk(q, k, dim)
     sections = check_sections(mrope_section)
-    check_tensor("cos", cos, 4, "4-D (3, batch, seq, head_dim)")
-    check_tensor("sin", sin, 4, "4-D (3, batch, seq, head_dim)")
-    check_float("cos", cos)
-    check_float("sin", sin)
-    if 2 * sum(sections) != cos.shape[-1]:
-        raise ValueError(
-            f"mrope_section {list(mrope_section)} must satisfy 2 * sum == {cos.shape[-1]} "
-            f"(the last dim of cos), got 2 * {sum(sections)} = {2 * sum(sections)}")
-    check_same_device(q=q, k=k, cos=cos, sin=sin)
-    q_out, k_out = torch.ops.posenc.rope(
-        _to_bthd(q, dim), _to_bthd(k, dim), cos, sin, sections, False, 0, False)
-    return _to_bthd(q_out, dim), _to_bthd(k_out, dim)
+
+    def check() -> None:
+        _check_qk(q, k, dim)
+        check_tensor("cos", cos, 4, "4-D (3, batch, seq, head_dim)")
+        check_tensor("sin", sin, 4, "4-D (3, batch, seq, head_dim)")
+        check_float("cos", cos)
+        check_float("sin", sin)
+        if 2 * sum(sections) != cos.shape[-1]:
+            raise ValueError(
+                f"mrope_section {list(mrope_section)} must satisfy 2 * sum == {cos.shape[-1]} "
+                f"(the last dim of cos), got 2 * {sum(sections)} = {2 * sum(sections)}")
+        check_same_device(q=q, k=k, cos=cos, sin=sin)
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        q_out, k_out = ops.rope(_to_bthd(q, dim), _to_bthd(k, dim), cos, sin, sections, False, 0)
+        return _to_bthd(q_out, dim), _to_bthd(k_out, dim)
+
+    return _checked_call(check, _fast(q, k, cos, sin), call)
 
 
 def apply_rotary_pos_emb_vision(
@@ -113,20 +161,33 @@ def apply_rotary_pos_emb_vision(
     Shapes:
         q, k: (N, H, D) — N patches
         cos, sin: (N, D)
-    The rotation runs in fp32 (fp64 for fp64 q/k) and the results are cast back to q's and
-    k's dtypes, as transformers does.
+    As in transformers (4.57 and 5.x alike), the rotation runs in fp32 for every input dtype,
+    fp64 included (fp64 q, k, cos, sin are rounded to fp32 first), and the results are
+    cast to q's and k's dtypes; fp32 and fp64 inputs give transformers' values exactly.
     """
-    check_tensor("q", q, 3, "3-D (patches, heads, head_dim)")
-    check_tensor("k", k, 3, "3-D (patches, heads, head_dim)")
-    check_tensor("cos", cos, 2, "2-D (patches, head_dim)")
-    check_tensor("sin", sin, 2, "2-D (patches, head_dim)")
-    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        check_float(name, t)
-    check_same_device(q=q, k=k, cos=cos, sin=sin)
-    q_out, k_out = torch.ops.posenc.rope(
-        q.unsqueeze(0), k.unsqueeze(0), cos.float().unsqueeze(0), sin.float().unsqueeze(0),
-        [], False, 0, False, q.dtype, k.dtype)
-    return q_out.squeeze(0), k_out.squeeze(0)
+
+    def check() -> None:
+        check_tensor("q", q, 3, "3-D (patches, heads, head_dim)")
+        check_tensor("k", k, 3, "3-D (patches, heads, head_dim)")
+        check_tensor("cos", cos, 2, "2-D (patches, head_dim)")
+        check_tensor("sin", sin, 2, "2-D (patches, head_dim)")
+        for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+            check_float(name, t)
+        check_same_device(q=q, k=k, cos=cos, sin=sin)
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        # fp64 is the one dtype the kernels would not narrow to fp32: round it here, and
+        # widen the fp32 results afterwards, as transformers' casts do (forward and backward).
+        f64 = torch.float64
+        q_out, k_out = ops.rope(
+            (q.float() if q.dtype == f64 else q).unsqueeze(0),
+            (k.float() if k.dtype == f64 else k).unsqueeze(0),
+            cos.float().unsqueeze(0), sin.float().unsqueeze(0), [], False, 0, False,
+            torch.float32 if q.dtype == f64 else q.dtype,
+            torch.float32 if k.dtype == f64 else k.dtype)
+        return q_out.squeeze(0).to(q.dtype), k_out.squeeze(0).to(k.dtype)
+
+    return _checked_call(check, _fast(q, k, cos, sin), call)
 
 
 def _check_positions(position_ids: torch.Tensor, inv_freq: torch.Tensor,
@@ -137,6 +198,7 @@ def _check_positions(position_ids: torch.Tensor, inv_freq: torch.Tensor,
     check_tensor("inv_freq", inv_freq, 1, "1-D (rot_dim / 2,)")
     if not inv_freq.is_floating_point():
         raise TypeError(f"inv_freq must be floating point, got {inv_freq.dtype}")
+    _check_no_inv_freq_grad(inv_freq)
     if mrope_section is None:
         if position_ids.dim() == 3:
             raise ValueError("position_ids of shape (3, batch, seq) need mrope_section")
@@ -171,19 +233,32 @@ def apply_rope(
     Each token's angles fl32(inv_freq[i] * fl32(pos)) and their sin/cos are computed once,
     in fp32, and shared by all heads; cos/sin are scaled by ``attention_scaling`` and are
     not rounded to q's dtype.  Returns ``(q_embed, k_embed)`` in q's and k's dtypes.
+
+    Gradients flow to q and k; ``inv_freq`` is a constant here (a ``ValueError`` names it
+    when it requires grad in grad mode: pass ``inv_freq.detach()``).
     """
     dim = check_unsqueeze_dim(unsqueeze_dim)
-    _check_qk(q, k, dim)
-    sections = _check_positions(position_ids, inv_freq, mrope_section)
-    if 2 * inv_freq.shape[0] > q.shape[-1]:
-        raise ValueError(
-            f"inv_freq has {inv_freq.shape[0]} frequencies, so the rotary width "
-            f"2 * {inv_freq.shape[0]} = {2 * inv_freq.shape[0]} exceeds head_dim {q.shape[-1]}")
-    check_same_device(q=q, k=k, position_ids=position_ids, inv_freq=inv_freq)
-    q_out, k_out = torch.ops.posenc.rope_fused(
-        _to_bthd(q, dim), _to_bthd(k, dim), position_ids, inv_freq, sections,
-        bool(interleaved_mrope), float(attention_scaling), pairing_code(pairing), False)
-    return _to_bthd(q_out, dim), _to_bthd(k_out, dim)
+    code = pairing_code(pairing)
+
+    def check() -> None:
+        _check_qk(q, k, dim)
+        _check_positions(position_ids, inv_freq, mrope_section)
+        if 2 * inv_freq.shape[0] > q.shape[-1]:
+            raise ValueError(
+                f"inv_freq has {inv_freq.shape[0]} frequencies, so the rotary width "
+                f"2 * {inv_freq.shape[0]} = {2 * inv_freq.shape[0]} exceeds head_dim "
+                f"{q.shape[-1]}")
+        check_same_device(q=q, k=k, position_ids=position_ids, inv_freq=inv_freq)
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        _check_no_inv_freq_grad(inv_freq)  # the op would ignore it: never silently
+        sections = [] if mrope_section is None else check_sections(mrope_section)
+        q_out, k_out = ops.rope_fused(_to_bthd(q, dim), _to_bthd(k, dim), position_ids,
+                                      inv_freq, sections, bool(interleaved_mrope),
+                                      float(attention_scaling), code)
+        return _to_bthd(q_out, dim), _to_bthd(k_out, dim)
+
+    return _checked_call(check, _fast(q, k, position_ids, inv_freq), call)
 
 
 def compute_mrope_cos_sin(
@@ -206,10 +281,11 @@ def compute_mrope_cos_sin(
     Returns ``(cos, sin)``, each (Bp, T, R) in ``dtype``: angles fl32(inv_freq * pos),
     cos/sin in fp32 times ``attention_scaling``, then one rounding to ``dtype``.  With
     ``pairing="adjacent"`` frequency i fills channels 2i and 2i+1 instead of i and i + R/2.
+    The tables are not differentiable: an ``inv_freq`` that requires grad (in grad mode) is
+    rejected with a ``ValueError`` naming it.
     """
     sections = _check_positions(position_ids, inv_freq, mrope_section)
-    if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        raise TypeError(f"dtype must be float32, float64, bfloat16 or float16, got {dtype}")
+    check_float_dtype("dtype", dtype)
     check_same_device(position_ids=position_ids, inv_freq=inv_freq)
-    return torch.ops.posenc.rope_tables(position_ids, inv_freq, sections, bool(interleaved),
-                                        float(attention_scaling), pairing_code(pairing), dtype)
+    return ops.rope_tables(position_ids, inv_freq, sections, bool(interleaved),
+                           float(attention_scaling), pairing_code(pairing), dtype)

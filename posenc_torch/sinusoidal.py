@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ._checks import FLOAT_DTYPES
+from ._checks import check_float_dtype
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -49,6 +49,5 @@ def sinusoidal_position_encoding(
         raise TypeError(f"base must be a float, got {type(base).__name__}")
     if not 0.0 < base < math.inf:  # also rejects NaN
         raise ValueError(f"base must be finite and > 0, got {base}")
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be float32, float64, bfloat16 or float16, got {dtype}")
+    check_float_dtype("dtype", dtype)
     return torch.ops.posenc.sinusoidal(num_positions, dim, float(base), dtype)

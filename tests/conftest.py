@@ -31,6 +31,9 @@ def pytest_configure(config):
             f"expected transformers {expected}.x on the path, found {transformers.__version__}")
 
 
+_NEEDS_HF4: set[str] = set()
+
+
 def pytest_collection_modifyitems(config, items):
     if TRANSFORMERS_MAJOR >= 5:
         skip = pytest.mark.skip(
@@ -39,6 +42,22 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "transformers4" in item.keywords:
                 item.add_marker(skip)
+                _NEEDS_HF4.add(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """A plain `pytest` cannot run the 4.x parity tests: say so at the end, with the count
+    and the command that runs them, rather than leaving them among the skips."""
+    tr = terminalreporter
+    skipped = [r for r in tr.stats.get("skipped", []) if r.nodeid in _NEEDS_HF4]
+    if not skipped:
+        return
+    tr.section("transformers 4.x parity tests NOT RUN", sep="!", yellow=True, bold=True)
+    tr.line(f"{len(skipped)} tests compare against transformers 4.57 functions and were "
+            f"skipped under transformers {transformers.__version__}.", yellow=True, bold=True)
+    tr.line("Run them with `make pytest-hf4` (part of `make test`), i.e. from tests/: "
+            "PYTHONPATH=../.venv/hf4 POSENC_EXPECT_TRANSFORMERS=4 python -m pytest "
+            "-m 'transformers4 or any_transformers' .", yellow=True)
 
 
 ISAS = [name for name in ("baseline", "avx2", "avx512")

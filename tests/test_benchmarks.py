@@ -99,13 +99,35 @@ def test_backward_callable_returns_the_gradients():
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-def test_copy_floor_keeps_the_layout():
+@pytest.mark.parametrize("floor", H.FLOORS)
+def test_copy_floors_keep_the_layout(floor):
     _, q, k, _, _, gq, gk = _tiny_inputs()
-    work = H.copy_workload((q, k), (gq, gk))
+    work = H.floor_workload(floor, (q, k), (gq, gk))
     qc, kc = work.timed["fwd"]()
     assert qc.stride() == q.stride() and kc.stride() == k.stride()
+    assert torch.equal(qc, q) and torch.equal(kc, k)
+    again = work.timed["fwd"]()
+    # copy_ writes into the same preallocated tensors every call; clone allocates anew
+    assert (again[0].data_ptr() == qc.data_ptr()) == (floor == "copy_into")
     assert len(work.timed["fwdbwd"]()) == 4
     assert H.floor_bytes(q, k) == 2 * (q.numel() + k.numel()) * 4
+
+
+def test_topics_depend_on_the_harness_never_the_reverse():
+    """harness.py imports neither run.py nor a topic; run.py lists every topic module."""
+    import ast
+
+    tree = ast.parse((BENCH / "harness.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and n.module}
+    local = {p.stem for p in BENCH.glob("*.py")}
+    assert not imported & local, imported & local
+    import run
+
+    topics = {p.stem for p in BENCH.glob("bench_*.py")}
+    assert {m.__name__ for m in run.TOPICS.values()} == topics
 
 
 def test_exact_comparison_and_failures_are_reported(broken_method):
@@ -164,10 +186,14 @@ def test_driver_writes_results_and_plots(tmp_path):
     ok = {(r["op"], r["mode"], r["method"]) for r in rows if r["status"] == "ok"}
     for op in ("rope", "rope_vision"):
         for mode in H.MODES:
-            for method in ("posenc", "hf_eager", "hf_compile", "copy"):
+            for method in ("posenc", "hf_eager", "hf_compile", "copy", "copy_into"):
                 assert (op, mode, method) in ok, (op, mode, method)
+    assert all(r["ratio_to_copy"] and r["ratio_to_copy_into"] for r in rows
+               if r["status"] == "ok")
     assert all(r["status"] == "skipped" for r in rows if r["method"] == "liger")
-    assert [t["target"][:2] for t in payload["targets"]] == ["1.", "1b", "2a", "2b", "3.", "4."]
+    assert [t["target"][:2] for t in payload["targets"]] == \
+        ["1.", "1b", "1c", "2a", "2b", "3.", "4.", "5a", "5b"]
+    assert "x clone" in proc.stdout and "x copy_" in proc.stdout
     assert (tmp_path / "smoke.csv").read_text().startswith("topic,op,model")
     plots = sorted(p.name for p in (tmp_path / "plots-smoke").glob("*.png"))
     assert "rope-Llama-3-8B-time.png" in plots and "rope-Llama-3-8B-ratio.png" in plots
@@ -177,8 +203,8 @@ def test_driver_writes_results_and_plots(tmp_path):
 
 @pytest.mark.transformers4
 def test_positions_topic_checks_against_get_rope_index():
-    """Under transformers 4.57.6: HF get_rope_index is timed; posenc's function is either
-    absent (skipped, with the reason) or equal to it (else it is reported as failed)."""
+    """Under transformers 4.57.6: HF get_rope_index and posenc's compute_mrope_position_ids
+    are both timed, after their results were found equal (else they are reported failed)."""
     import bench_positions
 
     opts = H.Options("qwen2_vl", "smoke", 1, "cpu", None)
@@ -186,9 +212,8 @@ def test_positions_topic_checks_against_get_rope_index():
     bench_positions.run(opts, rep)
     by = {r.method: r for r in rep.results}
     assert by["hf_eager"].status == "ok"
-    assert by["posenc"].status in ("ok", "skipped"), by["posenc"].reason
-    if by["posenc"].status == "skipped":
-        assert "compute_mrope_position_ids" in by["posenc"].reason
+    assert by["posenc"].status == "ok", by["posenc"].reason
+    assert by["posenc"].max_rel_err == 0.0  # exact comparison with get_rope_index
     ids, grids, mask = bench_positions.make_prompts(2, 256, 1)
     assert int(mask[1].sum()) < 256 and (ids == bench_positions.IMAGE_PAD).sum() == \
         int((grids[:, 0] * grids[:, 1] * grids[:, 2]).sum()) // 4

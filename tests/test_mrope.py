@@ -650,11 +650,14 @@ def _vision_tables(N, head_dim=80):
 
 def _check_vision(model):
     mod = hf_module(model)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         N, H = 37, 3
         q = torch.randn(N, H, 80).to(dtype)
         k = torch.randn(N, H + 1, 80)[:, 1:].to(dtype)       # a non-contiguous view
         cos, sin = _vision_tables(N)
+        if dtype == torch.float64:  # fp64 everywhere still computes in fp32, as HF does
+            q, k, cos, sin = (t.double() + 1e-12 for t in (q, k, cos, sin))
+            assert not torch.equal(q.float().double(), q)  # fp64 math would differ
         ours = P.apply_rotary_pos_emb_vision(q, k, cos, sin)
         hf = mod.apply_rotary_pos_emb_vision(q, k, cos, sin)
         for o, h in zip(ours, hf):
@@ -687,12 +690,14 @@ def test_vision_matches_hf4(model):
 
 
 def test_vision_gradcheck_fp64():
+    """fp64 inputs, fp32 math (as transformers): derivatives at fp32 tolerance."""
     q = torch.randn(5, 2, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(5, 1, 8, dtype=torch.float64, requires_grad=True)
     cos = torch.randn(5, 8, dtype=torch.float32, requires_grad=False)
     sin = torch.randn(5, 8, dtype=torch.float32, requires_grad=False)
     assert torch.autograd.gradcheck(
-        lambda a, b: P.apply_rotary_pos_emb_vision(a, b, cos, sin), (q, k))
+        lambda a, b: P.apply_rotary_pos_emb_vision(a, b, cos, sin), (q, k),
+        eps=1e-3, atol=1e-3, rtol=1e-3)
 
 
 # =======================================================================================
@@ -948,3 +953,26 @@ def test_empty_batch_table_gradients_are_zero():
     out = P.apply_multimodal_rotary_pos_emb(q, k, cos, sin, [2, 1, 1])
     gc, gs = torch.autograd.grad(out, (cos, sin), [torch.ones_like(o) for o in out])
     assert torch.equal(gc, torch.zeros_like(cos)) and torch.equal(gs, torch.zeros_like(sin))
+
+
+# =======================================================================================
+# inv_freq is a constant: requiring grad on it is an error, never silently ignored
+# =======================================================================================
+
+
+def test_inv_freq_requiring_grad_is_rejected():
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)).requires_grad_()
+    pos = torch.arange(5)[None]
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8)
+    with pytest.raises(ValueError, match="inv_freq requires grad"):
+        P.apply_rope(q, k, pos, inv_freq)
+    with pytest.raises(ValueError, match="inv_freq requires grad"):
+        P.apply_rope(q.requires_grad_(), k, pos, inv_freq)
+    with pytest.raises(ValueError, match="inv_freq requires grad"):
+        P.compute_mrope_cos_sin(pos, inv_freq)
+    with torch.no_grad():  # nothing is recorded, so nothing is lost: allowed
+        ref = P.apply_rope(q, k, pos, inv_freq.detach())
+        assert torch.equal(P.apply_rope(q, k, pos, inv_freq)[0], ref[0])
+        P.compute_mrope_cos_sin(pos, inv_freq)
+    out = P.apply_rope(q, k, pos, inv_freq.detach())
+    assert torch.equal(out[0], ref[0]) and out[0].requires_grad
