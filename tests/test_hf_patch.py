@@ -27,6 +27,7 @@ pytestmark = pytest.mark.any_transformers
 
 TEXT_TYPES = ("llama", "qwen2")
 VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+ORIGINAL_TYPES = TEXT_TYPES + VL_TYPES  # tests/test_hf_models.py covers the others
 IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 122, 123
 LAYERS, VISION_DEPTH = 2, 2
 REPO = Path(__file__).resolve().parents[1]
@@ -149,7 +150,7 @@ def all_grads(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.double().flatten() for _, g in sorted(grads.items())])
 
 
-CASES = [(mt, "text") for mt in hf.SUPPORTED_MODEL_TYPES] + [
+CASES = [(mt, "text") for mt in ORIGINAL_TYPES] + [
     (mt, kind) for mt in VL_TYPES for kind in ("image", "video", "image+video")]
 
 
@@ -157,7 +158,7 @@ CASES = [(mt, "text") for mt in hf.SUPPORTED_MODEL_TYPES] + [
 # What gets patched
 
 
-@pytest.mark.parametrize("model_type", hf.SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", ORIGINAL_TYPES)
 def test_patch_replaces_what_the_attention_calls(model_type):
     tiny_model(model_type)  # imports the modeling file
     module = modeling(model_type)
@@ -224,7 +225,7 @@ def test_fp32_logits_and_gradients_match(model_type, kind):
         assert torch.equal(model.model.rope_deltas, ref_model.model.rope_deltas)
 
 
-@pytest.mark.parametrize("model_type", hf.SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", ORIGINAL_TYPES)
 def test_bf16_as_close_to_fp64_as_transformers(model_type):
     """bf16: transformers rounds after each of its three ops, posenc once, so the two differ
     by about a bf16 ulp per rotation; through the model that is the size of bf16's own error.
@@ -316,7 +317,7 @@ def mentions_rotary(text: str) -> bool:
     return any(word in text for word in ("posenc", "rotary", "rope"))
 
 
-@pytest.mark.parametrize("model_type", hf.SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", ORIGINAL_TYPES)
 def test_compiled_attention_has_no_graph_break_in_rotary(model_type):
     from torch._dynamo.utils import counters
 
