@@ -106,6 +106,10 @@ _ACTIVE: dict[tuple[str, str], PatchHandle] = {}
 # ``handle.install(module, name, replacement, target)``, so ``undo()`` reverses them too.
 INSTALLERS: list[Callable[[PatchHandle, tuple[str, ...]], None]] = []
 
+# Qwen-VL position ids (get_rope_index) through posenc's C walk: see _hf_positions.
+from . import _hf_positions  # noqa: E402
+INSTALLERS.append(_hf_positions.install)
+
 
 class PatchHandle:
     """What ``patch`` installed; undoes it with ``undo()`` or at the end of a ``with`` block.
