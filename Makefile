@@ -4,18 +4,24 @@ PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
 HF4    := $(VENV)/hf4
+# transformers 5.x releases beside .venv's 5.17.0, each an overlay like HF4
+HF5_18     := $(VENV)/hf5_18
+HF5_LATEST := $(VENV)/hf5_latest
 STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 PYTEST := $(abspath $(VPY)) -m pytest -q -p no:cacheprovider
 
-.PHONY: all venv build test pytest pytest-hf4 ctest sanitize bench bench-full notebooks clean
+.PHONY: all venv build test pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest ctest sanitize \
+	bench bench-full notebooks clean
 
 all: build
 
-$(STAMP): requirements-dev.txt requirements-hf4.txt
+$(STAMP): requirements-dev.txt requirements-hf4.txt requirements-hf5_18.txt requirements-hf5_latest.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q -r requirements-dev.txt
 	$(VPY) -m pip install -q --no-deps --upgrade --target $(HF4) -r requirements-hf4.txt
+	$(VPY) -m pip install -q --no-deps --upgrade --target $(HF5_18) -r requirements-hf5_18.txt
+	$(VPY) -m pip install -q --no-deps --upgrade --target $(HF5_LATEST) -r requirements-hf5_latest.txt
 	touch $@
 
 venv: $(STAMP)
@@ -27,13 +33,26 @@ build: $(STAMP)
 
 # Everything: C tests, the same under ASan + UBSan, Python tests on transformers 5.x and
 # the transformers-4.x tests against the 4.57.6 overlay.
-test: build ctest sanitize pytest pytest-hf4
+test: build ctest sanitize pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest
 
 pytest: build
 	cd tests && $(PYTEST) .
 
 pytest-hf4: build
 	cd tests && PYTHONPATH=$(abspath $(HF4)) POSENC_EXPECT_TRANSFORMERS=4 $(PYTEST) -m "transformers4 or any_transformers" .
+
+# Position ids and the get_rope_index patch against the other transformers 5.x releases
+# (the version of each requirements file exactly).
+HF5_TESTS := test_positions.py test_hf_positions.py
+pytest-hf5_18: build
+	cd tests && PYTHONPATH=$(abspath $(HF5_18)) \
+		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_18.txt) \
+		$(PYTEST) -m "not transformers4" $(HF5_TESTS)
+
+pytest-hf5_latest: build
+	cd tests && PYTHONPATH=$(abspath $(HF5_LATEST)) \
+		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_latest.txt) \
+		$(PYTEST) -m "not transformers4" $(HF5_TESTS)
 
 ctest: $(STAMP)
 	$(VENV)/bin/meson setup builddir-c -Dpython_extension=false --reconfigure >/dev/null
