@@ -135,7 +135,8 @@ def rotary_alone(initial, batch, repeats: int) -> None:
     module = importlib.import_module(type(initial).__module__)
     seen: dict[str, tuple] = {}
     with posenc_torch.hf.patch("qwen2_vl") as handle:
-        names = [target.split(".", 1)[1] for target in handle.targets]
+        names = [target.split(".", 1)[1] for target in handle.targets
+                 if hasattr(module, target.split(".", 1)[1])]  # not the get_rope_index method
         replacements = {name: getattr(module, name) for name in names}
 
         def recorder(name):

@@ -166,6 +166,8 @@ def test_patch_replaces_what_the_attention_calls(model_type):
     if model_type in VL_TYPES:
         expected.append(f"{model_type}.apply_rotary_pos_emb_vision")
     names = [t.split(".", 1)[1] for t in expected]
+    if model_type in VL_TYPES:  # a method, not a module function: see test_hf_positions.py
+        expected.append(f"{model_type}.get_rope_index")
     originals = {name: getattr(module, name) for name in names}
 
     handle = hf.patch(model_type)
@@ -218,6 +220,8 @@ def test_fp32_logits_and_gradients_match(model_type, kind):
     expected = {text_target(model_type): LAYERS}
     if model_type in VL_TYPES:
         expected[f"{model_type}.apply_rotary_pos_emb_vision"] = n_vision
+        # 3-D position ids: 5.x asks for them only with grids (see test_hf_positions.py)
+        expected[f"{model_type}.get_rope_index"] = int(kind != "text" or TRANSFORMERS_MAJOR < 5)
     assert handle.calls == expected
     assert handle.fallbacks == dict.fromkeys(expected, 0)
     if kind != "text":  # the 3-D position ids of the vision tokens were used
@@ -471,9 +475,11 @@ def test_unsupported_inputs_go_to_transformers():
         vq_out, _ = module.apply_rotary_pos_emb_vision(vq, vk, vcos, vsin)
         assert vq_out.shape == vq.shape
         assert handle.fallbacks == {f"qwen2_vl.{text_name}": 1,
-                                    "qwen2_vl.apply_rotary_pos_emb_vision": 1}
+                                    "qwen2_vl.apply_rotary_pos_emb_vision": 1,
+                                    "qwen2_vl.get_rope_index": 0}
         assert handle.calls == {f"qwen2_vl.{text_name}": 0,
-                                "qwen2_vl.apply_rotary_pos_emb_vision": 0}
+                                "qwen2_vl.apply_rotary_pos_emb_vision": 0,
+                                "qwen2_vl.get_rope_index": 0}
 
         # Shapes transformers' function itself rejects: the same error with the patch.
         cpu_q, cpu_k = qk(1)
