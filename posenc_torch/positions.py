@@ -178,7 +178,9 @@ def compute_mrope_position_ids(
         attention_mask:     (B, L) of 0/1 (bool, integer or floating); 0 marks padding,
                             left or right
         mm_token_type_ids:  (B, L) integer, 0 text, 1 image, 2 video, as the transformers
-                            5.x processors return it (5.x conventions only)
+                            5.x processors return it (5.x conventions only; when None it is
+                            derived from ``image_token_id`` / ``video_token_id`` as the
+                            processors derive it)
         second_per_grid_ts: (n_videos,) seconds per temporal grid step (Qwen2.5-VL only;
                             ``temporal_patch_size / fps`` from the processor); a sequence
                             is taken as float32, as the processor's output is
@@ -214,8 +216,8 @@ def compute_mrope_position_ids(
       frames get no temporal offset.
 
     Arguments a convention does not read may be passed and are ignored, so that one call
-    serves every release: ``mm_token_type_ids`` under ``"4.57"``, the three token ids under
-    5.x (they are required under ``"4.57"``).  Without grids (both None) every row gets
+    serves every release: ``mm_token_type_ids`` under ``"4.57"``, the token ids under 5.x
+    when ``mm_token_type_ids`` is given (they are required under ``"4.57"``).  Without grids (both None) every row gets
     text positions as transformers does; a row that nevertheless holds a vision run is an
     error.  Grids that disagree with the tokens raise ``ValueError`` naming
     ``image_grid_thw`` / ``video_grid_thw``: too few or too many grids, a run shorter or
@@ -259,8 +261,14 @@ def compute_mrope_position_ids(
                              f"equal input_ids shape {tuple(input_ids.shape)}")
         types = tensors["mm_token_type_ids"] = mm_token_type_ids
     elif v5 and has_grids:
-        raise ValueError(f"convention {convention!r} finds vision runs from mm_token_type_ids "
-                         "(0 text, 1 image, 2 video, from the processor): pass it")
+        if image_token_id is None or video_token_id is None:
+            raise ValueError(f"convention {convention!r} finds vision runs from "
+                             "mm_token_type_ids (0 text, 1 image, 2 video, from the processor): "
+                             "pass it, or image_token_id and video_token_id to derive it")
+        # as the 5.x processors build it (create_mm_token_type_ids)
+        for name in ("image_token_id", "video_token_id"):
+            _check_int_arg(name, given[name], 0)
+        types = (input_ids == image_token_id).long() + 2 * (input_ids == video_token_id).long()
 
     time_rule = 0
     if model == "qwen2_5_vl":

@@ -320,8 +320,12 @@ def test_example_5x_rules(convention):
     # without grids: text positions, padded slots 0, deltas 0
     pos, deltas = mrope(pids, attention_mask=mask, convention=convention)
     assert pos[0, 0].tolist() == [0, 0, 0, 1, 2, 3, 4, 5, 6, 7] and deltas.tolist() == [[0]]
+    # without mm_token_type_ids: derived from the token ids, as the processors do
+    derived = mrope(pids, None, grid, mask, convention=convention)
+    given = mrope(pids, None, grid, mask, mm_token_type_ids=mm_types(pids), convention=convention)
+    assert torch.equal(derived[0], given[0]) and torch.equal(derived[1], given[1])
     with pytest.raises(ValueError, match="mm_token_type_ids"):
-        mrope(ids, None, grid, convention=convention)
+        compute_mrope_position_ids(ids, None, grid, convention=convention)
     bad = mm_types(ids)
     bad[0, 0] = 3
     with pytest.raises(ValueError, match=r"mm_token_type_ids\[0, 0\] is 3"):
