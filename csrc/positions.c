@@ -55,7 +55,9 @@ static int64_t video_time(pe_mrope_time rule, double s, double tps, int64_t k) {
     switch (rule) {
     case PE_TIME_TRUNC_SECONDS: {
         const int64_t ks = k * (int64_t)s;
-        if (tps == floor(tps)) return ks * (int64_t)tps;
+        if (ks == 0) return 0;
+        /* ks >= 1 here, so tps <= 2^31 (seconds_ok): the casts are in range */
+        if (tps == (double)(int64_t)tps) return ks * (int64_t)tps;
         return (int64_t)((float)ks * (float)tps);
     }
     case PE_TIME_F32: {
