@@ -8,11 +8,18 @@ HF4    := $(VENV)/hf4
 HF5_18     := $(VENV)/hf5_18
 HF5_LATEST := $(VENV)/hf5_latest
 STAMP  := $(VENV)/.installed
+# The wheel `make wheel` builds (abi3, against .venv's torch; WHEEL is a shell glob that
+# matches it alone) and the environment that runs it under another torch release.
+WHEEL_DIR := dist
+WHEEL     := $(WHEEL_DIR)/posenc_torch-*-abi3-*.whl
+COMPAT    := .venv-compat
+CPY       := $(COMPAT)/bin/python
+COMPAT_STAMP := $(COMPAT)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 PYTEST := $(abspath $(VPY)) -m pytest -q -p no:cacheprovider
 
-.PHONY: all venv build test pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest ctest sanitize \
-	bench bench-full notebooks clean
+.PHONY: all venv wheel build test pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest compat \
+	abi-audit ctest sanitize bench bench-full notebooks clean
 
 all: build
 
@@ -26,14 +33,22 @@ $(STAMP): requirements-dev.txt requirements-hf4.txt requirements-hf5_18.txt requ
 
 venv: $(STAMP)
 
-# Non-editable install through a persistent build dir: incremental, no build isolation
-# (isolation would fetch another torch and link against it).
-build: $(STAMP)
-	$(VPY) -m pip install -q --no-build-isolation --no-deps . -Cbuild-dir=build
+# One abi3 wheel for CPython >= 3.11 and torch >= 2.11, built through a persistent build
+# dir: incremental, no build isolation (isolation would fetch another torch to build with).
+wheel: $(STAMP)
+	rm -f $(WHEEL_DIR)/posenc_torch-*.whl
+	$(VPY) -m pip wheel -q --no-build-isolation --no-deps . -w $(WHEEL_DIR) -Cbuild-dir=build
+	ls $(WHEEL)
+
+# The tests run that wheel, installed as users install it (not an editable build).
+build: wheel
+	$(VPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
 
 # Everything: C tests, the same under ASan + UBSan, Python tests on transformers 5.x and
-# the transformers-4.x tests against the 4.57.6 overlay.
-test: build ctest sanitize pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest
+# the transformers-4.x tests against the 4.57.6 overlay, the position-id tests against the
+# 5.18.0 and newest 5.x overlays, then the same wheel's ABI audit and op tests under another
+# torch release.
+test: build ctest sanitize pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest abi-audit compat
 
 pytest: build
 	cd tests && $(PYTEST) .
@@ -53,6 +68,27 @@ pytest-hf5_latest: build
 	cd tests && PYTHONPATH=$(abspath $(HF5_LATEST)) \
 		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_latest.txt) \
 		$(PYTEST) -m "not transformers4" $(HF5_TESTS)
+
+$(COMPAT_STAMP): requirements-compat.txt
+	$(PYTHON) -m venv $(COMPAT)
+	$(CPY) -m pip install -q -r requirements-compat.txt
+	touch $@
+
+# The wheel built against .venv's torch, installed without dependencies (it must not
+# replace torch) beside torch 2.14.1, and the op tests run there: parity, gradcheck,
+# opcheck, torch.compile.
+compat: wheel $(COMPAT_STAMP)
+	$(CPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
+	$(CPY) -c "import torch, posenc_torch; print('posenc_torch under torch', torch.__version__)"
+	cd tests && $(abspath $(CPY)) -m pytest -q -p no:cacheprovider -m "not transformers4" \
+		test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py
+
+# The extension must use only the LibTorch stable ABI and the limited Python API (exit 1
+# otherwise); tests/test_shim.py (in `compat`) also holds its minimum torch to 2.11.
+abi-audit: wheel $(COMPAT_STAMP)
+	rm -rf build/wheel-audit
+	$(CPY) -m zipfile -e $(WHEEL) build/wheel-audit
+	$(COMPAT)/bin/torch-abi-audit --check both -v build/wheel-audit/posenc_torch
 
 ctest: $(STAMP)
 	$(VENV)/bin/meson setup builddir-c -Dpython_extension=false --reconfigure >/dev/null
@@ -76,4 +112,4 @@ notebooks: build
 	$(VPY) notebooks/execute.py
 
 clean:
-	rm -rf build builddir-c builddir-asan
+	rm -rf build builddir-c builddir-asan $(WHEEL_DIR)
