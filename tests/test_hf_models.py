@@ -193,3 +193,152 @@ def test_bf16_as_close_to_fp64_as_transformers(model_type):
         hf_err, pe_err = rel_err(hf_x, ref_x), rel_err(pe_x, ref_x)
         assert pe_err <= 2 * hf_err + 1e-3, (
             f"{name}: posenc {pe_err:.2e} vs transformers {hf_err:.2e}")
+
+
+# ---------------------------------------------------------------------------------------
+# Each supported function against the original, on any tables and call forms
+
+
+def _qk(layout_dim: int, dtype: torch.dtype, dim: int = 16, batch: int = 2, seq: int = 5):
+    """q (B, 4, T, D), k (B, 2, T, D) as transposed views of projection outputs
+    (layout_dim 1), or (B, T, H, D) (layout_dim 2); they require grad."""
+    q = torch.randn(batch, seq, 4 * dim, dtype=dtype).view(batch, seq, 4, dim)
+    k = torch.randn(batch, seq, 2 * dim, dtype=dtype).view(batch, seq, 2, dim)
+    q, k = q.requires_grad_(), k.requires_grad_()
+    return (q.transpose(1, 2), k.transpose(1, 2)) if layout_dim == 1 else (q, k)
+
+
+def _run(fn, q, k, cos, sin, **kwargs):
+    """The outputs, and the gradients of q, k, cos, sin for a fixed random cotangent."""
+    out = fn(q, k, cos, sin, **kwargs)
+    gen = torch.Generator().manual_seed(3)
+    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum()
+               for o in out)
+    grads = torch.autograd.grad(loss, [q, k, cos, sin], allow_unused=True)
+    return out, grads
+
+
+def _outcome(fn, *args, **kwargs):
+    try:
+        return _run(fn, *args, **kwargs), None
+    except Exception as e:  # noqa: BLE001 -- compared with the original's own error
+        return None, e
+
+
+def skip_if_multimodal(model_type: str) -> None:
+    if model_type in ("qwen2_vl", "qwen2_5_vl") and hasattr(modeling(model_type),
+                                                          "apply_multimodal_rotary_pos_emb"):
+        pytest.skip(f"transformers {transformers.__version__}'s {model_type} attention calls "
+                    "apply_multimodal_rotary_pos_emb (test_hf_patch.py tests it)")
+
+
+def _call(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as e:  # noqa: BLE001 -- compared with the original's own error
+        return None, e
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_function_matches_for_any_table_width(model_type):
+    """For tables of every width from 1 to 2 * head_dim (arbitrary values; the two halves
+    differ), both layouts, Bc in {1, B}: the patched function returns what transformers'
+    returns (fp32: the same bits; gradients of q, k, cos, sin to fp32 rounding) or raises
+    the same error; the posenc op computes the widths the model's form defines."""
+    tiny_config(model_type)
+    skip_if_multimodal(model_type)
+    module = modeling(model_type)
+    original = module.apply_rotary_pos_emb
+    computed = 0
+    with hf.patch(model_type) as handle:
+        patched = module.apply_rotary_pos_emb
+        target = f"{model_type}.apply_rotary_pos_emb"
+        for width in range(1, 33):
+            for layout_dim, cos_batch in ((1, 1), (2, 2)):
+                q, k = _qk(layout_dim, torch.float32)
+                angle = torch.rand(cos_batch, 5, width, dtype=torch.float64) * 6
+                cos = angle.cos().float().requires_grad_()
+                sin = (angle * 1.3).sin().float().requires_grad_()
+                kwargs = {"unsqueeze_dim": 2} if layout_dim == 2 else {}
+                ref, ref_error = _outcome(original, q, k, cos, sin, **kwargs)
+                before = handle.calls[target]
+                got, error = _outcome(patched, q, k, cos, sin, **kwargs)
+                case = f"width {width}, unsqueeze_dim {layout_dim}"
+                if ref_error is not None:
+                    assert type(error) is type(ref_error) and str(error) == str(ref_error), case
+                    assert handle.calls[target] == before, case
+                    continue
+                assert error is None, f"{case}: {error!r}"
+                computed += handle.calls[target] - before
+                (ref_out, ref_grads), (out, grads) = ref, got
+                for o, r in zip(out, ref_out, strict=True):
+                    assert o.dtype == r.dtype and o.shape == r.shape, case
+                    torch.testing.assert_close(o, r, rtol=0, atol=0, msg=case)
+                for g, r in zip(grads, ref_grads, strict=True):
+                    torch.testing.assert_close(g, r, msg=case)
+    assert computed > 0
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED)
+@pytest.mark.parametrize(("q_dtype", "cos_dtype"), [
+    (torch.bfloat16, torch.float32),  # autocast: bf16 projections, fp32 tables
+    (torch.float64, torch.float64), (torch.float16, torch.float16)])
+def test_function_dtypes(model_type, q_dtype, cos_dtype):
+    """Other dtype combinations: the result has transformers' dtype and is as close to an
+    fp64 evaluation of transformers' function as transformers' own result."""
+    tiny_config(model_type)
+    skip_if_multimodal(model_type)
+    module = modeling(model_type)
+    original = module.apply_rotary_pos_emb
+    q, k = (t.detach() for t in _qk(1, q_dtype))
+    angle = torch.rand(1, 5, 16, dtype=torch.float64) * 6
+    for width in (16, 8):
+        cos, sin = angle[..., :width].cos(), angle[..., :width].sin()
+        try:
+            ref = original(q, k, cos.to(cos_dtype), sin.to(cos_dtype))
+        except RuntimeError:
+            continue  # a width this model's function does not take
+        exact = original(q.double(), k.double(), cos, sin)
+        with hf.patch(model_type):
+            out = module.apply_rotary_pos_emb(q, k, cos.to(cos_dtype), sin.to(cos_dtype))
+        for o, r, e in zip(out, ref, exact, strict=True):
+            assert o.dtype == r.dtype
+            assert rel_err(o, e) <= 2 * rel_err(r, e) + 1e-7, width
+
+
+@pytest.mark.parametrize("model_type", ["llama", "cohere", "glm", "gpt_oss", "phi3"])
+def test_calls_in_other_forms_go_to_the_original(model_type):
+    """Argument forms transformers' attention does not use reach the original function
+    as they were given: the same result, or the same TypeError."""
+    if model_type not in SUPPORTED:
+        pytest.skip(f"{model_type} is not supported by transformers {transformers.__version__}")
+    tiny_config(model_type)
+    module = modeling(model_type)
+    original = module.apply_rotary_pos_emb
+    q, k = (t.detach() for t in _qk(1, torch.float32))
+    angle = torch.rand(1, 5, 8 if model_type == "gpt_oss" else 16) * 6
+    cos, sin = angle.cos(), angle.sin()
+    calls = [
+        ((q,), dict(cos=cos, sin=sin)),  # no k
+        ((q, k, cos, sin, 1, 1, 1), {}),  # too many arguments
+        ((q, k, cos, sin), dict(unsqueeze=1)),  # an unknown keyword
+        ((q, k, cos), dict(sin=sin, cos=cos)),  # cos twice
+        ((q, k, cos, sin, 1), dict(unsqueeze_dim=1)),  # unsqueeze_dim twice
+    ]
+    with hf.patch(model_type) as handle:
+        patched = module.apply_rotary_pos_emb
+        for args, kwargs in calls:
+            ref, ref_error = _call(original, *args, **kwargs)
+            got, error = _call(patched, *args, **kwargs)
+            assert (ref_error is None) == (error is None), (args, kwargs, error, ref_error)
+            if ref_error is not None:
+                assert type(error) is type(ref_error) and str(error) == str(ref_error)
+            else:
+                for o, r in zip(got, ref, strict=True):
+                    torch.testing.assert_close(o, r, rtol=0, atol=0)
+        target = f"{model_type}.apply_rotary_pos_emb"
+        assert handle.calls[target] == 0 and handle.fallbacks[target] == len(calls)
+        # The forms transformers uses are computed by posenc.
+        patched(q, k, cos, sin, unsqueeze_dim=1)
+        patched(q=q, k=k, cos=cos, sin=sin)
+        assert handle.calls[target] == 2
