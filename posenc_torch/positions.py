@@ -319,6 +319,7 @@ def compute_mrope_decode_position_ids(
     batch_size: int | None = None,
     attention_mask: torch.Tensor | None = None,
     convention: str = "installed",
+    prompt_position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Position ids (3, B, n) of the tokens after a multimodal prompt, from its deltas.
 
@@ -331,7 +332,11 @@ def compute_mrope_decode_position_ids(
         num_new_tokens: n, the tokens of this step (1 for plain decoding)
         attention_mask: (B', past_length + n) of 0/1 over the cache and the new tokens
             (5.x conventions; ignored under ``"4.57"``)
-    Returns int64 ids (3, B', n), equal on the three rows: what the Qwen-VL model's
+        prompt_position_ids: (3, B', L) or transformers 5.x's (4, B', L) — the prompt's
+            position ids; when given, the result is what ``generate`` gives (below) and
+            the deltas are not read
+    Returns int64 ids (3, B', n), equal on the three rows (without ``prompt_position_ids``):
+    what the Qwen-VL model's
     ``forward`` computes from its stored ``rope_deltas`` when it is given no position ids
     (transformers 4.57.6, 5.17.0, 5.18.0 and 5.24.0 checked):
 
@@ -344,11 +349,13 @@ def compute_mrope_decode_position_ids(
 
     The convention is resolved only when ``attention_mask`` is given (the rules agree
     otherwise), so this needs transformers only then, and only for ``"installed"``.
-    transformers' ``generate`` instead continues every row from the prompt's last position
-    (``position_ids[..., -1] + 1``); that is the same whenever the prompt's last real token
-    holds its largest position, e.g. a prompt ending in text after images, and differs under
-    5.x after a video whose frames outnumber ``max(h, w) // merge`` (5.x text then resumes
-    below the video's largest temporal position).
+    transformers 5.x's ``generate`` instead continues every row of the prompt's position ids
+    from its last slot: ``ids[r, b, i] = prompt_position_ids[r, b, -1] + 1 + (past_length -
+    L) + i`` (checked 5.17.0, 5.18.0, 5.24.0; 4.57's ``generate`` uses the deltas as above).
+    That equals the deltas' result whenever the prompt's last real token holds its largest
+    position, e.g. a prompt that ends in text after images, and not after a 5.x video whose
+    temporal positions outrun ``max(h, w) // merge`` (the text then resumes below them);
+    pass ``prompt_position_ids`` for generate's positions.
     ``batch_size`` B' (a multiple of B) repeats every row's delta B'/B times, for beam search
     or several samples per prompt; default B (or the mask's rows).
     """
@@ -380,6 +387,20 @@ def compute_mrope_decode_position_ids(
         start = past_length.reshape(-1)[:1].to(device=deltas.device, dtype=torch.int64)
     else:
         start = _check_int_arg("past_length", past_length, 0)
+    if prompt_position_ids is not None:
+        check_tensor("prompt_position_ids", prompt_position_ids, 3, "(3 or 4, batch, seq)")
+        if prompt_position_ids.is_floating_point() or prompt_position_ids.dtype == torch.bool:
+            raise TypeError(f"prompt_position_ids must be an integer tensor, got "
+                            f"{prompt_position_ids.dtype}")
+        if prompt_position_ids.shape[0] not in (3, 4) or prompt_position_ids.shape[2] == 0:
+            raise ValueError(f"prompt_position_ids must be (3 or 4, batch, seq >= 1), got shape "
+                             f"{tuple(prompt_position_ids.shape)}")
+        if prompt_position_ids.shape[1] != deltas.shape[0]:
+            raise ValueError(f"prompt_position_ids has {prompt_position_ids.shape[1]} rows, "
+                             f"mrope_position_deltas {deltas.shape[0]} (after batch_size)")
+        last = prompt_position_ids[-3:, :, -1:].to(device=deltas.device, dtype=torch.int64)
+        steps = torch.arange(num_new_tokens, device=deltas.device, dtype=torch.int64)
+        return last + 1 + (start - prompt_position_ids.shape[2]) + steps
     if use_mask:
         check_tensor("attention_mask", attention_mask, 2, "2-D (batch, past_length + n)")
         if attention_mask.shape[0] != deltas.shape[0]:

@@ -321,9 +321,13 @@ def test_model_prefill_decode_and_generate(model_type):
     rope_kw = {k: v for k, v in inputs.items() if k in (
         "input_ids", "image_grid_thw", "video_grid_thw", "attention_mask", "second_per_grid_ts",
         "mm_token_type_ids")}
+    seen = []  # the position ids generate gives the decoder, step by step
+    base_model(model).language_model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("position_ids")), with_kwargs=True)
     with torch.inference_mode():
         ref_ids = base_model(model).get_rope_index(**rope_kw)
         ref_logits = model(**inputs).logits
+        seen.clear()
         ref_tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     target = f"{model_type}.get_rope_index"
     with hf.patch(model_type) as handle, torch.inference_mode():
@@ -341,6 +345,14 @@ def test_model_prefill_decode_and_generate(model_type):
     L = rope_kw["input_ids"].shape[1]
     mask = torch.cat([rope_kw["attention_mask"], torch.ones(2, 1, dtype=torch.int64)], 1)
     step = compute_mrope_decode_position_ids(deltas, L, 1, attention_mask=mask)
+    # what generate gives the decoder: 4.57 from the deltas, 5.x from the prompt's last ids
+    prompt, first, second = seen[:3]  # (3, B, .), or (4, B, .) in 5.x with a text row first
+    if V5:
+        for k, got in enumerate((first, second)):
+            assert torch.equal(compute_mrope_decode_position_ids(
+                deltas, L + k, prompt_position_ids=prompt), got[-3:])
+    else:
+        assert torch.equal(step, first[-3:])
     if V5:
         base = base_model(model)
         base.rope_deltas = deltas

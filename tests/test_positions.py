@@ -312,6 +312,13 @@ def test_example_5x_rules(convention):
     step = compute_mrope_decode_position_ids(deltas, 10, attention_mask=full,
                                              convention=convention)
     assert step.tolist() == [[[6]]] * 3
+    # transformers 5.x's generate continues from the last slot instead: 4 + 1, then 6
+    gen = compute_mrope_decode_position_ids(deltas, 11, 1, prompt_position_ids=pos)
+    assert gen.tolist() == [[[6]]] * 3
+    assert compute_mrope_decode_position_ids(deltas, 10, 2,
+                                             prompt_position_ids=pos).tolist() == [[[5, 6]]] * 3
+    with pytest.raises(ValueError, match="prompt_position_ids"):
+        compute_mrope_decode_position_ids(deltas, 10, prompt_position_ids=pos[:2])
     # 4.57 deltas are relative to the padded length instead
     old = mrope(pids, None, grid, mask)
     assert old[0][0, 0].tolist() == [1, 1, 0, 1, 2, 3, 4, 5, 6, 7] and old[1].tolist() == [[-2]]
