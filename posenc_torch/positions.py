@@ -217,12 +217,12 @@ def compute_mrope_position_ids(
 
     Arguments a convention does not read may be passed and are ignored, so that one call
     serves every release: ``mm_token_type_ids`` under ``"4.57"``, the token ids under 5.x
-    when ``mm_token_type_ids`` is given (they are required under ``"4.57"``).  Without grids (both None) every row gets
-    text positions as transformers does; a row that nevertheless holds a vision run is an
-    error.  Grids that disagree with the tokens raise ``ValueError`` naming
-    ``image_grid_thw`` / ``video_grid_thw``: too few or too many grids, a run shorter or
-    longer than its grid, a placeholder without vision start (``"4.57"``), h or w not
-    divisible by ``spatial_merge_size``, or values <= 0.
+    when ``mm_token_type_ids`` is given (they are required under ``"4.57"``).  Without grids
+    (both None) every row gets text positions as transformers does; a row that nevertheless
+    holds a vision run is an error.  Grids that disagree with the tokens raise
+    ``ValueError`` naming ``image_grid_thw`` / ``video_grid_thw``: too few or too many
+    grids, a run shorter or longer than its grid, a placeholder without vision start
+    (``"4.57"``), h or w not divisible by ``spatial_merge_size``, or values <= 0.
     """
     if not isinstance(model, str) or model not in MROPE_MODELS:
         raise ValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")

@@ -720,13 +720,16 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="only 0 and 1"):
         mrope(ONE_IMAGE, grid, attention_mask=torch.full((1, 8), 0.5))
     with pytest.raises(ValueError, match="non-negative|>= 0"):
-        compute_mrope_position_ids(ONE_IMAGE, grid, convention="4.57", image_token_id=-1, video_token_id=VID,
+        compute_mrope_position_ids(ONE_IMAGE, grid, convention="4.57",
+                                   image_token_id=-1, video_token_id=VID,
                                    vision_start_token_id=VS)
     with pytest.raises(ValueError, match="distinct"):
-        compute_mrope_position_ids(ONE_IMAGE, grid, convention="4.57", image_token_id=IMG, video_token_id=IMG,
+        compute_mrope_position_ids(ONE_IMAGE, grid, convention="4.57",
+                                   image_token_id=IMG, video_token_id=IMG,
                                    vision_start_token_id=VS)
     with pytest.raises(TypeError, match="image_token_id must be an int"):
-        compute_mrope_position_ids(ONE_IMAGE, grid, convention="4.57", image_token_id=torch.tensor(IMG),
+        compute_mrope_position_ids(ONE_IMAGE, grid, convention="4.57",
+                                   image_token_id=torch.tensor(IMG),
                                    video_token_id=VID, vision_start_token_id=VS)
     with pytest.raises(ValueError, match="spatial_merge_size"):
         mrope(ONE_IMAGE, grid, spatial_merge_size=0)

@@ -380,7 +380,8 @@ static void time_rules(void) {
     }
     a.second_per_grid_ts = third;
     a.tokens_per_second = 25;
-    const int64_t f32[8] = {0, 16, 33, 50, 66, 83, 100, 116}, f64[8] = {0, 16, 33, 49, 66, 83, 99, 116};
+    const int64_t f32[8] = {0, 16, 33, 50, 66, 83, 100, 116};
+    const int64_t f64[8] = {0, 16, 33, 49, 66, 83, 99, 116};
     a.time_rule = PE_TIME_F32;
     CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_OK, "f32 2/3");
     int64_t want[8];
