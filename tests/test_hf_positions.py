@@ -93,7 +93,7 @@ def make_batch(seed: int, model_type: str, batch: int, padding: str, *, long_vid
         def text(lo: int, hi: int) -> None:
             tokens.extend(rng.randrange(0, 1000) for _ in range(rng.randint(lo, hi)))
 
-        items = 0 if b == batch // 2 else rng.randint(1, 4)  # one row of text only
+        items = 0 if batch > 1 and b == batch // 2 else rng.randint(1, 4)  # a text-only row
         for i in range(items):
             text(0, 4)
             h, w = 2 * rng.randint(1, 3), 2 * rng.randint(1, 3)
