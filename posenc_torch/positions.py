@@ -18,7 +18,7 @@ import torch
 
 from ._checks import check_same_device, check_tensor
 
-MROPE_MODELS = {"qwen2_vl": 0, "qwen2_5_vl": 1, "qwen3_vl": 2}
+MROPE_MODELS = {"qwen2_vl": 0, "qwen2_5_vl": 1, "qwen3_vl": 2, "qwen3_vl_moe": 2}
 
 #: The position-id rules of the transformers releases that were checked bit for bit,
 #: by the name ``convention=`` takes:
@@ -132,15 +132,14 @@ def _check_mask(attention_mask: object, input_ids: torch.Tensor) -> torch.Tensor
     return attention_mask
 
 
-def _seconds_tensor(second_per_grid_ts: object, n_videos: int,
-                    device: torch.device) -> torch.Tensor:
+def _seconds_tensor(second_per_grid_ts: object, n_videos: int, device: torch.device,
+                    dtype: torch.dtype) -> torch.Tensor:
     if not isinstance(second_per_grid_ts, torch.Tensor):
         if not isinstance(second_per_grid_ts, Sequence):
             raise TypeError("second_per_grid_ts must be a tensor or a sequence of floats, got "
                             f"{type(second_per_grid_ts).__name__}")
-        # as the processor's BatchFeature makes it: float32
         second_per_grid_ts = torch.tensor([float(s) for s in second_per_grid_ts],
-                                          dtype=torch.float32, device=device)
+                                          dtype=dtype, device=device)
     check_tensor("second_per_grid_ts", second_per_grid_ts, 1, "1-D (num_videos,)")
     if second_per_grid_ts.is_complex() or second_per_grid_ts.dtype == torch.bool:
         raise TypeError(f"second_per_grid_ts must be real, got {second_per_grid_ts.dtype}")
@@ -167,8 +166,8 @@ def compute_mrope_position_ids(
     tokens_per_second: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """3-D (T, H, W) position ids of a multimodal prompt, bit for bit as transformers'
-    ``get_rope_index`` of Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and Qwen3-VL-MoE, which shares
-    Qwen3-VL's) computes them under ``convention``.
+    ``get_rope_index`` of Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE (``model`` =
+    ``model_type``; the last two share one rule) computes them under ``convention``.
 
     Shapes:
         input_ids:          (B, L) integer token ids
@@ -183,7 +182,8 @@ def compute_mrope_position_ids(
                             processors derive it)
         second_per_grid_ts: (n_videos,) seconds per temporal grid step (Qwen2.5-VL only;
                             ``temporal_patch_size / fps`` from the processor); a sequence
-                            is taken as float32, as the processor's output is
+                            is taken as float32 under "5.18" (the processor's tensor), as
+                            float64 (exactly) under the others
     Returns ``(position_ids, mrope_position_deltas)``: (3, B, L) int64 and (B, 1) int64.
 
     ``convention`` is ``"installed"`` (the default: the rules of the transformers release
@@ -288,7 +288,9 @@ def compute_mrope_position_ids(
         time_rule = _TIME_TRUNC_SECONDS
         if second_per_grid_ts is not None:
             n_videos = 0 if video_grid_thw is None else video_grid_thw.shape[0]
-            second_per_grid_ts = _seconds_tensor(second_per_grid_ts, n_videos, input_ids.device)
+            second_per_grid_ts = _seconds_tensor(
+                second_per_grid_ts, n_videos, input_ids.device,
+                torch.float32 if convention == "5.18" else torch.float64)
             tensors["second_per_grid_ts"] = second_per_grid_ts
         if convention == "5.18":
             dtype = None if second_per_grid_ts is None else second_per_grid_ts.dtype

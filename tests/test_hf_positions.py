@@ -135,7 +135,7 @@ def make_batch(seed: int, model_type: str, batch: int, padding: str, *, long_vid
 
 def api_kwargs(model_type: str, kw: dict, tokens_per_second=None) -> dict:
     """compute_mrope_position_ids arguments for get_rope_index keyword arguments ``kw``."""
-    out = dict(kw, model=WALK[model_type], image_token_id=IMG, video_token_id=VID,
+    out = dict(kw, model=model_type, image_token_id=IMG, video_token_id=VID,
                vision_start_token_id=VS)
     if model_type == "qwen2_5_vl":
         out["tokens_per_second"] = tokens_per_second or AutoConfig.for_model(
