@@ -19,9 +19,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 import harness as H
+import torch
 
 TOPIC = "layer"
 PARTS = {"layer": 5}
@@ -88,86 +87,88 @@ def _layer_output(out):
 
 
 def run(opts: H.Options, rep: H.Reporter) -> None:
+    for _, b, t, dtype_name, _ in _groups(opts):
+        _run_group(opts, rep, b, t, dtype_name)
+
+
+def _run_group(opts: H.Options, rep: H.Reporter, b: int, t: int, dtype_name: str) -> None:
+    """The three ops (layer step eager and compiled, rotary alone) of one (T, dtype)."""
     import transformers
     from bench_rotary_step import mrope_positions
 
     import posenc_torch.hf
 
-    for _, b, t, dtype_name, _ in _groups(opts):
-        dtype = H.DTYPES[dtype_name]
-        layer, m, rotary = build_layer(opts.suite, dtype, opts.device)
-        handle = posenc_torch.hf.patch("qwen2_vl", count=False)
-        name = next(tg.split(".", 1)[1] for tg in handle.targets if "vision" not in tg)
-        posenc_fn, hf_fn = getattr(m, name), getattr(m, name).posenc_original
-        handle.undo()
+    dtype = H.DTYPES[dtype_name]
+    layer, m, rotary = build_layer(opts.suite, dtype, opts.device)
+    handle = posenc_torch.hf.patch("qwen2_vl", count=False)
+    name = next(tg.split(".", 1)[1] for tg in handle.targets if "vision" not in tg)
+    posenc_fn, hf_fn = getattr(m, name), getattr(m, name).posenc_original
+    handle.undo()
 
-        gen = torch.Generator().manual_seed(1)
-        hidden_size = layer.self_attn.config.hidden_size
-        x = torch.randn(b, t, hidden_size, generator=gen).to(opts.device, dtype).requires_grad_()
-        grad_out = torch.randn(b, t, hidden_size, generator=gen).to(opts.device, dtype)
-        pos = mrope_positions(b, t, opts.device)
-        with torch.no_grad():
-            cos, sin = rotary(x, pos)
-            if name == "apply_multimodal_rotary_pos_emb" and cos.dim() == 3:
-                cos, sin = cos.expand(3, -1, -1, -1), sin.expand(3, -1, -1, -1)
-        kwargs = dict(position_embeddings=(cos, sin), position_ids=pos, use_cache=False)
-        wrt = (x, *layer.parameters())
+    gen = torch.Generator().manual_seed(1)
+    hidden_size = layer.self_attn.config.hidden_size
+    x = torch.randn(b, t, hidden_size, generator=gen).to(opts.device, dtype).requires_grad_()
+    grad_out = torch.randn(b, t, hidden_size, generator=gen).to(opts.device, dtype)
+    pos = mrope_positions(b, t, opts.device)
+    with torch.no_grad():
+        cos, sin = rotary(x, pos)
+        if name == "apply_multimodal_rotary_pos_emb" and cos.dim() == 3:
+            cos, sin = cos.expand(3, -1, -1, -1), sin.expand(3, -1, -1, -1)
+    kwargs = dict(position_embeddings=(cos, sin), position_ids=pos, use_cache=False)
+    wrt = (x, *layer.parameters())
 
-        def with_rotary(fn, call):
-            """``call`` with the layer's attention calling ``fn`` as its rotary function."""
-            def run_with():
-                saved = getattr(m, name)
-                setattr(m, name, fn)
-                try:
-                    return call()
-                finally:
-                    setattr(m, name, saved)
-            return run_with
+    def with_rotary(fn, call):
+        """``call`` with the layer's attention calling ``fn`` as its rotary function."""
+        def run_with():
+            saved = getattr(m, name)
+            setattr(m, name, fn)
+            try:
+                return call()
+            finally:
+                setattr(m, name, saved)
+        return run_with
 
-        def step(module):
-            return lambda: (_layer_output(module(x, **kwargs)),)
+    def step(module):
+        return lambda: (_layer_output(module(x, **kwargs)),)
 
-        compiled = {}
+    compiled = {}
 
-        def build_step(method: str, compile_: bool) -> H.Workload:
-            fn = posenc_fn if method == "posenc" else hf_fn
-            module = layer
-            if compile_:
-                module = compiled.setdefault(method, torch.compile(layer))
-            return H.Workload(with_rotary(fn, step(module)), wrt=wrt, grad_outputs=(grad_out,),
-                              compiled=compile_)
+    def build_step(method: str, compile_: bool) -> H.Workload:
+        fn = posenc_fn if method == "posenc" else hf_fn
+        module = compiled.setdefault(method, torch.compile(layer)) if compile_ else layer
+        return H.Workload(with_rotary(fn, step(module)), wrt=wrt, grad_outputs=(grad_out,),
+                          compiled=compile_)
 
-        # The rotary call's own arguments, captured from one forward of the layer.
-        seen = {}
+    # The rotary call's own arguments, captured from one forward of the layer.
+    seen = {}
 
-        def capture(*args, **kw):
-            seen.setdefault("call", (args, kw))
-            return hf_fn(*args, **kw)
+    def capture(*args, **kw):
+        seen.setdefault("call", (args, kw))
+        return hf_fn(*args, **kw)
 
-        with torch.no_grad():
-            with_rotary(capture, step(layer))()
-        (q, k, *rest), rot_kw = seen["call"]
-        q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
-        gq, gk = torch.randn_like(q), torch.randn_like(k)
+    with torch.no_grad():
+        with_rotary(capture, step(layer))()
+    (q, k, *rest), rot_kw = seen["call"]
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
 
-        def build_rotary(method: str) -> H.Workload:
-            fn = posenc_fn if method == "posenc" else hf_fn
-            return H.Workload(lambda: fn(q, k, *rest, **rot_kw), wrt=(q, k), grad_outputs=(gq, gk))
+    def build_rotary(method: str) -> H.Workload:
+        fn = posenc_fn if method == "posenc" else hf_fn
+        return H.Workload(lambda: fn(q, k, *rest, **rot_kw), wrt=(q, k), grad_outputs=(gq, gk))
 
-        ref_step = torch.autograd.grad(with_rotary(hf_fn, step(layer))(), wrt, (grad_out,))
-        ref_rot = torch.autograd.grad(hf_fn(q, k, *rest, **rot_kw), (q, k), (gq, gk))
-        builders = {"layer_step": (lambda n: build_step(n, False), ref_step),
-                    "layer_step_compiled": (lambda n: build_step(n, True), ref_step),
-                    "layer_rotary": (build_rotary, ref_rot)}
-        for op, methods in OPS.items():
-            build, ref = builders[op]
-            case = _case(opts, op, b, t, dtype_name)
-            torch._dynamo.reset()
-            compiled.clear()
-            for res in H.run_case(case, methods, build, ref, opts.policy,
-                                  transformers_version=transformers.__version__):
-                rep.add(res, f"{case.name} {res.method}")
-        del layer, compiled, ref_step
+    ref_step = torch.autograd.grad(with_rotary(hf_fn, step(layer))(), wrt, (grad_out,))
+    ref_rot = torch.autograd.grad(hf_fn(q, k, *rest, **rot_kw), (q, k), (gq, gk))
+    builders = {"layer_step": (lambda n: build_step(n, False), ref_step),
+                "layer_step_compiled": (lambda n: build_step(n, True), ref_step),
+                "layer_rotary": (build_rotary, ref_rot)}
+    for op, methods in OPS.items():
+        build, ref = builders[op]
+        case = _case(opts, op, b, t, dtype_name)
+        torch._dynamo.reset()
+        compiled.clear()
+        for res in H.run_case(case, methods, build, ref, opts.policy,
+                              transformers_version=transformers.__version__):
+            rep.add(res, f"{case.name} {res.method}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -243,7 +244,7 @@ def figure(json_path: str) -> Path:
     for key, label, color, off in bars:
         ax1.bar([x + 0.2 * off for x in xs], [r[key] or 0 for r in rows], 0.2, color=color,
                 label=label)
-    for x, r in zip(xs, rows):
+    for x, r in zip(xs, rows, strict=True):
         for key, off in (("step_speedup", -1), ("compiled_speedup", 1)):
             if r[key]:
                 top = max(r["hf_step_ms"] or 0, r["posenc_step_ms"] or 0) if off < 0 else \
@@ -258,7 +259,7 @@ def figure(json_path: str) -> Path:
                                    ("posenc_rotary_share", "posenc", "#1b6ca8", 0.5)):
         vals = [100 * (r[key] or 0) for r in rows]
         ax2.bar([x + 0.35 * off for x in xs], vals, 0.35, color=color, label=label)
-        for x, v in zip(xs, vals):
+        for x, v in zip(xs, vals, strict=True):
             ax2.text(x + 0.35 * off, v, f"{v:.2f}%", ha="center", va="bottom", fontsize=7)
     ax2.set_xticks(list(xs), labels, fontsize=8)
     ax2.set_ylabel("% of the eager step")

@@ -56,7 +56,6 @@ import ast
 import dis
 import functools
 import importlib
-import importlib.util
 import inspect
 import textwrap
 import types
@@ -68,7 +67,8 @@ import torch
 
 from . import rope as _rope
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "PatchHandle", "patch", "unsupported_model_types"]
+# SUPPORTED_MODEL_TYPES comes from the module __getattr__ below.
+__all__ = ["SUPPORTED_MODEL_TYPES", "PatchHandle", "patch", "unsupported_model_types"]  # noqa: F822
 
 # The model types this integration knows and tests (tests/test_hf_models.py builds each
 # from a tiny config).  ``SUPPORTED_MODEL_TYPES`` is the subset whose installed code fits.
@@ -520,7 +520,7 @@ def _text_args(args: tuple, kwargs: dict):
         return (*args, 1)
     if len(args) > len(_TEXT_PARAMS):
         return None
-    bound = dict(zip(_TEXT_PARAMS, args))
+    bound = dict(zip(_TEXT_PARAMS, args, strict=False))
     for name, value in kwargs.items():
         if name not in _TEXT_PARAMS or name in bound:
             return None
