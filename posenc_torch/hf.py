@@ -29,8 +29,8 @@ transformers 5.x decorates ``apply_rotary_pos_emb`` with a hub-kernel decorator 
 attention classes with ``use_kernelized_func(apply_rotary_pos_emb)``.  Those decorators
 only record the function object (for ``kernels.kernelize``); the attention ``forward``
 still calls the module-level name on every call, so replacing that name is what takes
-effect, with or without the ``kernels`` package installed.  (``posenc_torch.hf_kernels``
-is the route through transformers' own kernel mechanism.)
+effect as long as the model is not kernelized (README, "Use with transformers", says
+where transformers' own kernel mechanism stands).
 
 The rotary *modules* (which compute cos/sin once per forward pass) are left alone: their
 tables are computed once per forward and shared by every layer, so the cost that grows
@@ -765,7 +765,8 @@ def patch(model_types: str | Sequence[str] | None = None, *,
 
     Args:
         model_types: one or more of ``SUPPORTED_MODEL_TYPES`` (``model.config.model_type``,
-            e.g. "llama", "qwen2_vl", "phi3"); None patches all of them.
+            e.g. "llama", "qwen2_vl", "phi3"); None patches all of them (which imports the
+            modeling module of every known type: a few seconds, once per process).
         fallback: hand inputs the posenc kernels do not take (non-CPU tensors, shapes other
             than transformers' layouts, an ``mrope_section`` that does not fit) to the
             original transformers function (True), or raise posenc's error (False).
