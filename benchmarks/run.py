@@ -31,13 +31,15 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import bench_layer  # noqa: E402
 import bench_mrope  # noqa: E402
 import bench_positions  # noqa: E402
 import bench_rope  # noqa: E402
 import bench_rotary_step  # noqa: E402
 import harness as H  # noqa: E402
 
-TOPICS = {m.TOPIC: m for m in (bench_rope, bench_mrope, bench_positions, bench_rotary_step)}
+TOPICS = {m.TOPIC: m for m in (bench_rope, bench_mrope, bench_positions, bench_rotary_step,
+                               bench_layer)}
 DEFAULT_THREADS = {"quick": "all", "full": "1,all", "smoke": "all"}
 
 

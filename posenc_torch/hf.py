@@ -12,7 +12,8 @@ transformers models look up when they run:
 * ``apply_rotary_pos_emb`` (decoder attention) of every model type in
   ``SUPPORTED_MODEL_TYPES``: Llama-like models, models with adjacent pairs (Cohere, GLM-4V),
   partial rotary (Phi-3, GPT-NeoX, Qwen3-Next, Qwen3.5, GLM-4-MoE, ...) and models that
-  reshape their tables first (GLM, GLM-4, ERNIE-4.5, gpt-oss),
+  reshape their tables first (GLM, GLM-4, ERNIE-4.5, gpt-oss), and DeepSeek-V3's
+  ``apply_rotary_pos_emb_interleave`` (pairs de-interleaved),
 * ``apply_multimodal_rotary_pos_emb`` (Qwen2-VL / Qwen2.5-VL decoder attention in 4.x),
 * ``apply_rotary_pos_emb_vision`` (the vision towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
 
@@ -29,8 +30,8 @@ transformers 5.x decorates ``apply_rotary_pos_emb`` with a hub-kernel decorator 
 attention classes with ``use_kernelized_func(apply_rotary_pos_emb)``.  Those decorators
 only record the function object (for ``kernels.kernelize``); the attention ``forward``
 still calls the module-level name on every call, so replacing that name is what takes
-effect, with or without the ``kernels`` package installed.  (``posenc_torch.hf_kernels``
-is the route through transformers' own kernel mechanism.)
+effect as long as the model is not kernelized (README, "Use with transformers", says
+where transformers' own kernel mechanism stands).
 
 The rotary *modules* (which compute cos/sin once per forward pass) are left alone: their
 tables are computed once per forward and shared by every layer, so the cost that grows
@@ -56,7 +57,6 @@ import ast
 import dis
 import functools
 import importlib
-import importlib.util
 import inspect
 import textwrap
 import types
@@ -68,7 +68,8 @@ import torch
 
 from . import rope as _rope
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "PatchHandle", "patch", "unsupported_model_types"]
+# SUPPORTED_MODEL_TYPES comes from the module __getattr__ below.
+__all__ = ["SUPPORTED_MODEL_TYPES", "PatchHandle", "patch", "unsupported_model_types"]  # noqa: F822
 
 # The model types this integration knows and tests (tests/test_hf_models.py builds each
 # from a tiny config).  ``SUPPORTED_MODEL_TYPES`` is the subset whose installed code fits.
@@ -227,12 +228,16 @@ class _Form(NamedTuple):
     partial: the rotary width R may be less than head_dim (the rest passes through).
     cast: None (result dtype ``result_type(q, cos)``); "each" (q's and k's own dtypes);
         "fp32_to_q" (computed in fp32, both results in q's dtype).
+    permute: None; "input" (q and k de-interleaved first: channels 0, 2, 4, ..., then
+        1, 3, 5, ...; DeepSeek-V3 in 4.x); "output" (rotate adjacent pairs, return the
+        results de-interleaved; DeepSeek-V3 in 5.x).
     """
 
     pairing: str
     table: str
     partial: bool
     cast: str | None
+    permute: str | None = None
 
 
 _ROTATE_HALF = """
@@ -349,6 +354,30 @@ def f(q, k, cos, sin, unsqueeze_dim=1):
     return q_embed, k_embed
 """
 
+# DeepSeek-V3's apply_rotary_pos_emb_interleave (rope_interleave=True, the default).
+_DEINTERLEAVE_INPUT = """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    b, h, s, d = q.shape
+    q = q.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+    b, h, s, d = k.shape
+    k = k.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+"""
+_DEINTERLEAVE_OUTPUT = """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+    q_embed = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
+    k_embed = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
+    return q_embed, k_embed
+"""
+
 # (source, {helper name: accepted helper sources}, form)
 _FORMS: tuple[tuple[str, dict[str, tuple[str, ...]], _Form], ...] = (
     (_PLAIN.replace("ROTATE", "rotate_half"), {"rotate_half": (_ROTATE_HALF,)},
@@ -367,6 +396,9 @@ _FORMS: tuple[tuple[str, dict[str, tuple[str, ...]], _Form], ...] = (
     (_ERNIE, {"rotate_half": _ROTATE_ADJACENT},
      _Form("adjacent", "first_half_interleaved", False, "fp32_to_q")),
     (_GPT_OSS, {"_apply_rotary_emb": (_CHUNK_HALF,)}, _Form("half", "doubled", False, None)),
+    (_DEINTERLEAVE_INPUT, {"rotate_half": (_ROTATE_HALF,)},
+     _Form("half", "as_given", False, None, "input")),
+    (_DEINTERLEAVE_OUTPUT, {}, _Form("adjacent", "first_half_interleaved", False, None, "output")),
 )
 
 
@@ -501,8 +533,14 @@ def _rotate_as(form: _Form, q, k, cos, sin, unsqueeze_dim):
         sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
     elif form.table == "doubled":
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    if form.permute == "input":  # channels 0, 2, 4, ... first, then 1, 3, 5, ...
+        q = q.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        k = k.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
     q_out, k_out = _rope.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim,
                                               pairing=form.pairing)
+    if form.permute == "output":
+        q_out = q_out.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        k_out = k_out.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
     if form.cast == "each":
         return q_out.to(q.dtype), k_out.to(k.dtype)
     if form.cast == "fp32_to_q":
@@ -524,7 +562,7 @@ def _text_args(args: tuple, kwargs: dict):
         return (*args, 1)
     if len(args) > len(_TEXT_PARAMS):
         return None
-    bound = dict(zip(_TEXT_PARAMS, args))
+    bound = dict(zip(_TEXT_PARAMS, args, strict=False))
     for name, value in kwargs.items():
         if name not in _TEXT_PARAMS or name in bound:
             return None
@@ -593,7 +631,8 @@ def _make_vision(original: Callable, handle: PatchHandle, target: str,
     return apply_rotary_pos_emb_vision
 
 
-_FACTORIES = {_TEXT: _make_text, _MULTIMODAL: _make_multimodal, _VISION: _make_vision}
+_FACTORIES = {_TEXT: _make_text, _INTERLEAVE: _make_text, _MULTIMODAL: _make_multimodal,
+              _VISION: _make_vision}
 
 
 # ---------------------------------------------------------------------------------------
@@ -694,21 +733,16 @@ def _plan(model_type: str, module: types.ModuleType) -> list[tuple[str, _Form | 
             f"the vision attention in {where} does not call {_VISION}"
             f"{'' if hasattr(module, _VISION) else ' (absent from the module)'}; this "
             "transformers version is not supported for the vision tower")
-    if _INTERLEAVE in called:
-        raise _Unsupported(
-            f"{', '.join(callers[_INTERLEAVE])} in {where} call {_INTERLEAVE} (with the "
-            "default rope_interleave=True), which returns the rotated pairs de-interleaved: "
-            "a channel permutation the posenc op does not do")
     plan: list[tuple[str, _Form | None]] = []
     for name in called:
-        if name == _TEXT:
+        if name in (_TEXT, _INTERLEAVE):
             func = getattr(module, name)
             # Already replaced by an active handle: judge the function it replaced (patch
             # then reports the conflict).
             form = _form_of(module, getattr(func, "posenc_original", func))
             if form is None:
                 raise _Unsupported(
-                    f"{where}.{_TEXT} (or a helper it calls) is not one of the source forms "
+                    f"{where}.{name} (or a helper it calls) is not one of the source forms "
                     "posenc_torch knows, so it cannot be sure to compute the same")
             plan.append((name, form))
         elif name in (_MULTIMODAL, _VISION) and original:
@@ -769,7 +803,8 @@ def patch(model_types: str | Sequence[str] | None = None, *,
 
     Args:
         model_types: one or more of ``SUPPORTED_MODEL_TYPES`` (``model.config.model_type``,
-            e.g. "llama", "qwen2_vl", "phi3"); None patches all of them.
+            e.g. "llama", "qwen2_vl", "phi3"); None patches all of them (which imports the
+            modeling module of every known type: a few seconds, once per process).
         fallback: hand inputs the posenc kernels do not take (non-CPU tensors, shapes other
             than transformers' layouts, an ``mrope_section`` that does not fit) to the
             original transformers function (True), or raise posenc's error (False).

@@ -46,6 +46,9 @@ VISION = dict(depth=1, num_hidden_layers=1, hidden_size=32, embed_dim=32, num_he
 # linear-attention ones).
 EXTRA: dict[str, dict] = {
     "phi3": dict(partial_rotary_factor=0.75),  # Phi-4-mini's factor
+    # Multi-head latent attention: rotary on 8 of the 16 query channels (q and k).
+    "deepseek_v3": dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        qk_head_dim=16, v_head_dim=16, head_dim=8, num_key_value_heads=4),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
     "qwen3_5": dict(layer_types=["linear_attention", "full_attention"], head_dim=32),
     "qwen3_5_moe": dict(layer_types=["linear_attention", "full_attention"], head_dim=32),
@@ -239,6 +242,16 @@ def _call(fn, *args, **kwargs):
         return None, e
 
 
+ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
+
+
+def _functions(model_type: str) -> list[str]:
+    """The rotary functions ``patch`` replaces in the model's module (decoder only)."""
+    with hf.patch(model_type) as handle:
+        return [t.split(".", 1)[1] for t in handle.targets
+                if t.split(".", 1)[1] in ROTARY_FUNCTIONS]
+
+
 @pytest.mark.parametrize("model_type", SUPPORTED)
 def test_function_matches_for_any_table_width(model_type):
     """For tables of every width from 1 to 2 * head_dim (arbitrary values; the two halves
@@ -247,12 +260,17 @@ def test_function_matches_for_any_table_width(model_type):
     the same error; the posenc op computes the widths the model's form defines."""
     tiny_config(model_type)
     skip_if_multimodal(model_type)
+    for function in _functions(model_type):
+        _check_any_table_width(model_type, function)
+
+
+def _check_any_table_width(model_type: str, function: str) -> None:
     module = modeling(model_type)
-    original = module.apply_rotary_pos_emb
+    original = getattr(module, function)
     computed = 0
     with hf.patch(model_type) as handle:
-        patched = module.apply_rotary_pos_emb
-        target = f"{model_type}.apply_rotary_pos_emb"
+        patched = getattr(module, function)
+        target = f"{model_type}.{function}"
         for width in range(1, 33):
             for layout_dim, cos_batch in ((1, 1), (2, 2)):
                 q, k = _qk(layout_dim, torch.float32)
@@ -263,7 +281,7 @@ def test_function_matches_for_any_table_width(model_type):
                 ref, ref_error = _outcome(original, q, k, cos, sin, **kwargs)
                 before = handle.calls[target]
                 got, error = _outcome(patched, q, k, cos, sin, **kwargs)
-                case = f"width {width}, unsqueeze_dim {layout_dim}"
+                case = f"{function}, width {width}, unsqueeze_dim {layout_dim}"
                 if ref_error is not None:
                     assert type(error) is type(ref_error) and str(error) == str(ref_error), case
                     assert handle.calls[target] == before, case
@@ -276,7 +294,7 @@ def test_function_matches_for_any_table_width(model_type):
                     torch.testing.assert_close(o, r, rtol=0, atol=0, msg=case)
                 for g, r in zip(grads, ref_grads, strict=True):
                     torch.testing.assert_close(g, r, msg=case)
-    assert computed > 0
+    assert computed > 0, function
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED)
@@ -289,21 +307,22 @@ def test_function_dtypes(model_type, q_dtype, cos_dtype):
     tiny_config(model_type)
     skip_if_multimodal(model_type)
     module = modeling(model_type)
-    original = module.apply_rotary_pos_emb
     q, k = (t.detach() for t in _qk(1, q_dtype))
     angle = torch.rand(1, 5, 16, dtype=torch.float64) * 6
-    for width in (16, 8):
-        cos, sin = angle[..., :width].cos(), angle[..., :width].sin()
-        try:
-            ref = original(q, k, cos.to(cos_dtype), sin.to(cos_dtype))
-        except RuntimeError:
-            continue  # a width this model's function does not take
-        exact = original(q.double(), k.double(), cos, sin)
-        with hf.patch(model_type):
-            out = module.apply_rotary_pos_emb(q, k, cos.to(cos_dtype), sin.to(cos_dtype))
-        for o, r, e in zip(out, ref, exact, strict=True):
-            assert o.dtype == r.dtype
-            assert rel_err(o, e) <= 2 * rel_err(r, e) + 1e-7, width
+    for function in _functions(model_type):
+        original = getattr(module, function)
+        for width in (16, 8):
+            cos, sin = angle[..., :width].cos(), angle[..., :width].sin()
+            try:
+                ref = original(q, k, cos.to(cos_dtype), sin.to(cos_dtype))
+            except RuntimeError:
+                continue  # a width this model's function does not take
+            exact = original(q.double(), k.double(), cos, sin)
+            with hf.patch(model_type):
+                out = getattr(module, function)(q, k, cos.to(cos_dtype), sin.to(cos_dtype))
+            for o, r, e in zip(out, ref, exact, strict=True):
+                assert o.dtype == r.dtype
+                assert rel_err(o, e) <= 2 * rel_err(r, e) + 1e-7, (function, width)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "cohere", "glm", "gpt_oss", "phi3"])
