@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
 HF4    := $(VENV)/hf4
+# transformers 5.x releases beside .venv's 5.17.0, each an overlay like HF4
+HF5_18     := $(VENV)/hf5_18
+HF5_LATEST := $(VENV)/hf5_latest
 STAMP  := $(VENV)/.installed
 # The wheel `make wheel` builds (abi3, against .venv's torch; WHEEL is a shell glob that
 # matches it alone) and the environment that runs it under another torch release.
@@ -15,15 +18,17 @@ COMPAT_STAMP := $(COMPAT)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 PYTEST := $(abspath $(VPY)) -m pytest -q -p no:cacheprovider
 
-.PHONY: all venv wheel build test pytest pytest-hf4 compat abi-audit ctest sanitize fuzz \
-	ctest-aarch64 bench bench-full notebooks clean
+.PHONY: all venv wheel build test pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest compat \
+	abi-audit ctest sanitize fuzz ctest-aarch64 bench bench-full notebooks clean
 
 all: build
 
-$(STAMP): requirements-dev.txt requirements-hf4.txt
+$(STAMP): requirements-dev.txt requirements-hf4.txt requirements-hf5_18.txt requirements-hf5_latest.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q -r requirements-dev.txt
 	$(VPY) -m pip install -q --no-deps --upgrade --target $(HF4) -r requirements-hf4.txt
+	$(VPY) -m pip install -q --no-deps --upgrade --target $(HF5_18) -r requirements-hf5_18.txt
+	$(VPY) -m pip install -q --no-deps --upgrade --target $(HF5_LATEST) -r requirements-hf5_latest.txt
 	touch $@
 
 venv: $(STAMP)
@@ -41,15 +46,29 @@ build: wheel
 
 # Everything: C tests, the same under ASan + UBSan, a bounded fuzzing run, the C tests on
 # aarch64 under emulation, Python tests on transformers 5.x and the transformers-4.x tests
-# against the 4.57.6 overlay, then the same wheel's ABI audit and op tests under another
-# torch release.
-test: build ctest sanitize fuzz ctest-aarch64 pytest pytest-hf4 abi-audit compat
+# against the 4.57.6 overlay, the position-id tests against the 5.18.0 and newest 5.x
+# overlays, then the same wheel's ABI audit and op tests under another torch release.
+test: build ctest sanitize fuzz ctest-aarch64 pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest \
+	abi-audit compat
 
 pytest: build
 	cd tests && $(PYTEST) .
 
 pytest-hf4: build
 	cd tests && PYTHONPATH=$(abspath $(HF4)) POSENC_EXPECT_TRANSFORMERS=4 $(PYTEST) -m "transformers4 or any_transformers" .
+
+# Position ids and the get_rope_index patch against the other transformers 5.x releases
+# (the version of each requirements file exactly).
+HF5_TESTS := test_positions.py test_hf_positions.py
+pytest-hf5_18: build
+	cd tests && PYTHONPATH=$(abspath $(HF5_18)) \
+		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_18.txt) \
+		$(PYTEST) -m "not transformers4" $(HF5_TESTS)
+
+pytest-hf5_latest: build
+	cd tests && PYTHONPATH=$(abspath $(HF5_LATEST)) \
+		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_latest.txt) \
+		$(PYTEST) -m "not transformers4" $(HF5_TESTS)
 
 $(COMPAT_STAMP): requirements-compat.txt
 	$(PYTHON) -m venv $(COMPAT)

@@ -1,12 +1,19 @@
 """MRoPE position ids: compute_mrope_position_ids against transformers' get_rope_index.
 
-Reference: transformers 4.57.6 ``Qwen2VLModel.get_rope_index`` (the vision-start based
-algorithm; runs under the .venv/hf4 overlay, see bench_mrope.py for why in its own process),
-called unbound on a stand-in holding a default ``Qwen2VLConfig``.  posenc_torch:
-``compute_mrope_position_ids(input_ids, image_grid_thw, video_grid_thw, attention_mask,
-model="qwen2_vl", image_token_id=..., video_token_id=..., vision_start_token_id=...,
-spatial_merge_size=2)`` -> ``(position_ids (3, B, L), deltas (B, 1))``.  Both results must be
-equal before anything is timed.
+Reference: ``Qwen2VLModel.get_rope_index`` of the transformers that the part runs under,
+called unbound on a stand-in holding a default ``Qwen2VLConfig``:
+
+- part "qwen2_vl": transformers 4.57.6 (the .venv/hf4 overlay; run.py starts the part in
+  its own process with the overlay first on PYTHONPATH, see bench_mrope.py for why),
+  vision runs found from vision-start + placeholder tokens;
+- part "qwen2_vl_5x": the transformers 5.x of the environment, vision runs from
+  ``mm_token_type_ids``.
+
+posenc_torch: ``compute_mrope_position_ids(input_ids, image_grid_thw, None, attention_mask,
+model="qwen2_vl", convention="installed", mm_token_type_ids=..., image_token_id=...,
+video_token_id=..., vision_start_token_id=..., spatial_merge_size=2)`` -> ``(position_ids
+(3, B, L), deltas (B, 1))``, under the same transformers' rules.  Both results must be equal
+(values and dtypes) before anything is timed.
 
 Cases: B=8, L=8192 with 4 images per row (odd rows left-padded), and B=1, L=1024 with one
 image.  Forward only (integer outputs have no gradient).
@@ -23,7 +30,7 @@ import torch
 import harness as H
 
 TOPIC = "positions"
-PARTS = {"qwen2_vl": 4}
+PARTS = {"qwen2_vl": 4, "qwen2_vl_5x": 5}
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 151652, 151653, 151655, 151656
 MERGE = 2
@@ -36,7 +43,8 @@ METHOD_NAMES = ("posenc", "hf_eager", "hf_compile", "copy")
 
 def _case(opts, b, length, images) -> H.Case:
     return H.Case(TOPIC, "mrope_position_ids", "Qwen2-VL-7B", b, length, "int64", "fwd",
-                  opts.threads, opts.device, f"images={images}/row")
+                  opts.threads, opts.device,
+                  f"images={images}/row,transformers{PARTS.get(opts.part, '?')}")
 
 
 def plan(opts: H.Options):
@@ -87,9 +95,13 @@ def make_prompts(batch: int, length: int, images_per_row: int, seed: int = 0):
 def run(opts: H.Options, rep: H.Reporter) -> None:
     import transformers
 
-    if int(transformers.__version__.split(".")[0]) != 4:
-        raise SystemExit(f"bench_positions needs transformers 4.x (the 4.57.6 overlay), found "
-                         f"{transformers.__version__}; run it through benchmarks/run.py")
+    if opts.part not in PARTS:
+        raise ValueError(f"unknown part {opts.part!r}; parts: {sorted(PARTS)}")
+    major = int(transformers.__version__.split(".")[0])
+    if major != PARTS[opts.part]:
+        raise SystemExit(f"bench_positions part {opts.part!r} needs transformers "
+                         f"{PARTS[opts.part]}.x, found {transformers.__version__}; run it through "
+                         "benchmarks/run.py (it puts .venv/hf4 on PYTHONPATH for 4.x)")
     from types import SimpleNamespace
 
     from transformers import Qwen2VLConfig
@@ -98,33 +110,35 @@ def run(opts: H.Options, rep: H.Reporter) -> None:
     import posenc_torch
 
     stand_in = SimpleNamespace(config=Qwen2VLConfig())
-
-    def hf(ids, grids, mask):
-        return Qwen2VLModel.get_rope_index(stand_in, ids, grids, None, mask)
+    if "get_vision_position_ids" in vars(Qwen2VLModel):  # 5.x: get_rope_index calls it
+        stand_in.get_vision_position_ids = Qwen2VLModel.get_vision_position_ids.__get__(stand_in)
+    get_rope_index = Qwen2VLModel.get_rope_index.__get__(stand_in)
 
     for b, length, images in SHAPES[opts.suite]:
         ids, grids, mask = make_prompts(b, length, images)
         ids, grids, mask = ids.to(opts.device), grids.to(opts.device), mask.to(opts.device)
-        ref = hf(ids, grids, mask)
+        types = (ids == IMAGE_PAD).long() + 2 * (ids == VIDEO_PAD).long()
+        if major >= 5:
+            hf = lambda ids=ids, grids=grids, mask=mask, types=types: get_rope_index(  # noqa: E731
+                ids, types, grids, None, mask)
+        else:
+            hf = lambda ids=ids, grids=grids, mask=mask: get_rope_index(  # noqa: E731
+                ids, grids, None, mask)
+        ref = hf()
 
-        def build(name, ids=ids, grids=grids, mask=mask):
+        def build(name, ids=ids, grids=grids, mask=mask, types=types, hf=hf):
             if name == "posenc":
-                fn = getattr(posenc_torch, "compute_mrope_position_ids", None)
-                if fn is None:
-                    raise NotImplementedError(
-                        "posenc_torch.compute_mrope_position_ids is not in this build yet "
-                        "(it is being added separately); rerun once it is merged")
-                return H.Workload(lambda: fn(
-                    ids, grids, None, mask, model="qwen2_vl", image_token_id=IMAGE_PAD,
-                    video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
-                    spatial_merge_size=MERGE))
+                return H.Workload(lambda: posenc_torch.compute_mrope_position_ids(
+                    ids, grids, None, mask, model="qwen2_vl", convention="installed",
+                    mm_token_type_ids=types, image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
+                    vision_start_token_id=VISION_START, spatial_merge_size=MERGE))
             if name == "hf_eager":
-                return H.Workload(lambda: hf(ids, grids, mask))
+                return H.Workload(hf)
             if name == "hf_compile":
                 raise NotImplementedError(
-                    "get_rope_index walks rows and tokens in Python (.tolist(), list.index, "
-                    ".item()) with data-dependent shapes: torch.compile breaks the graph at "
-                    "every step, so there is no compiled peer worth timing")
+                    "get_rope_index walks rows and tokens in Python (.tolist(), groupby or "
+                    "list.index, .item()) with data-dependent shapes: torch.compile breaks the "
+                    "graph at every step, so there is no compiled peer worth timing")
             if name == "copy":
                 raise NotImplementedError(
                     "no q/k tensors here: position ids are an index computation, so there "

@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import bench_layer  # noqa: E402
 import bench_mrope  # noqa: E402
 import bench_overhead  # noqa: E402
 import bench_positions  # noqa: E402
@@ -45,6 +46,7 @@ TOPICS = {m.TOPIC: m for m in (
     bench_positions,
     bench_rotary_step,
     bench_overhead,
+    bench_layer,
 )}
 DEFAULT_THREADS = {"quick": "all", "full": "1,all", "smoke": "all"}
 

@@ -165,74 +165,117 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
 /* ---------------------------------------------------------------------------------------
  * Position ids for multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and the vision tower
  * ---------------------------------------------------------------------------------------
- * pe_mrope_position_ids computes what transformers 4.57's get_rope_index of each model
- * computes: position ids (3, B, L) (rows T, H, W) for a batch of token ids, and one delta
- * per batch row for decoding.
+ * pe_mrope_position_ids computes what transformers' get_rope_index of each model computes:
+ * position ids (3, B, L) (rows T, H, W) for a batch of tokens, and one delta per batch row
+ * for decoding.  Two rule sets, chosen by `rules` (the zero value is the first):
+ *
+ *   PE_MROPE_RULES_4_57  transformers 4.57: vision items are found in input_ids (a
+ *                        placeholder token right after vision_start_token_id); text after
+ *                        an item resumes at the item's largest position + 1; masked slots
+ *                        hold 1; deltas[b] = max + 1 - L (L the padded length).
+ *   PE_MROPE_RULES_5     transformers 5.x (checked: 5.17.0, 5.18.0, 5.24.0): vision items
+ *                        are the runs of mm_token_type_ids (0 text, 1 image, 2 video; input
+ *                        ids are not read); text after an item resumes at the item's start
+ *                        + max(h/m, w/m) (its frames do not count); masked slots hold 0;
+ *                        deltas[b] = max + 1 - (number of kept tokens of row b).
  *
  * Grids are patch grids before merging, one (t, h, w) row per image or video, in the
  * order the images / videos appear in the batch (row 0 first, left to right).  With merge
- * size m an image or video covers an LLM grid (t, h/m, w/m), i.e. t*(h/m)*(w/m)
- * placeholder tokens.  Qwen3-VL splits each video grid (t, h, w) into t frame grids
- * (1, h, w): every frame has its own vision-start token and placeholder run.
+ * size m an image or video covers an LLM grid (t, h/m, w/m), i.e. t*(h/m)*(w/m) tokens.
+ * Qwen3-VL splits each video grid (t, h, w) into t frame grids (1, h, w): every frame is its
+ * own item (its own vision start, or its own run of type 2).
  *
  * Per batch row, over the tokens kept by the mask (attention_mask == 1; all tokens when
  * there is no mask), with next = 0:
- *   - a vision item starts at a placeholder token (image_token_id or video_token_id) whose
- *     preceding kept token is vision_start_token_id; it takes the next unused grid of its
- *     kind and covers n = t*(h/m)*(w/m) tokens, which must all be that placeholder;
- *   - a text token (anything else, vision-start/-end included) gets next on all three
+ *   - an item starts (4.57) at a placeholder token (image_token_id or video_token_id) whose
+ *     preceding kept token is vision_start_token_id, or (5.x) at a kept token of type 1 or
+ *     2 whose preceding kept token has another type; it takes the next unused grid of its
+ *     kind and covers n = t*(h/m)*(w/m) tokens, which must all be that placeholder (that
+ *     type);
+ *   - a text token (anything else; vision-start/-end included) gets next on all three
  *     rows, then next += 1;
  *   - the k-th token of an item, k = (ti*(h/m) + hi)*(w/m) + wi, gets
  *         T = next + tidx(ti),  H = next + hi,  W = next + wi,
- *     and after the item next += max(tidx(t-1), h/m - 1, w/m - 1) + 1;
- *   - masked slots get 1 on all rows;  deltas[b] = next - L  (L is the padded length:
- *     next is the largest position of the row plus one; a row with no kept token has
- *     next = 0, where transformers raises).
- * Temporal index tidx:
- *   QWEN2_VL    images and videos: tidx(ti) = ti
- *   QWEN2_5_VL  images: 0;  videos: trunc(ti * s * tokens_per_second) computed in double
- *               as (ti * s) * tokens_per_second, s = second_per_grid_ts[video] (1.0 when
- *               second_per_grid_ts is NULL).  Integral s matches transformers 4.57, which
- *               casts s to an integer first; fractional s (fps > 2) keeps its fraction.
- *   QWEN3_VL    images: ti;  video frames: t = 1, so 0 (time is in the timestamp text).
+ *     and after the item next += max(tidx(t-1), h/m - 1, w/m - 1) + 1 (4.57) or
+ *     next += max(h/m, w/m) (5.x);
+ *   - 4.57: masked slots get 1, deltas[b] = next - L;  5.x: masked slots get 0, deltas[b] =
+ *     (largest position of the row) + 1 - (kept tokens).  A row with no kept token gets
+ *     delta 0 (transformers raises there).
+ * Temporal index tidx (the frame index ti in every case not listed):
+ *   QWEN2_5_VL, 4.57, images: 0.
+ *   QWEN2_5_VL videos: by time_rule from s = second_per_grid_ts[video] (1 when the array
+ *     is NULL) and tps = tokens_per_second; fl32() rounds to float, trunc() toward zero:
+ *     PE_TIME_F64            trunc((ti * s) * tps) in double (the zero value);
+ *     PE_TIME_TRUNC_SECONDS  ti * trunc(s) * tps, exact in integers when tps is integral,
+ *                            else trunc(fl32(fl32(ti * trunc(s)) * fl32(tps)))
+ *                            (4.57 casts s to int64; 5.17 multiplies tps by int(s));
+ *     PE_TIME_F32            trunc(fl32(fl32(ti) * fl32(fl32(tps) * fl32(s))))  (5.18 and
+ *                            later with float32 second_per_grid_ts: the fraction is kept);
+ *     PE_TIME_F64_INTERVAL   trunc(ti * (tps * s)) in double (5.18 and later, float64 s).
+ *   QWEN3_VL video frames: t = 1, so 0 (time is in the timestamp text around the frames).
  *
- * Without grids (has_grids == 0: both grid lists absent, transformers' other branch),
- * every row gets text positions: with a mask cumsum(mask) - 1 on kept tokens and 1 on
- * masked slots, deltas[b] = max(row, masked slots included) + 1 - L; without a mask
- * 0..L-1 and deltas 0.  A row that contains a vision item is then an error (PE_POS_NO_GRIDS).
+ * Without grids (has_grids == 0: both grid lists absent) every row gets text positions:
+ * with a mask cumsum(mask) - 1 on kept tokens, masked slots 1 (4.57) or 0 (5.x), deltas[b]
+ * = max(row, masked slots included) + 1 - L (4.57) or 0 (5.x); without a mask 0..L-1 and
+ * deltas 0.  A row that contains a vision item is then an error (PE_POS_NO_GRIDS).
  *
- * Example 1 (Qwen2-VL, m = 2; ids x, VS, I, I, I, I, VE, y; image grid (1, 4, 4)):
+ * Example 1 (Qwen2-VL, m = 2; ids x, VS, I, I, I, I, VE, y; image grid (1, 4, 4); types
+ *   0 0 1 1 1 1 0 0 for 5.x, which gives the same ids here):
  *      index  0 1 2 3 4 5 6 7
  *      T      0 1 2 2 2 2 4 5
  *      H      0 1 2 2 3 3 4 5
  *      W      0 1 2 3 2 3 4 5        deltas = 6 - 8 = -2
- * Example 2 (Qwen2.5-VL, video grid (3, 4, 4), s = 2.0, tokens_per_second = 2;
+ * Example 2 (Qwen2.5-VL, 4.57, video grid (3, 4, 4), s = 2.0, tokens_per_second = 2;
  *   ids x, VS, V x12, VE, y):  T = 0 1 | 2 2 2 2 6 6 6 6 10 10 10 10 | 11 12,
  *   H = 0 1 | 2 2 3 3 (x3) | 11 12,  W = 0 1 | 2 3 2 3 (x3) | 11 12,  deltas = 13 - 16 = -3.
+ *   5.x: the same vision block, then the text resumes at 2 + max(2, 2) = 4: ... | 4 5 on
+ *   all rows, deltas = 11 - 16 = -5.
  * Example 3 (Qwen3-VL, video grid (2, 4, 4), three timestamp tokens before each frame;
- *   ids a b c VS V V V V VE d e f VS V V V V VE):
+ *   ids a b c VS V V V V VE d e f VS V V V V VE), 4.57 and 5.x alike:
  *      T  0 1 2 3 | 4 4 4 4 | 6 7 8 9 10 | 11 11 11 11 | 13
  *      H  0 1 2 3 | 4 4 5 5 | 6 7 8 9 10 | 11 11 12 12 | 13
  *      W  0 1 2 3 | 4 5 4 5 | 6 7 8 9 10 | 11 12 11 12 | 13     deltas = 14 - 18 = -4
  * Example 4 (left padding, mask 0 0 1 1 1 1 1 1 1 1 on ids p p x VS I I I I VE y, grid
- *   (1, 4, 4)): T = 1 1 | 0 1 2 2 2 2 4 5 (H, W likewise), deltas = 6 - 10 = -4.
+ *   (1, 4, 4)): 4.57 T = 1 1 | 0 1 2 2 2 2 4 5 (H, W likewise), deltas = 6 - 10 = -4;
+ *   5.x T = 0 0 | 0 1 2 2 2 2 4 5, deltas = 6 - 8 = -2.
+ * Example 5 (Qwen2-VL, ids x VS V V V V VE y, video grid (4, 2, 2): 4 frames of one token):
+ *   4.57: T = 0 1 2 3 4 5 6 7, H = W = 0 1 2 2 2 2 6 7, deltas 0;
+ *   5.x:  T = 0 1 2 3 4 5 3 4, H = W = 0 1 2 2 2 2 3 4, deltas = 6 - 8 = -2.
+ * Example 6 (Qwen2.5-VL video (3, 2, 2), tokens_per_second = 2): s = 0.5 gives tidx
+ *   0 0 0 under PE_TIME_TRUNC_SECONDS and 0 1 2 under PE_TIME_F32 and PE_TIME_F64;
+ *   tokens_per_second = 25, s = 2/3 (t = 8) gives tidx 0 16 33 50 66 83 100 116 under F32
+ *   (fl32(25 * fl32(2/3)) = 16.666668) and 0 16 33 49 66 83 99 116 under F64_INTERVAL.
  *
  * Everything that makes the grids disagree with the tokens is PE_ERR_GRID, never a silent
  * misplacement: a grid value <= 0 or h, w not divisible by m; more or fewer vision items
- * in the batch than grids (Qwen3-VL: than frames); an item whose run of placeholders is
- * shorter than its n tokens (the row or run ends early); a placeholder token outside every
- * item (a run longer than its grid, or no vision-start before it); second_per_grid_ts
- * negative, not finite, or giving a temporal index of 2^31 or more.  Arguments out of
- * range (sizes, merge size < 1, token ids negative or equal, a mask value other than 0 or
- * 1, tokens_per_second negative or not finite) are PE_ERR_ARG.  err (may be NULL)
- * receives what went wrong: mask values, then grid values, then the grid count, then the
- * problem of the lowest batch row (the first in that row).
+ * in the batch than grids (Qwen3-VL: than frames); an item whose run is shorter than its n
+ * tokens (the row or run ends early); a placeholder token (5.x: a token of type 1 or 2)
+ * outside every item (a run longer than its grid, or no vision start before it);
+ * second_per_grid_ts negative, above 2^31, not finite, or giving a temporal index of 2^31
+ * or more.  Arguments out of range (sizes, merge size < 1, 4.57 token ids negative or
+ * equal, a mask value other than 0 or 1, a kept token type other than 0, 1, 2, no
+ * mm_token_type_ids for 5.x with grids, tokens_per_second negative or not finite, or above
+ * FLT_MAX under PE_TIME_F32, an unknown rules or time_rule) are PE_ERR_ARG.  err (may be
+ * NULL) receives what went wrong: mask and type values, then grid values, then the grid
+ * count, then the problem of the lowest batch row (the first in that row).
  * ------------------------------------------------------------------------------------- */
 typedef enum pe_mrope_model {
     PE_MROPE_QWEN2_VL = 0,
     PE_MROPE_QWEN2_5_VL = 1,
     PE_MROPE_QWEN3_VL = 2,
 } pe_mrope_model;
+
+typedef enum pe_mrope_rules {
+    PE_MROPE_RULES_4_57 = 0, /* vision start + placeholder tokens (transformers 4.57) */
+    PE_MROPE_RULES_5 = 1,    /* runs of mm_token_type_ids (transformers 5.x) */
+} pe_mrope_rules;
+
+typedef enum pe_mrope_time {
+    PE_TIME_F64 = 0,
+    PE_TIME_TRUNC_SECONDS = 1,
+    PE_TIME_F32 = 2,
+    PE_TIME_F64_INTERVAL = 3,
+} pe_mrope_time;
 
 typedef enum pe_pos_problem {
     PE_POS_NONE = 0,
@@ -245,6 +288,8 @@ typedef enum pe_pos_problem {
     PE_POS_SHORT_RUN,    /* item at (row, token) of grid `grid` needs `expected` placeholder
                             tokens, the run has `found` */
     PE_POS_STRAY_TOKEN,  /* placeholder token at (row, token) belongs to no item */
+    PE_POS_BAD_TYPE,     /* mm_token_type_ids[row, token] (kept) is `found`, not 0, 1 or 2
+                            (PE_ERR_ARG) */
 } pe_pos_problem;
 
 typedef struct pe_pos_error {
@@ -258,7 +303,7 @@ typedef struct pe_pos_error {
 
 typedef struct pe_mrope_args {
     int64_t batch, seq;                /* B, L */
-    const int64_t *input_ids;          /* (B, L), unit stride along L */
+    const int64_t *input_ids;          /* (B, L), unit stride along L; 5.x: not read */
     int64_t ids_row_stride;
     const int64_t *attention_mask;     /* (B, L) of 0/1, unit stride along L; NULL: all 1 */
     int64_t mask_row_stride;
@@ -269,10 +314,15 @@ typedef struct pe_mrope_args {
     int64_t n_videos;
     const double *second_per_grid_ts;  /* n_videos values or NULL; QWEN2_5_VL only */
     pe_mrope_model model;
-    int64_t image_token_id, video_token_id, vision_start_token_id;
+    int64_t image_token_id, video_token_id, vision_start_token_id; /* 4.57 rules only */
     int64_t spatial_merge_size;        /* m >= 1 */
     double tokens_per_second;          /* QWEN2_5_VL only */
     int nthreads;
+    /* Added for transformers 5.x; all zero means the 4.57 rules above. */
+    pe_mrope_rules rules;
+    const int64_t *mm_token_type_ids;  /* (B, L), unit stride along L; 5.x rules only */
+    int64_t types_row_stride;
+    pe_mrope_time time_rule;           /* QWEN2_5_VL videos */
 } pe_mrope_args;
 
 /* position_ids: (3, B, L) dense int64; deltas: (B,) int64.  Rows are independent; batches

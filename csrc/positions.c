@@ -1,5 +1,6 @@
 /* Position ids: multimodal RoPE ids for the decoder (get_rope_index) and the vision
  * tower's (row, col) patch ids.  Specification in posenc.h. */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,32 +48,47 @@ static int check_grids(const int64_t *grids, int64_t n, int64_t m, int video, pe
 
 /* ---- decoder position ids ------------------------------------------------------------- */
 
-/* One vision item being walked: its grid, temporal step and the counters of the token
- * that comes next. */
-typedef struct item {
-    int64_t placeholder;
-    int64_t t, hm, wm, n;      /* LLM grid and its token count */
-    int time_kind;             /* 0: tidx = ti, 1: tidx = 0, 2: trunc(ti * s * tps) */
-    double seconds, tps;
-    int64_t base;              /* `next` when the item started */
-    int64_t ti, hi, wi, tval;  /* counters of the next token, tval = tidx(ti) */
-    int64_t left;              /* tokens still to come */
-} item;
-
-static int64_t time_index(const item *it, int64_t ti) {
-    switch (it->time_kind) {
-    case 0: return ti;
-    case 1: return 0;
-    default: return (int64_t)((double)ti * it->seconds * it->tps); /* >= 0: cast truncates */
+/* Temporal index of frame k of a Qwen2.5-VL video (time rules in posenc.h).  The seconds
+ * were checked by seconds_ok, so every conversion below is in range. */
+static int64_t video_time(pe_mrope_time rule, double s, double tps, int64_t k) {
+    if (k == 0) return 0;
+    switch (rule) {
+    case PE_TIME_TRUNC_SECONDS: {
+        const int64_t ks = k * (int64_t)s;
+        if (ks == 0) return 0;
+        /* ks >= 1 here, so tps <= 2^31 (seconds_ok): the casts are in range */
+        if (tps == (double)(int64_t)tps) return ks * (int64_t)tps;
+        return (int64_t)((float)ks * (float)tps);
+    }
+    case PE_TIME_F32: {
+        const float step = (float)tps * (float)s;
+        return (int64_t)((float)k * step);
+    }
+    case PE_TIME_F64_INTERVAL: return (int64_t)((double)k * (tps * s));
+    default: return (int64_t)((double)k * s * tps);
     }
 }
 
 /* Whether video time step s gives acceptable temporal indices for t frames (Qwen2.5-VL). */
 static int seconds_ok(double s, double tps, int64_t t) {
-    if (!isfinite(s) || s < 0) return 0;
+    if (!isfinite(s) || s < 0 || s > (double)PE_MAX_TIME_INDEX) return 0;
     const double last = (double)(t - 1) * s * tps;
     return isfinite(last) && last <= (double)PE_MAX_TIME_INDEX;
 }
+
+enum { TIME_FRAME, TIME_ZERO, TIME_VIDEO };
+
+/* One vision item being walked: its grid, temporal step and the counters of the token
+ * that comes next. */
+typedef struct item {
+    int64_t placeholder;       /* 4.57: its token id; 5.x: its type (1 or 2) */
+    int64_t t, hm, wm, n;      /* LLM grid and its token count */
+    int time_kind;
+    double seconds;
+    int64_t base;              /* `next` when the item started */
+    int64_t ti, hi, wi, tval;  /* counters of the next token, tval = tidx(ti) */
+    int64_t left;              /* tokens still to come */
+} item;
 
 typedef struct walk_ctx {
     const pe_mrope_args *a;
@@ -81,40 +97,72 @@ typedef struct walk_ctx {
     int64_t *deltas;
 } walk_ctx;
 
+static int64_t time_index(const walk_ctx *c, const item *it, int64_t ti) {
+    switch (it->time_kind) {
+    case TIME_FRAME: return ti;
+    case TIME_ZERO: return 0;
+    default: return video_time(c->a->time_rule, it->seconds, c->a->tokens_per_second, ti);
+    }
+}
+
 static int is_kept(const int64_t *mask, int64_t j) { return !mask || mask[j] == 1; }
 
-/* Counts the vision items (placeholder right after a kept vision-start) of row b. */
+static int v5(const pe_mrope_args *a) { return a->rules == PE_MROPE_RULES_5; }
+
+/* What kept token j of a row starts or continues: 0 text, 1 image, 2 video.  `start` is set
+ * where an item may begin (4.57: a placeholder after a vision start; 5.x: a vision type
+ * after a token of another type).  prev is the state of the previous kept token. */
+static int token_kind(const pe_mrope_args *a, const int64_t *ids, const int64_t *types, int64_t j,
+                      int64_t *prev, int *start) {
+    if (v5(a)) {
+        const int64_t ty = types[j];
+        *start = ty != 0 && ty != *prev;
+        *prev = ty;
+        return (int)ty;
+    }
+    const int64_t tok = ids[j];
+    const int kind = tok == a->image_token_id ? 1 : tok == a->video_token_id ? 2 : 0;
+    *start = kind != 0 && *prev == a->vision_start_token_id;
+    *prev = tok;
+    return kind;
+}
+
+static const int64_t *row_of(const int64_t *p, int64_t stride, int64_t b) {
+    return p ? p + b * stride : NULL;
+}
+
+/* Counts the vision items of row b. */
 static void count_row(const pe_mrope_args *a, int64_t b, int64_t *images, int64_t *videos) {
-    const int64_t *ids = a->input_ids + b * a->ids_row_stride;
-    const int64_t *mask = a->attention_mask ? a->attention_mask + b * a->mask_row_stride : NULL;
-    int64_t ni = 0, nv = 0;
-    int prev_vs = 0;
+    const int64_t *ids = row_of(a->input_ids, a->ids_row_stride, b);
+    const int64_t *types = row_of(a->mm_token_type_ids, a->types_row_stride, b);
+    const int64_t *mask = row_of(a->attention_mask, a->mask_row_stride, b);
+    int64_t ni = 0, nv = 0, prev = -1;
     for (int64_t j = 0; j < a->seq; ++j) {
         if (!is_kept(mask, j)) continue;
-        const int64_t tok = ids[j];
-        if (prev_vs) {
-            ni += tok == a->image_token_id;
-            nv += tok == a->video_token_id;
+        int start;
+        const int kind = token_kind(a, ids, types, j, &prev, &start);
+        if (start) {
+            ni += kind == 1;
+            nv += kind == 2;
         }
-        prev_vs = tok == a->vision_start_token_id;
     }
     *images = ni;
     *videos = nv;
 }
 
-/* Sets up the item that starts at (row b, token j) with grid index img / video frame. */
-static void start_item(const walk_ctx *c, item *it, int video, int64_t index, int64_t next) {
+/* Sets up the item of the given kind (1 image, 2 video) with grid index / video frame. */
+static void start_item(const walk_ctx *c, item *it, int kind, int64_t index, int64_t next) {
     const pe_mrope_args *a = c->a;
     const int64_t m = a->spatial_merge_size;
+    const int video = kind == 2;
     int64_t t, h, w;
-    it->time_kind = 0;
+    it->time_kind = TIME_FRAME;
     it->seconds = 1.0;
-    it->tps = a->tokens_per_second;
+    it->placeholder = v5(a) ? kind : video ? a->video_token_id : a->image_token_id;
     if (!video) {
         const int64_t *g = a->image_grid_thw + 3 * index;
         t = g[0], h = g[1], w = g[2];
-        it->placeholder = a->image_token_id;
-        if (a->model == PE_MROPE_QWEN2_5_VL) it->time_kind = 1;
+        if (a->model == PE_MROPE_QWEN2_5_VL && !v5(a)) it->time_kind = TIME_ZERO;
     } else if (a->model == PE_MROPE_QWEN3_VL) {
         /* index is the global frame number; find its video */
         int64_t lo = 0, hi = a->n_videos - 1;
@@ -124,13 +172,11 @@ static void start_item(const walk_ctx *c, item *it, int video, int64_t index, in
         }
         const int64_t *g = a->video_grid_thw + 3 * lo;
         t = 1, h = g[1], w = g[2];
-        it->placeholder = a->video_token_id;
     } else {
         const int64_t *g = a->video_grid_thw + 3 * index;
         t = g[0], h = g[1], w = g[2];
-        it->placeholder = a->video_token_id;
         if (a->model == PE_MROPE_QWEN2_5_VL) {
-            it->time_kind = 2;
+            it->time_kind = TIME_VIDEO;
             if (a->second_per_grid_ts) it->seconds = a->second_per_grid_ts[index];
         }
     }
@@ -142,7 +188,7 @@ static void start_item(const walk_ctx *c, item *it, int video, int64_t index, in
         it->n = INT64_MAX;
     it->base = next;
     it->ti = it->hi = it->wi = 0;
-    it->tval = time_index(it, 0);
+    it->tval = time_index(c, it, 0);
     it->left = it->n;
 }
 
@@ -167,29 +213,32 @@ static void item_error(const walk_ctx *c, pe_pos_error *e, pe_pos_problem p, int
 static int walk_row(const walk_ctx *c, int64_t b, int64_t img0, int64_t vid0, pe_pos_error *e) {
     const pe_mrope_args *a = c->a;
     const int64_t L = a->seq, BL = a->batch * L;
-    const int64_t *ids = a->input_ids + b * a->ids_row_stride;
-    const int64_t *mask = a->attention_mask ? a->attention_mask + b * a->mask_row_stride : NULL;
+    const int64_t *ids = row_of(a->input_ids, a->ids_row_stride, b);
+    const int64_t *types = row_of(a->mm_token_type_ids, a->types_row_stride, b);
+    const int64_t *mask = row_of(a->attention_mask, a->mask_row_stride, b);
+    const int64_t pad = v5(a) ? 0 : 1;
     int64_t *pt = c->pos + b * L, *ph = pt + BL, *pw = ph + BL;
-    int64_t next = 0, img = img0, vid = vid0;
-    int prev_vs = 0;
+    int64_t next = 0, top = -1, kept = 0, img = img0, vid = vid0, prev = -1;
     item it = {0};
     int64_t item_token = -1, item_index = -1;
     int item_video = 0;
 
     for (int64_t j = 0; j < L; ++j) {
         if (!is_kept(mask, j)) {
-            pt[j] = ph[j] = pw[j] = 1;
+            pt[j] = ph[j] = pw[j] = pad;
             continue;
         }
-        const int64_t tok = ids[j];
-        if (it.left == 0 && prev_vs && (tok == a->image_token_id || tok == a->video_token_id)) {
-            item_video = tok == a->video_token_id;
+        ++kept;
+        int start;
+        const int kind = token_kind(a, ids, types, j, &prev, &start);
+        if (it.left == 0 && start) {
+            item_video = kind == 2;
             item_index = item_video ? vid++ : img++;
             item_token = j;
-            start_item(c, &it, item_video, item_index, next);
+            start_item(c, &it, kind, item_index, next);
         }
         if (it.left > 0) {
-            if (tok != it.placeholder) {
+            if ((v5(a) ? kind : ids[j]) != it.placeholder) {
                 item_error(c, e, PE_POS_SHORT_RUN, item_video, item_index, b, item_token);
                 e->expected = it.n;
                 e->found = it.n - it.left;
@@ -199,24 +248,25 @@ static int walk_row(const walk_ctx *c, int64_t b, int64_t img0, int64_t vid0, pe
             ph[j] = it.base + it.hi;
             pw[j] = it.base + it.wi;
             if (--it.left == 0) {
-                int64_t ext = time_index(&it, it.t - 1);
+                int64_t ext = time_index(c, &it, it.t - 1);
                 if (it.hm - 1 > ext) ext = it.hm - 1;
                 if (it.wm - 1 > ext) ext = it.wm - 1;
-                next = it.base + ext + 1;
+                if (it.base + ext > top) top = it.base + ext;
+                next = it.base + (v5(a) ? (it.hm > it.wm ? it.hm : it.wm) : ext + 1);
             } else if (++it.wi == it.wm) {
                 it.wi = 0;
                 if (++it.hi == it.hm) {
                     it.hi = 0;
-                    it.tval = time_index(&it, ++it.ti);
+                    it.tval = time_index(c, &it, ++it.ti);
                 }
             }
-        } else if (tok == a->image_token_id || tok == a->video_token_id) {
-            item_error(c, e, PE_POS_STRAY_TOKEN, tok == a->video_token_id, -1, b, j);
+        } else if (kind != 0) {
+            item_error(c, e, PE_POS_STRAY_TOKEN, kind == 2, -1, b, j);
             return 0;
         } else {
+            if (next > top) top = next;
             pt[j] = ph[j] = pw[j] = next++;
         }
-        prev_vs = tok == a->vision_start_token_id;
     }
     if (it.left > 0) {
         item_error(c, e, PE_POS_SHORT_RUN, item_video, item_index, b, item_token);
@@ -224,7 +274,7 @@ static int walk_row(const walk_ctx *c, int64_t b, int64_t img0, int64_t vid0, pe
         e->found = it.n - it.left;
         return 0;
     }
-    c->deltas[b] = next - L;
+    c->deltas[b] = v5(a) ? (kept ? top + 1 - kept : 0) : next - L;
     return 1;
 }
 
@@ -232,64 +282,82 @@ static int walk_row(const walk_ctx *c, int64_t b, int64_t img0, int64_t vid0, pe
 static int plain_row(const walk_ctx *c, int64_t b, pe_pos_error *e) {
     const pe_mrope_args *a = c->a;
     const int64_t L = a->seq, BL = a->batch * L;
-    const int64_t *ids = a->input_ids + b * a->ids_row_stride;
-    const int64_t *mask = a->attention_mask ? a->attention_mask + b * a->mask_row_stride : NULL;
+    const int64_t *ids = row_of(a->input_ids, a->ids_row_stride, b);
+    const int64_t *types = row_of(a->mm_token_type_ids, a->types_row_stride, b);
+    const int64_t *mask = row_of(a->attention_mask, a->mask_row_stride, b);
+    const int64_t pad = v5(a) ? 0 : 1;
     int64_t *pt = c->pos + b * L, *ph = pt + BL, *pw = ph + BL;
-    int64_t next = 0, top = -1;
-    int prev_vs = 0;
+    int64_t next = 0, top = -1, prev = -1;
     for (int64_t j = 0; j < L; ++j) {
-        int64_t p = 1;
+        int64_t p = pad;
         if (is_kept(mask, j)) {
-            const int64_t tok = ids[j];
-            if (prev_vs && (tok == a->image_token_id || tok == a->video_token_id)) {
+            int start = 0;
+            const int kind = (v5(a) && !types) ? 0 : token_kind(a, ids, types, j, &prev, &start);
+            if (kind != 0 && (start || v5(a))) {
                 set_error(e, PE_POS_NO_GRIDS);
-                e->video = tok == a->video_token_id;
+                e->video = kind == 2;
                 e->row = b;
                 e->token = j;
                 return 0;
             }
-            prev_vs = tok == a->vision_start_token_id;
             p = next++;
         }
         pt[j] = ph[j] = pw[j] = p;
         if (p > top) top = p;
     }
-    c->deltas[b] = mask ? top + 1 - L : 0;
+    c->deltas[b] = (mask && !v5(a)) ? top + 1 - L : 0;
     return 1;
 }
 
 static int args_valid(const pe_mrope_args *a, int64_t *position_ids, int64_t *deltas) {
     if (!a || a->batch < 0 || a->seq < 0) return 0;
-    if (a->batch > 0 && a->seq > 0 && (!a->input_ids || !position_ids)) return 0;
+    if (a->rules != PE_MROPE_RULES_4_57 && a->rules != PE_MROPE_RULES_5) return 0;
+    const int need_ids = !v5(a), need_types = v5(a) && a->has_grids;
+    if (a->batch > 0 && a->seq > 0 &&
+        ((need_ids && !a->input_ids) || (need_types && !a->mm_token_type_ids) || !position_ids))
+        return 0;
     if (a->batch > 0 && !deltas) return 0;
     if (a->batch > INT64_MAX / 3 / (a->seq > 0 ? a->seq : 1)) return 0;
     if (a->model != PE_MROPE_QWEN2_VL && a->model != PE_MROPE_QWEN2_5_VL &&
         a->model != PE_MROPE_QWEN3_VL)
         return 0;
     if (a->spatial_merge_size < 1) return 0;
-    if (a->image_token_id < 0 || a->video_token_id < 0 || a->vision_start_token_id < 0) return 0;
-    if (a->image_token_id == a->video_token_id || a->image_token_id == a->vision_start_token_id ||
-        a->video_token_id == a->vision_start_token_id)
-        return 0;
+    if (!v5(a)) {
+        if (a->image_token_id < 0 || a->video_token_id < 0 || a->vision_start_token_id < 0)
+            return 0;
+        if (a->image_token_id == a->video_token_id ||
+            a->image_token_id == a->vision_start_token_id ||
+            a->video_token_id == a->vision_start_token_id)
+            return 0;
+    }
     if (a->n_images < 0 || a->n_videos < 0) return 0;
     if ((a->n_images > 0 && !a->image_grid_thw) || (a->n_videos > 0 && !a->video_grid_thw))
         return 0;
     if (!a->has_grids && (a->n_images > 0 || a->n_videos > 0)) return 0;
-    if (a->model == PE_MROPE_QWEN2_5_VL && (!isfinite(a->tokens_per_second) ||
-                                            a->tokens_per_second < 0))
+    if (a->time_rule != PE_TIME_F64 && a->time_rule != PE_TIME_TRUNC_SECONDS &&
+        a->time_rule != PE_TIME_F32 && a->time_rule != PE_TIME_F64_INTERVAL)
+        return 0;
+    if (a->model == PE_MROPE_QWEN2_5_VL &&
+        (!isfinite(a->tokens_per_second) || a->tokens_per_second < 0 ||
+         (a->time_rule == PE_TIME_F32 && a->tokens_per_second > FLT_MAX)))
         return 0;
     return 1;
 }
 
-/* Checks every mask value; 0 on the first one that is not 0 or 1. */
-static int mask_valid(const pe_mrope_args *a, pe_pos_error *err) {
-    if (!a->attention_mask) return 1;
+/* Checks every mask value and (5.x) every kept token type; 0 on the first bad one. */
+static int values_valid(const pe_mrope_args *a, pe_pos_error *err) {
     for (int64_t b = 0; b < a->batch; ++b) {
-        const int64_t *mask = a->attention_mask + b * a->mask_row_stride;
+        const int64_t *mask = row_of(a->attention_mask, a->mask_row_stride, b);
+        const int64_t *types = v5(a) ? row_of(a->mm_token_type_ids, a->types_row_stride, b) : NULL;
         for (int64_t j = 0; j < a->seq; ++j) {
-            if (mask[j] != 0 && mask[j] != 1) {
+            if (mask && mask[j] != 0 && mask[j] != 1) {
                 set_error(err, PE_POS_BAD_MASK);
                 if (err) err->row = b, err->token = j, err->found = mask[j];
+                return 0;
+            }
+            if (types && is_kept(mask, j) && (types[j] < 0 || types[j] > 2)) {
+                set_error(err, PE_POS_BAD_TYPE);
+                if (err) err->row = b, err->token = j, err->found = types[j];
                 return 0;
             }
         }
@@ -317,7 +385,7 @@ int pe_mrope_position_ids(const pe_mrope_args *a, int64_t *position_ids, int64_t
         set_error(err, PE_POS_BAD_ARG);
         return PE_ERR_ARG;
     }
-    if (!mask_valid(a, err)) return PE_ERR_ARG;
+    if (!values_valid(a, err)) return PE_ERR_ARG;
     const int64_t B = a->batch, m = a->spatial_merge_size;
     walk_ctx c = {a, NULL, position_ids, deltas};
     const int nt = run_threads(a);
@@ -344,18 +412,10 @@ int pe_mrope_position_ids(const pe_mrope_args *a, int64_t *position_ids, int64_t
     if (!check_grids(a->image_grid_thw, a->n_images, m, 0, err) ||
         !check_grids(a->video_grid_thw, a->n_videos, m, 1, err))
         return PE_ERR_GRID;
-    if (a->model == PE_MROPE_QWEN2_5_VL && a->second_per_grid_ts) {
+    if (a->model == PE_MROPE_QWEN2_5_VL) {
         for (int64_t v = 0; v < a->n_videos; ++v) {
-            if (!seconds_ok(a->second_per_grid_ts[v], a->tokens_per_second,
-                            a->video_grid_thw[3 * v])) {
-                set_error(err, PE_POS_BAD_SECONDS);
-                if (err) err->video = 1, err->grid = v;
-                return PE_ERR_GRID;
-            }
-        }
-    } else if (a->model == PE_MROPE_QWEN2_5_VL) {
-        for (int64_t v = 0; v < a->n_videos; ++v) {
-            if (!seconds_ok(1.0, a->tokens_per_second, a->video_grid_thw[3 * v])) {
+            const double s = a->second_per_grid_ts ? a->second_per_grid_ts[v] : 1.0;
+            if (!seconds_ok(s, a->tokens_per_second, a->video_grid_thw[3 * v])) {
                 set_error(err, PE_POS_BAD_SECONDS);
                 if (err) err->video = 1, err->grid = v;
                 return PE_ERR_GRID;

@@ -10,6 +10,14 @@ patched losses differ.
     python examples/finetune_qwen2_vl.py            # about a minute on a small CPU
     python examples/finetune_qwen2_vl.py --quick    # a few seconds: 2 steps, no compile
 
+Data parallel, on 2 processes (gloo on the CPU, NCCL on GPUs), with DistributedDataParallel
+or FSDP2 (``torch.distributed.fsdp.fully_shard`` on every decoder layer and the model):
+
+    torchrun --nproc-per-node 2 examples/finetune_qwen2_vl.py --distributed ddp
+    torchrun --nproc-per-node 2 examples/finetune_qwen2_vl.py --distributed fsdp2
+
+Each rank trains on its own batches; the printed losses are the mean over the ranks.
+
 Nothing is downloaded: the model is built from a small config with random weights.  Works
 with transformers 4.57 and 5.x.
 """
@@ -18,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 import transformers
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
@@ -78,11 +88,46 @@ def compile_regions(model) -> None:
         layer.compile()
 
 
+def setup_distributed() -> torch.device:
+    """Join the process group torchrun describes (NCCL with one GPU per rank where there
+    are GPUs, else gloo on the CPU); returns this rank's device."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def data_parallel(model, mode: str, device: torch.device):
+    """``model`` trained data-parallel: DDP (gradients all-reduced) or FSDP2 (parameters,
+    gradients and optimizer state sharded over the ranks, each decoder layer gathered
+    when it runs)."""
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.index is not None
+                                       else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in model.model.language_model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 class Run:
     """One model with its optimizer; ``step`` trains on one batch and records loss and time."""
 
-    def __init__(self, initial, compiled: bool, lr: float) -> None:
-        self.model = copy.deepcopy(initial).train()
+    def __init__(self, initial, compiled: bool, lr: float, parallel: str | None = None,
+                 device: torch.device | None = None) -> None:
+        device = device or torch.device("cpu")
+        self.model = copy.deepcopy(initial).to(device).train()
+        if parallel is not None:
+            self.model = data_parallel(self.model, parallel, device)
         if compiled:
             compile_regions(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
@@ -99,7 +144,8 @@ class Run:
         self.losses.append(loss.item())
 
 
-def train_both(initial, batches, *, compiled: bool, lr: float = 1e-3):
+def train_both(initial, batches, *, compiled: bool, lr: float = 1e-3,
+               parallel: str | None = None, device: torch.device | None = None):
     """Train two copies of ``initial`` on the same batches, one with transformers' rotary
     functions and one with posenc's.
 
@@ -110,7 +156,8 @@ def train_both(initial, batches, *, compiled: bool, lr: float = 1e-3):
     dynamo guards on the rotary function it traced, so each run gets its own graph.)
     """
     torch._dynamo.reset()
-    plain, patched = Run(initial, compiled, lr), Run(initial, compiled, lr)
+    plain = Run(initial, compiled, lr, parallel, device)
+    patched = Run(initial, compiled, lr, parallel, device)
     calls: dict[str, int] = {}
     fallbacks = 0
     for i, batch in enumerate(batches):
@@ -135,7 +182,8 @@ def rotary_alone(initial, batch, repeats: int) -> None:
     module = importlib.import_module(type(initial).__module__)
     seen: dict[str, tuple] = {}
     with posenc_torch.hf.patch("qwen2_vl") as handle:
-        names = [target.split(".", 1)[1] for target in handle.targets]
+        names = [target.split(".", 1)[1] for target in handle.targets
+                 if hasattr(module, target.split(".", 1)[1])]  # not the get_rope_index method
         replacements = {name: getattr(module, name) for name in names}
 
         def recorder(name):
@@ -177,6 +225,14 @@ def rotary_alone(initial, batch, repeats: int) -> None:
                   f"{per_step * ref_us / 1e3:.2f} ms vs {per_step * pe_us / 1e3:.2f} ms")
 
 
+def mean_over_ranks(values: list[float]) -> list[float]:
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)  # gloo and NCCL both sum float64
+    return (t / dist.get_world_size()).tolist()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
@@ -190,56 +246,81 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch (and posenc) threads; 1 gives steadier timings on a busy "
                              "machine, where waking a second thread can wait for a time slice")
+    parser.add_argument("--distributed", choices=["ddp", "fsdp2"], default=None,
+                        help="data-parallel training under torchrun (eager only)")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     steps = args.steps if args.steps is not None else (2 if args.quick else 6)
-    compiled_modes = [False] if (args.quick or args.no_compile) else [False, True]
+    eager_only = args.quick or args.no_compile or args.distributed
+    compiled_modes = [False] if eager_only else [False, True]
+    device, rank = torch.device("cpu"), 0
+    if args.distributed:
+        device, rank = setup_distributed(), dist.get_rank()
+    say = print if rank == 0 else (lambda *a, **kw: None)
     batch, text_len = (2, 32) if args.quick else (args.batch, args.text_len)
     grid = (1, 8, 8) if args.quick else (1, 16, 16)  # patch grid: 16 or 64 image tokens
 
     torch.manual_seed(0)
     initial = tiny_qwen2_vl(args.quick)
-    gen = torch.Generator().manual_seed(1)
-    batches = [synthetic_batch(initial, batch, text_len, grid, gen) for _ in range(steps)]
+    gen = torch.Generator().manual_seed(1 + rank)  # each rank its own data
+    batches = [{key: value.to(device) for key, value in
+                synthetic_batch(initial, batch, text_len, grid, gen).items()}
+               for _ in range(steps)]
     seq = batches[0]["input_ids"].shape[1]
     text_cfg = initial.config.text_config
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, posenc kernel "
-          f"{posenc_torch.kernel_isa()}, {torch.get_num_threads()} threads")
-    print(f"tiny Qwen2-VL: {text_cfg.num_hidden_layers} decoder layers, "
+    say(f"transformers {transformers.__version__}, torch {torch.__version__}, posenc kernel "
+        f"{posenc_torch.kernel_isa()}, {torch.get_num_threads()} threads")
+    if args.distributed:
+        say(f"{args.distributed.upper()} on {dist.get_world_size()} ranks "
+            f"({dist.get_backend()}, {device.type}); per-rank batches, mean loss over ranks")
+    say(f"tiny Qwen2-VL: {text_cfg.num_hidden_layers} decoder layers, "
           f"{sum(p.numel() for p in initial.parameters()) / 1e6:.1f}M parameters; "
           f"batch {batch} x {seq} tokens (image grid {grid}), {steps} steps")
 
     ok = True
     for compiled in compiled_modes:
         mode = "torch.compile" if compiled else "eager"
-        plain, patched, calls, fallbacks = train_both(initial, batches, compiled=compiled)
-        ref_losses, ref_s = plain.losses, plain.seconds
-        pe_losses, pe_s = patched.losses, patched.seconds
-        print(f"\n[{mode}]  step   loss (transformers)   loss (posenc)   "
+        plain, patched, calls, fallbacks = train_both(initial, batches, compiled=compiled,
+                                                      parallel=args.distributed, device=device)
+        ref_losses, ref_s = mean_over_ranks(plain.losses), plain.seconds
+        pe_losses, pe_s = mean_over_ranks(patched.losses), patched.seconds
+        say(f"\n[{mode}]  step   loss (transformers)   loss (posenc)   "
               "ms/step (transformers)   ms/step (posenc)")
         for i in range(steps):
-            print(f"{'':{len(mode) + 3}} {i:4d}   {ref_losses[i]:19.6f}   {pe_losses[i]:13.6f}"
+            say(f"{'':{len(mode) + 3}} {i:4d}   {ref_losses[i]:19.6f}   {pe_losses[i]:13.6f}"
                   f"   {1e3 * ref_s[i]:22.1f}   {1e3 * pe_s[i]:16.1f}")
         # The first step includes compilation (and warm-up), so time the others.  Other
         # processes can only add time, so the fastest step is the steadiest figure.
         timed = slice(1, None) if steps > 1 else slice(None)
         for name, stat in (("fastest", min), ("median", statistics.median)):
             ref_ms, pe_ms = 1e3 * stat(ref_s[timed]), 1e3 * stat(pe_s[timed])
-            print(f"{'':{len(mode) + 3}} {name} ms/step after step 0: transformers "
+            say(f"{'':{len(mode) + 3}} {name} ms/step after step 0: transformers "
                   f"{ref_ms:.1f}, posenc {pe_ms:.1f} (speed-up {ref_ms / pe_ms:.2f}x)")
-        print(f"{'':{len(mode) + 3}} posenc calls: {calls}, fallbacks: {fallbacks}")
+        say(f"{'':{len(mode) + 3}} posenc calls: {calls}, fallbacks: {fallbacks}")
         worst = max(abs(a - b) / abs(a) for a, b in zip(ref_losses, pe_losses, strict=True))
         ran = all(n > 0 for n in calls.values()) and fallbacks == 0
         same = worst <= args.rtol
-        print(f"{'':{len(mode) + 3}} {'OK' if same and ran else 'MISMATCH'}: losses "
+        say(f"{'':{len(mode) + 3}} {'OK' if same and ran else 'MISMATCH'}: losses "
               f"{'match' if same else 'differ'} (largest relative difference {worst:.2e}, "
               f"tolerance {args.rtol:.0e}); posenc kernels {'ran' if ran else 'did NOT run'}")
         ok &= same and ran
-    rotary_alone(initial, batches[0], repeats=5 if args.quick else 50)
-    print("\nall losses match" if ok else "\nFAILED: patched and unpatched runs differ")
+    if args.distributed:
+        dist.barrier()  # every rank is done with the process group (see the end of the file)
+    else:
+        rotary_alone(initial, batches[0], repeats=5 if args.quick else 50)
+    say("\nall losses match" if ok else "\nFAILED: patched and unpatched runs differ")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if dist.is_available() and dist.is_initialized():
+        # Under torchrun with gloo on the CPU, tearing the process group down (or the
+        # interpreter's shutdown) sometimes never finished on one rank (torch 2.13, a
+        # native thread still running).  Every rank has passed the barrier and reported, so
+        # leave without the teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

@@ -7,35 +7,43 @@
     handle.undo()                          # or: with posenc_torch.hf.patch(): ...
 
 ``patch`` replaces the module-level rotary functions that the attention layers of
-transformers' Llama, Qwen2, Qwen2-VL, Qwen2.5-VL and Qwen3-VL look up when they run:
+transformers models look up when they run:
 
-* ``apply_rotary_pos_emb`` (decoder attention; in transformers 5.x also Qwen2-VL and
-  Qwen2.5-VL, whose rotary module merges the M-RoPE sections into plain tables),
+* ``apply_rotary_pos_emb`` (decoder attention) of every model type in
+  ``SUPPORTED_MODEL_TYPES``: Llama-like models, models with adjacent pairs (Cohere, GLM-4V),
+  partial rotary (Phi-3, GPT-NeoX, Qwen3-Next, Qwen3.5, GLM-4-MoE, ...) and models that
+  reshape their tables first (GLM, GLM-4, ERNIE-4.5, gpt-oss), and DeepSeek-V3's
+  ``apply_rotary_pos_emb_interleave`` (pairs de-interleaved),
 * ``apply_multimodal_rotary_pos_emb`` (Qwen2-VL / Qwen2.5-VL decoder attention in 4.x),
-* ``apply_rotary_pos_emb_vision`` (the vision towers).
+* ``apply_rotary_pos_emb_vision`` (the vision towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
 
-Which of these a model's attention calls differs between transformers versions, so
-``patch`` reads it from the code of the installed version (the global names that the
-model file's classes load at run time) and patches exactly those; a missing function or
-a model file whose attention calls none of them is an error, never a silent no-op.
+Nothing here is a list per version.  For each model type it knows, ``patch`` reads the
+code of the installed transformers: which rotary names the model file's classes load at
+run time, and whether the source of its ``apply_rotary_pos_emb`` (and of the helpers that
+function calls, such as ``rotate_half``) is one of the forms in ``_FORMS`` below, compared
+as syntax trees (formatting, comments, docstrings and decorators aside).  A model type
+whose function is of no known form is left out of ``SUPPORTED_MODEL_TYPES`` (see
+``unsupported_model_types()`` for why), and asking to patch it is an error, never a silent
+no-op.  ``SUPPORTED_MODEL_TYPES`` is computed on first use, for the installed version.
 
 transformers 5.x decorates ``apply_rotary_pos_emb`` with a hub-kernel decorator and the
 attention classes with ``use_kernelized_func(apply_rotary_pos_emb)``.  Those decorators
 only record the function object (for ``kernels.kernelize``); the attention ``forward``
 still calls the module-level name on every call, so replacing that name is what takes
-effect, with or without the ``kernels`` package installed.
+effect as long as the model is not kernelized (README, "Use with transformers", says
+where transformers' own kernel mechanism stands).
 
 The rotary *modules* (which compute cos/sin once per forward pass) are left alone: their
 tables are computed once per forward and shared by every layer, so the cost that grows
 with depth is the rotation, and keeping transformers' own tables keeps the patched model's
 cos/sin bit-identical to the unpatched one.
 
-Inputs the posenc kernels do not take (tensors on another device than the CPU, other
-shapes than transformers' own layouts, an ``mrope_section`` that does not fit the head
-size) go to the original transformers function unchanged (``fallback=True``, the
+Calls the posenc kernels do not take (tensors on another device than the CPU, dtypes or
+shapes other than the model's own layouts, other argument forms) go to the original
+transformers function unchanged, with the caller's own arguments (``fallback=True``, the
 default), so the patch never changes what a model computes or which errors it raises;
-``handle.fallbacks`` counts those calls.  With ``fallback=False`` they raise posenc's
-error instead.
+``handle.fallbacks`` counts those calls.  With ``fallback=False`` inputs posenc does not
+take raise posenc's error instead.
 
 Patch before ``torch.compile``.  torch.compile guards the global functions it traced,
 so patching (or undoing) after compiling recompiles every compiled region on its next call;
@@ -45,32 +53,63 @@ patching first compiles once.  Exported or ahead-of-time compiled programs
 
 from __future__ import annotations
 
+import ast
 import dis
+import functools
 import importlib
 import inspect
+import textwrap
 import types
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from . import rope as _rope
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "PatchHandle", "patch"]
+# SUPPORTED_MODEL_TYPES comes from the module __getattr__ below.
+__all__ = ["SUPPORTED_MODEL_TYPES", "PatchHandle", "patch", "unsupported_model_types"]  # noqa: F822
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# The model types this integration knows and tests (tests/test_hf_models.py builds each
+# from a tiny config).  ``SUPPORTED_MODEL_TYPES`` is the subset whose installed code fits.
+KNOWN_MODEL_TYPES: tuple[str, ...] = (
+    # The first five, with their vision towers and the 4.x multimodal function.
+    "llama", "qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+    # Llama's rotate_half math (olmo*: the result is cast back to q's and k's dtypes).
+    "mistral", "mixtral", "ministral", "gemma", "gemma2", "gemma3", "phi", "qwen2_moe",
+    "qwen3", "qwen3_moe", "qwen3_vl_moe", "olmo", "olmo2", "olmo3", "granite", "granitemoe",
+    "starcoder2", "smollm3", "deepseek_v3", "exaone4", "seed_oss", "apertus",
+    "hunyuan_v1_dense", "paddleocr_vl",
+    # Adjacent pairs (2i, 2i+1).
+    "cohere", "cohere2", "glm4v",
+    # Partial rotary: tables narrower than head_dim, the other channels pass through.
+    "phi3", "gpt_neox", "qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe", "glm4v_moe",
+    # Tables reshaped inside the function.
+    "glm", "glm4", "ernie4_5", "gpt_oss",
+)
 _VISION_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 
 _TEXT = "apply_rotary_pos_emb"
 _MULTIMODAL = "apply_multimodal_rotary_pos_emb"
 _VISION = "apply_rotary_pos_emb_vision"
-_ROTARY_NAMES = (_TEXT, _MULTIMODAL, _VISION)
+_INTERLEAVE = "apply_rotary_pos_emb_interleave"
+_ROTARY_NAMES = (_TEXT, _MULTIMODAL, _VISION, _INTERLEAVE)
 
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _VISION_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
 # (module name, attribute) -> the handle whose wrapper is installed there.
 _ACTIVE: dict[tuple[str, str], PatchHandle] = {}
+
+# Further installers run by ``patch`` after the rotary functions, in order, each as
+# ``installer(handle, model_types)``; they replace module attributes with
+# ``handle.install(module, name, replacement, target)``, so ``undo()`` reverses them too.
+INSTALLERS: list[Callable[[PatchHandle, tuple[str, ...]], None]] = []
+
+# Qwen-VL position ids (get_rope_index) through posenc's C walk: see _hf_positions.
+from . import _hf_positions  # noqa: E402
+INSTALLERS.append(_hf_positions.install)
 
 
 class PatchHandle:
@@ -119,6 +158,28 @@ class PatchHandle:
         """True until ``undo()``."""
         return bool(self._installed)
 
+    def install(self, module: types.ModuleType, name: str, replacement: Callable,
+                target: str) -> None:
+        """Replace ``module.<name>`` with ``replacement`` until ``undo()``; ``target`` is
+        its name in ``targets``.  Raises RuntimeError if another active handle replaced it."""
+        owner = _ACTIVE.get((module.__name__, name))
+        if owner is not None:
+            raise RuntimeError(f"posenc_torch.hf.patch: {module.__name__}.{name} is already "
+                               f"patched by {owner!r}; undo that handle first")
+        original = getattr(module, name)
+        replacement.__module__ = __name__
+        replacement.__qualname__ = f"patched.{target}"
+        replacement.posenc_original = original
+        setattr(module, name, replacement)
+        _ACTIVE[(module.__name__, name)] = self
+        self._installed.append((module, name, original, replacement, target))
+        self._targets.append(target)
+
+    def _add_counters(self, target: str) -> None:
+        if self.count:
+            self._calls[target] = torch.zeros((), dtype=torch.int64)
+            self._fallbacks[target] = torch.zeros((), dtype=torch.int64)
+
     def reset_counts(self) -> None:
         """Set every counter in ``calls`` and ``fallbacks`` back to zero."""
         for counter in (*self._calls.values(), *self._fallbacks.values()):
@@ -153,6 +214,245 @@ class PatchHandle:
 
 
 # ---------------------------------------------------------------------------------------
+# The forms of transformers' rotary functions that posenc computes exactly.  Each form is
+# the source of a function as transformers writes it (any name; the 4.x signature's unused
+# ``position_ids=None`` is ignored when comparing) with the helpers it calls by name.
+
+
+class _Form(NamedTuple):
+    """How one source form maps onto the posenc op.
+
+    pairing: "half" (rotate_half) or "adjacent" (pairs 2i, 2i+1).
+    table: "as_given"; "first_half_interleaved" (cos[..., :W//2] with each entry repeated
+        twice: GLM, ERNIE-4.5); "doubled" (cat(cos, cos): gpt-oss keeps only one half).
+    partial: the rotary width R may be less than head_dim (the rest passes through).
+    cast: None (result dtype ``result_type(q, cos)``); "each" (q's and k's own dtypes);
+        "fp32_to_q" (computed in fp32, both results in q's dtype).
+    permute: None; "input" (q and k de-interleaved first: channels 0, 2, 4, ..., then
+        1, 3, 5, ...; DeepSeek-V3 in 4.x); "output" (rotate adjacent pairs, return the
+        results de-interleaved; DeepSeek-V3 in 5.x).
+    """
+
+    pairing: str
+    table: str
+    partial: bool
+    cast: str | None
+    permute: str | None = None
+
+
+_ROTATE_HALF = """
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+"""
+_ROTATE_ADJACENT = (
+    """
+def rotate_half(x):
+    x1 = x[..., ::2]
+    x2 = x[..., 1::2]
+    rot_x = torch.stack([-x2, x1], dim=-1).flatten(-2)
+    return rot_x
+""", """
+def rotate_half(x):
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+""")
+_CHUNK_HALF = """
+def _apply_rotary_emb(x, cos, sin):
+    first_half, second_half = torch.chunk(x, 2, dim=-1)
+    first_ = first_half * cos - second_half * sin
+    second_ = second_half * cos + first_half * sin
+    return torch.cat((first_, second_), dim=-1)
+"""
+
+_PLAIN = """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (ROTATE(q) * sin)
+    k_embed = (k * cos) + (ROTATE(k) * sin)
+    return q_embed, k_embed
+"""
+_CAST_EACH = """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    q_type, k_type = q.dtype, k.dtype
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed.to(q_type), k_embed.to(k_type)
+"""
+_FP32 = """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    dtype = q.dtype
+    q = q.float()
+    k = k.float()
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed.to(dtype=dtype), k_embed.to(dtype=dtype)
+"""
+_PARTIAL = """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = (q_rot * cos) + (ROTATE(q_rot) * sin)
+    k_embed = (k_rot * cos) + (ROTATE(k_rot) * sin)
+    q_embed = torch.cat([q_embed, q_pass], dim=-1)
+    k_embed = torch.cat([k_embed, k_pass], dim=-1)
+    return q_embed, k_embed
+"""
+_PARTIAL_ONE_CAT = """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
+    k_embed = torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1)
+    return q_embed, k_embed
+"""
+_GLM = """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
+    k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)
+    q_embed = torch.cat([q_embed, q_pass], dim=-1)
+    k_embed = torch.cat([k_embed, k_pass], dim=-1)
+    return q_embed, k_embed
+"""
+_ERNIE = """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    original_dtype = q.dtype
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    q_embed = (q.float() * cos) + (rotate_half(q).float() * sin)
+    k_embed = (k.float() * cos) + (rotate_half(k).float() * sin)
+    return q_embed.to(original_dtype), k_embed.to(original_dtype)
+"""
+_GPT_OSS = """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = _apply_rotary_emb(q, cos, sin)
+    k_embed = _apply_rotary_emb(k, cos, sin)
+    return q_embed, k_embed
+"""
+
+# DeepSeek-V3's apply_rotary_pos_emb_interleave (rope_interleave=True, the default).
+_DEINTERLEAVE_INPUT = """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    b, h, s, d = q.shape
+    q = q.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+    b, h, s, d = k.shape
+    k = k.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+"""
+_DEINTERLEAVE_OUTPUT = """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+    q_embed = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
+    k_embed = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
+    return q_embed, k_embed
+"""
+
+# (source, {helper name: accepted helper sources}, form)
+_FORMS: tuple[tuple[str, dict[str, tuple[str, ...]], _Form], ...] = (
+    (_PLAIN.replace("ROTATE", "rotate_half"), {"rotate_half": (_ROTATE_HALF,)},
+     _Form("half", "as_given", False, None)),
+    (_CAST_EACH, {"rotate_half": (_ROTATE_HALF,)}, _Form("half", "as_given", False, "each")),
+    (_FP32, {"rotate_half": _ROTATE_ADJACENT}, _Form("adjacent", "as_given", False, "fp32_to_q")),
+    (_PARTIAL.replace("ROTATE", "rotate_half"), {"rotate_half": (_ROTATE_HALF,)},
+     _Form("half", "as_given", True, None)),
+    (_PARTIAL_ONE_CAT, {"rotate_half": (_ROTATE_HALF,)}, _Form("half", "as_given", True, None)),
+    (_PARTIAL.replace("ROTATE", "rotate_half_llm"),
+     {"rotate_half_llm": tuple(s.replace("rotate_half", "rotate_half_llm")
+                               for s in _ROTATE_ADJACENT)},
+     _Form("adjacent", "as_given", True, None)),
+    (_GLM, {"rotate_half": _ROTATE_ADJACENT},
+     _Form("adjacent", "first_half_interleaved", True, None)),
+    (_ERNIE, {"rotate_half": _ROTATE_ADJACENT},
+     _Form("adjacent", "first_half_interleaved", False, "fp32_to_q")),
+    (_GPT_OSS, {"_apply_rotary_emb": (_CHUNK_HALF,)}, _Form("half", "doubled", False, None)),
+    (_DEINTERLEAVE_INPUT, {"rotate_half": (_ROTATE_HALF,)},
+     _Form("half", "as_given", False, None, "input")),
+    (_DEINTERLEAVE_OUTPUT, {}, _Form("adjacent", "first_half_interleaved", False, None, "output")),
+)
+
+
+def _tree(source: str) -> str:
+    """A function's syntax tree without its name, docstring, decorators, type hints and
+    the 4.x signature's unused ``position_ids=None``."""
+    node = ast.parse(textwrap.dedent(source)).body[0]
+    if not isinstance(node, ast.FunctionDef):
+        raise TypeError("not a function")
+    node.name, node.decorator_list, node.returns = "f", [], None
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    node.body = body
+    args = node.args
+    for arg in (*args.args, *args.kwonlyargs):
+        arg.annotation = None
+    names = [a.arg for a in args.args]
+    if "position_ids" in names:
+        i = names.index("position_ids")
+        j = i - (len(args.args) - len(args.defaults))
+        if j >= 0 and isinstance(args.defaults[j], ast.Constant) and args.defaults[j].value is None:
+            del args.args[i]
+            del args.defaults[j]
+    return ast.dump(node)
+
+
+@functools.cache
+def _form_trees() -> tuple[tuple[str, dict[str, frozenset[str]], _Form], ...]:
+    return tuple((_tree(src), {name: frozenset(_tree(h) for h in helpers)
+                               for name, helpers in helpers_.items()}, form)
+                 for src, helpers_, form in _FORMS)
+
+
+def _source_tree(func: object) -> str | None:
+    try:
+        return _tree(inspect.getsource(inspect.unwrap(func)))
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+
+
+def _form_of(module: types.ModuleType, func: object) -> _Form | None:
+    """The form of ``func`` (a function of ``module``), or None if it is none we know."""
+    tree = _source_tree(func)
+    if tree is None:
+        return None
+    for form_tree, helpers, form in _form_trees():
+        if tree == form_tree and all(_source_tree(getattr(module, name, None)) in accepted
+                                     for name, accepted in helpers.items()):
+            return form
+    return None
+
+
+# ---------------------------------------------------------------------------------------
 # Which inputs the posenc kernels take.  Plain metadata checks (no data access), so that
 # torch.compile traces them into guards instead of breaking the graph.
 
@@ -168,8 +468,17 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _qk_tables_fit(q, k, cos, sin, unsqueeze_dim, table_dims: int) -> bool:
-    """q, k (B, H, T, D) or (B, T, H, D); cos, sin (..., Bc, T, D) of one dtype."""
+def _rotary_width(form: _Form, width: int) -> int:
+    """The width of the tables the posenc op gets, from the width of the caller's cos."""
+    if form.table == "first_half_interleaved":
+        return 2 * (width // 2)
+    if form.table == "doubled":
+        return 2 * width
+    return width
+
+
+def _qk_tables_fit(q, k, cos, sin, unsqueeze_dim, table_dims: int, form: _Form) -> bool:
+    """q, k (B, H, T, D) or (B, T, H, D); cos, sin (..., Bc, T, W) of one dtype."""
     if not (_is_int(unsqueeze_dim) and unsqueeze_dim in (1, 2, -3, -2)):
         return False
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != table_dims or sin.shape != cos.shape:
@@ -178,18 +487,24 @@ def _qk_tables_fit(q, k, cos, sin, unsqueeze_dim, table_dims: int) -> bool:
         return False
     seq_dim = 2 if unsqueeze_dim in (1, -3) else 1
     batch, seq, dim = q.shape[0], q.shape[seq_dim], q.shape[3]
+    rot = _rotary_width(form, cos.shape[-1])
+    width_fits = rot == dim or (form.partial and rot < dim)
     return (k.shape[0] == batch and k.shape[seq_dim] == seq and k.shape[3] == dim
             and cos.shape[-3] in (1, batch) and cos.shape[-2] == seq
-            and cos.shape[-1] == dim and dim % 2 == 0 and dim >= 2)
+            and width_fits and rot % 2 == 0 and rot >= 2)
 
 
-def _text_supported(q, k, cos, sin, unsqueeze_dim) -> bool:
-    return _float_cpu(_FLOAT, q, k, cos, sin) and _qk_tables_fit(q, k, cos, sin, unsqueeze_dim, 3)
+def _text_supported(form: _Form, q, k, cos, sin, unsqueeze_dim) -> bool:
+    if not _float_cpu(_FLOAT, q, k, cos, sin):
+        return False
+    if form.cast == "fp32_to_q" and (q.dtype != k.dtype or torch.float64 in (q.dtype, cos.dtype)):
+        return False  # transformers computes these in fp32 (q.float()); posenc would in fp64
+    return _qk_tables_fit(q, k, cos, sin, unsqueeze_dim, 3, form)
 
 
 def _multimodal_supported(q, k, cos, sin, mrope_section, unsqueeze_dim) -> bool:
     if not (_float_cpu(_FLOAT, q, k, cos, sin)
-            and _qk_tables_fit(q, k, cos, sin, unsqueeze_dim, 4) and cos.shape[0] == 3):
+            and _qk_tables_fit(q, k, cos, sin, unsqueeze_dim, 4, _HALF) and cos.shape[0] == 3):
         return False
     if not isinstance(mrope_section, (list, tuple)) or len(mrope_section) != 3:
         return False
@@ -208,33 +523,81 @@ def _vision_supported(q, k, cos, sin) -> bool:
             and cos.shape[1] == dim and dim % 2 == 0 and dim >= 2)
 
 
+_HALF = _Form("half", "as_given", False, None)
+
+
+def _rotate_as(form: _Form, q, k, cos, sin, unsqueeze_dim):
+    """What transformers' function of this form computes, on the posenc op."""
+    if form.table == "first_half_interleaved":
+        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    elif form.table == "doubled":
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    if form.permute == "input":  # channels 0, 2, 4, ... first, then 1, 3, 5, ...
+        q = q.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        k = k.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    q_out, k_out = _rope.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim,
+                                              pairing=form.pairing)
+    if form.permute == "output":
+        q_out = q_out.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        k_out = k_out.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    if form.cast == "each":
+        return q_out.to(q.dtype), k_out.to(k.dtype)
+    if form.cast == "fp32_to_q":
+        return q_out.to(q.dtype), k_out.to(q.dtype)
+    return q_out, k_out
+
+
 # ---------------------------------------------------------------------------------------
 # Replacements.  Each takes the call forms transformers uses, counts, and either runs the
-# posenc op or hands the call to the original function.
+# posenc op or hands the caller's own arguments to the original function.
+
+_TEXT_PARAMS = ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim")
 
 
-def _make_text(original: Callable, handle: PatchHandle, target: str) -> Callable:
+def _text_args(args: tuple, kwargs: dict):
+    """(q, k, cos, sin, unsqueeze_dim) from a call of ``apply_rotary_pos_emb`` in either
+    signature, or None for anything else (left to the original function)."""
+    if len(args) == 4 and not kwargs:  # how transformers' attention calls it
+        return (*args, 1)
+    if len(args) > len(_TEXT_PARAMS):
+        return None
+    bound = dict(zip(_TEXT_PARAMS, args, strict=False))
+    for name, value in kwargs.items():
+        if name not in _TEXT_PARAMS or name in bound:
+            return None
+        bound[name] = value
+    if not all(name in bound for name in _TEXT_PARAMS[:4]):
+        return None
+    unsqueeze_dim = bound.get("unsqueeze_dim", 1)
+    # 4.x: (q, k, cos, sin, position_ids=None, unsqueeze_dim=1) with position_ids unused;
+    # 5.x: (q, k, cos, sin, unsqueeze_dim=1).  A fifth positional int is unsqueeze_dim.
+    if _is_int(bound.get("position_ids")):
+        if "unsqueeze_dim" in bound:
+            return None
+        unsqueeze_dim = bound["position_ids"]
+    return bound["q"], bound["k"], bound["cos"], bound["sin"], unsqueeze_dim
+
+
+def _make_text(original: Callable, handle: PatchHandle, target: str, form: _Form) -> Callable:
     calls, fallbacks = handle._calls.get(target), handle._fallbacks.get(target)
     count, fallback = handle.count, handle.fallback
 
-    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-        # transformers <= 4.x: (q, k, cos, sin, position_ids=None, unsqueeze_dim=1) with
-        # position_ids unused; 5.x: (q, k, cos, sin, unsqueeze_dim=1).  A fifth positional
-        # int is unsqueeze_dim, anything else there is the unused position_ids.
-        if _is_int(position_ids):
-            unsqueeze_dim = position_ids
-        if fallback and not _text_supported(q, k, cos, sin, unsqueeze_dim):
+    def apply_rotary_pos_emb(*args, **kwargs):
+        parsed = _text_args(args, kwargs)
+        if parsed is None or (fallback and not _text_supported(form, *parsed)):
             if count:
                 fallbacks.add_(1)
-            return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+            return original(*args, **kwargs)
         if count:
             calls.add_(1)
-        return _rope.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return _rotate_as(form, *parsed)
 
     return apply_rotary_pos_emb
 
 
-def _make_multimodal(original: Callable, handle: PatchHandle, target: str) -> Callable:
+def _make_multimodal(original: Callable, handle: PatchHandle, target: str,
+                     form: _Form | None) -> Callable:
     calls, fallbacks = handle._calls.get(target), handle._fallbacks.get(target)
     count, fallback = handle.count, handle.fallback
 
@@ -251,7 +614,8 @@ def _make_multimodal(original: Callable, handle: PatchHandle, target: str) -> Ca
     return apply_multimodal_rotary_pos_emb
 
 
-def _make_vision(original: Callable, handle: PatchHandle, target: str) -> Callable:
+def _make_vision(original: Callable, handle: PatchHandle, target: str,
+                 form: _Form | None) -> Callable:
     calls, fallbacks = handle._calls.get(target), handle._fallbacks.get(target)
     count, fallback = handle.count, handle.fallback
 
@@ -267,7 +631,8 @@ def _make_vision(original: Callable, handle: PatchHandle, target: str) -> Callab
     return apply_rotary_pos_emb_vision
 
 
-_FACTORIES = {_TEXT: _make_text, _MULTIMODAL: _make_multimodal, _VISION: _make_vision}
+_FACTORIES = {_TEXT: _make_text, _INTERLEAVE: _make_text, _MULTIMODAL: _make_multimodal,
+              _VISION: _make_vision}
 
 
 # ---------------------------------------------------------------------------------------
@@ -316,60 +681,115 @@ def _callers(module: types.ModuleType) -> dict[str, list[str]]:
     return found
 
 
-def _modeling_module(model_type: str) -> types.ModuleType:
+def _transformers_version() -> str:
     try:
         import transformers
     except ImportError as e:
         raise ImportError("posenc_torch.hf.patch needs transformers installed") from e
+    return transformers.__version__
+
+
+def _modeling_module(model_type: str) -> types.ModuleType:
+    version = _transformers_version()
     name = f"transformers.models.{model_type}.modeling_{model_type}"
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        raise RuntimeError(
-            f"posenc_torch.hf.patch: cannot import {name} from transformers "
-            f"{transformers.__version__} ({e}); model type {model_type!r} needs a transformers "
-            "version that has it (4.57 or 5.x)") from e
+        raise _Unsupported(
+            f"cannot import {name} from transformers {version} ({e}); model type "
+            f"{model_type!r} needs a transformers version that has it") from e
 
 
-def _plan(model_type: str, module: types.ModuleType) -> list[str]:
-    """The rotary names to replace in ``module``; raises if the layout is not understood."""
-    import transformers
+class _Unsupported(RuntimeError):
+    """A known model type that the installed transformers does not let posenc patch."""
 
-    where = f"{module.__name__} (transformers {transformers.__version__})"
+
+def _plan(model_type: str, module: types.ModuleType) -> list[tuple[str, _Form | None]]:
+    """The rotary names to replace in ``module``, each with its form; raises
+    ``_Unsupported`` (with the reason) if the installed code is not one posenc runs."""
+    where = f"{module.__name__} (transformers {_transformers_version()})"
     callers = _callers(module)
-    names = [name for name in _ROTARY_NAMES if callers[name]]
-    for name in names:
+    called = [name for name in _ROTARY_NAMES if callers[name]]
+    for name in called:
         if not callable(getattr(module, name, None)):
-            raise RuntimeError(
-                f"posenc_torch.hf.patch: {', '.join(callers[name])} in {where} call {name}, "
+            raise _Unsupported(
+                f"{', '.join(callers[name])} in {where} call {name}, "
                 "but the module has no such function")
-    if _TEXT not in names and _MULTIMODAL not in names:
-        missing = [n for n in (_TEXT, _MULTIMODAL) if not hasattr(module, n)]
-        raise RuntimeError(
-            f"posenc_torch.hf.patch: no attention in {where} calls {_TEXT} or {_MULTIMODAL} "
-            f"(absent from the module: {missing or 'none'}); this transformers version "
+    original = model_type in _VISION_MODEL_TYPES or model_type in ("llama", "qwen2")
+    decoder = (_TEXT, _MULTIMODAL) if original else (_TEXT,)
+    if not original and _MULTIMODAL in called:
+        raise _Unsupported(
+            f"the attention in {where} calls {_MULTIMODAL}, whose section merge for this "
+            "model is not one posenc_torch runs")
+    if not any(name in called for name in decoder):
+        absent = [n for n in decoder if not hasattr(module, n)]
+        raise _Unsupported(
+            f"no attention in {where} calls {' or '.join(decoder)} "
+            f"(absent from the module: {absent or 'none'}); this transformers version "
             f"computes the {model_type} decoder rotary embedding in a way posenc_torch does "
             "not know, so patching it would do nothing")
-    if model_type in _VISION_MODEL_TYPES and _VISION not in names:
-        raise RuntimeError(
-            f"posenc_torch.hf.patch: the vision attention in {where} does not call {_VISION}"
+    if model_type in _VISION_MODEL_TYPES and _VISION not in called:
+        raise _Unsupported(
+            f"the vision attention in {where} does not call {_VISION}"
             f"{'' if hasattr(module, _VISION) else ' (absent from the module)'}; this "
             "transformers version is not supported for the vision tower")
-    return names
+    plan: list[tuple[str, _Form | None]] = []
+    for name in called:
+        if name in (_TEXT, _INTERLEAVE):
+            func = getattr(module, name)
+            # Already replaced by an active handle: judge the function it replaced (patch
+            # then reports the conflict).
+            form = _form_of(module, getattr(func, "posenc_original", func))
+            if form is None:
+                raise _Unsupported(
+                    f"{where}.{name} (or a helper it calls) is not one of the source forms "
+                    "posenc_torch knows, so it cannot be sure to compute the same")
+            plan.append((name, form))
+        elif name in (_MULTIMODAL, _VISION) and original:
+            plan.append((name, None))
+    return plan
+
+
+@functools.cache
+def _support() -> dict[str, str | None]:
+    """Per known model type: None if the installed transformers lets posenc patch it, else
+    the reason.  Imports the modeling modules (once per process)."""
+    reasons: dict[str, str | None] = {}
+    for mt in KNOWN_MODEL_TYPES:
+        try:
+            _plan(mt, _modeling_module(mt))
+            reasons[mt] = None
+        except _Unsupported as e:
+            reasons[mt] = str(e)
+    return reasons
+
+
+def unsupported_model_types() -> dict[str, str]:
+    """The model types of ``KNOWN_MODEL_TYPES`` that ``patch`` does not take with the
+    installed transformers, each with the reason (computed from the installed code)."""
+    return {mt: reason for mt, reason in _support().items() if reason is not None}
+
+
+def __getattr__(name: str) -> object:
+    # SUPPORTED_MODEL_TYPES is computed on first use, so that importing posenc_torch.hf
+    # does not import transformers.
+    if name == "SUPPORTED_MODEL_TYPES":
+        return tuple(mt for mt, reason in _support().items() if reason is None)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _normalize(model_types: str | Iterable[str] | None) -> tuple[str, ...]:
     if model_types is None:
-        return SUPPORTED_MODEL_TYPES
+        return tuple(mt for mt, reason in _support().items() if reason is None)
     if isinstance(model_types, str):
         model_types = [model_types]
     out: list[str] = []
     for mt in model_types:
         if not isinstance(mt, str):
             raise TypeError(f"model_types must be strings, got {type(mt).__name__}")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model type {mt!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        if mt not in KNOWN_MODEL_TYPES:
+            raise ValueError(f"model type {mt!r} is not supported; known model types: "
+                             f"{', '.join(KNOWN_MODEL_TYPES)}")
         if mt not in out:
             out.append(mt)
     if not out:
@@ -382,12 +802,14 @@ def patch(model_types: str | Sequence[str] | None = None, *,
     """Make transformers models use the posenc rotary kernels.
 
     Args:
-        model_types: one or more of ``SUPPORTED_MODEL_TYPES`` ("llama", "qwen2",
-            "qwen2_vl", "qwen2_5_vl", "qwen3_vl"), i.e. ``model.config.model_type``;
-            None patches all of them.
+        model_types: one or more of ``SUPPORTED_MODEL_TYPES`` (``model.config.model_type``,
+            e.g. "llama", "qwen2_vl", "phi3"); None patches all of them (which imports the
+            modeling module of every known type: a few seconds, once per process).
         fallback: hand inputs the posenc kernels do not take (non-CPU tensors, shapes other
             than transformers' layouts, an ``mrope_section`` that does not fit) to the
             original transformers function (True), or raise posenc's error (False).
+            Calls in argument forms other than transformers' go to the original function
+            either way.
         count: keep ``handle.calls`` / ``handle.fallbacks``.  Each counter is a CPU scalar
             tensor bumped in place, which compiled graphs include as a tiny op; pass False
             to leave it out (e.g. for CUDA graphs on the fallback path).
@@ -398,41 +820,45 @@ def patch(model_types: str | Sequence[str] | None = None, *,
         replaced function.
 
     Raises:
-        ValueError: an unknown model type.
+        ValueError: a model type this module does not know.
         RuntimeError: the installed transformers lacks the model, its attention calls none
-            of the rotary functions posenc replaces, or a function is already patched by
-            another active handle.
+            of the rotary functions posenc replaces, its rotary function is not of a form
+            posenc computes exactly (``unsupported_model_types()`` says which and why), or
+            a function is already patched by another active handle.
 
     Call it before ``torch.compile`` (patching later recompiles the compiled regions on
     their next call).  It patches the functions in transformers' modules, so it affects
     every model of those types in the process, including ones built before the call.
     """
     types_ = _normalize(model_types)
-    plans = [(mt, module, _plan(mt, module))
-             for mt in types_ for module in (_modeling_module(mt),)]
+    plans = []
+    for mt in types_:
+        try:
+            module = _modeling_module(mt)
+            plans.append((mt, module, _plan(mt, module)))
+        except _Unsupported as e:
+            raise RuntimeError(f"posenc_torch.hf.patch: {e}") from None
     for mt, module, names in plans:
-        for name in names:
+        for name, _ in names:
             owner = _ACTIVE.get((module.__name__, name))
             if owner is not None:
                 raise RuntimeError(
                     f"posenc_torch.hf.patch: {mt}.{name} is already patched by {owner!r}; "
                     "undo that handle first")
     handle = PatchHandle(types_, bool(fallback), bool(count))
-    for mt, module, names in plans:
-        for name in names:
-            target = f"{mt}.{name}"
-            original = getattr(module, name)
-            if handle.count:
-                handle._calls[target] = torch.zeros((), dtype=torch.int64)
-                handle._fallbacks[target] = torch.zeros((), dtype=torch.int64)
-            wrapper = _FACTORIES[name](original, handle, target)
-            wrapper.__module__ = __name__
-            wrapper.__qualname__ = f"patched.{mt}.{name}"
-            wrapper.__doc__ = (f"posenc_torch replacement for transformers' {mt} {name}; "
-                               "see posenc_torch.hf.")
-            wrapper.posenc_original = original
-            setattr(module, name, wrapper)
-            _ACTIVE[(module.__name__, name)] = handle
-            handle._installed.append((module, name, original, wrapper, target))
-            handle._targets.append(target)
+    try:
+        for mt, module, names in plans:
+            for name, form in names:
+                target = f"{mt}.{name}"
+                original = getattr(module, name)
+                handle._add_counters(target)
+                wrapper = _FACTORIES[name](original, handle, target, form)
+                wrapper.__doc__ = (f"posenc_torch replacement for transformers' {mt} {name}; "
+                                   "see posenc_torch.hf.")
+                handle.install(module, name, wrapper, target)
+        for installer in INSTALLERS:
+            installer(handle, types_)
+    except BaseException:
+        handle.undo()
+        raise
     return handle

@@ -190,7 +190,8 @@ torch.library.register_autograd("posenc::rope_fused", _rope_fused_backward,
 @torch.library.register_fake("posenc::mrope_position_ids")
 def _mrope_position_ids_fake(input_ids, image_grid_thw, video_grid_thw, attention_mask,
                              second_per_grid_ts, model, image_token_id, video_token_id,
-                             vision_start_token_id, spatial_merge_size, tokens_per_second):
+                             vision_start_token_id, spatial_merge_size, tokens_per_second,
+                             mm_token_type_ids=None, rules=0, time_rule=0):
     batch, seq = input_ids.shape
     return (input_ids.new_empty((3, batch, seq), dtype=torch.int64),
             input_ids.new_empty((batch, 1), dtype=torch.int64))

@@ -1,21 +1,99 @@
 """Position ids for multimodal RoPE: decoder ids (transformers' ``get_rope_index``), the
 ids of decoding steps, and the vision tower's patch ids.  Integer outputs, no gradients.
+
+transformers changed ``get_rope_index`` between releases, so the decoder ids follow a
+*convention* named after the release whose rules it reproduces (see
+:data:`MROPE_CONVENTIONS`); ``convention="installed"`` picks the one of the installed
+transformers.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import math
+import sys
 from collections.abc import Sequence
 
 import torch
 
 from ._checks import check_same_device, check_tensor
 
-MROPE_MODELS = {"qwen2_vl": 0, "qwen2_5_vl": 1, "qwen3_vl": 2}
+MROPE_MODELS = {"qwen2_vl": 0, "qwen2_5_vl": 1, "qwen3_vl": 2, "qwen3_vl_moe": 2}
+
+#: The position-id rules of the transformers releases that were checked bit for bit,
+#: by the name ``convention=`` takes:
+#:
+#: - ``"4.57"``: transformers 4.57 (checked: 4.57.6).  Vision items are found in the token
+#:   ids (a placeholder right after ``vision_start_token_id``); text after an item resumes
+#:   at the item's largest position + 1; padded slots hold 1; deltas are
+#:   ``max + 1 - L`` with L the padded length; Qwen2.5-VL truncates
+#:   ``second_per_grid_ts`` to an integer and gives images temporal index 0.
+#: - ``"5.17"``: transformers 5.17 (checked: 5.17.0).  Vision items are the runs of
+#:   ``mm_token_type_ids`` (0 text, 1 image, 2 video; token ids are not read); text after an
+#:   item resumes at its start + ``max(h, w) // merge`` (frames do not count); padded slots
+#:   hold 0; deltas are ``max + 1 - (number of real tokens)``; Qwen2.5-VL's temporal step is
+#:   ``tokens_per_second * int(second_per_grid_ts)``, images use the frame index.
+#: - ``"5.18"``: transformers 5.18 and later 5.x (checked: 5.18.0, 5.24.0).  As 5.17, except
+#:   that Qwen2.5-VL keeps the fraction of the seconds: frame k of a video gets
+#:   ``long(k * (tokens_per_second * s))`` computed in the dtype of ``second_per_grid_ts``
+#:   (float32 as the processor returns it; float64 when given so).
+MROPE_CONVENTIONS = ("4.57", "5.17", "5.18")
+_RULES = {"4.57": 0, "5.17": 1, "5.18": 1}
+# pe_mrope_time: F64 = 0, TRUNC_SECONDS = 1, F32 = 2, F64_INTERVAL = 3
+_TIME_TRUNC_SECONDS, _TIME_F32, _TIME_F64_INTERVAL = 1, 2, 3
 
 #: ``vision_config.tokens_per_second`` of the released Qwen2.5-VL checkpoints (3B, 7B, 32B,
 #: 72B).  The config class default is 4 and some docstrings say 25; pass the value of your
 #: checkpoint's config when it differs.
-QWEN2_5_VL_TOKENS_PER_SECOND = 2.0
+QWEN2_5_VL_TOKENS_PER_SECOND = 2
+
+
+def _installed_transformers_version() -> str | None:
+    """The version of the transformers that ``import transformers`` gives, without
+    importing it when it is not imported yet; None when it is not installed."""
+    module = sys.modules.get("transformers")
+    if module is not None and getattr(module, "__version__", None):
+        return module.__version__
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def convention_for_version(version: str) -> str:
+    """The convention (one of :data:`MROPE_CONVENTIONS`) whose rules transformers
+    ``version`` follows.  ValueError for releases whose rules were not checked (5.0 to
+    5.16, whose ``get_rope_index`` was rewritten and fixed over several releases, and 6 or
+    later)."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        raise ValueError(f"cannot read the transformers version {version!r}") from None
+    if major == 4:
+        return "4.57"
+    if major == 5 and minor == 17:
+        return "5.17"
+    if major == 5 and minor >= 18:
+        return "5.18"
+    raise ValueError(
+        f"the position-id rules of transformers {version} were not checked (checked: 4.57.6, "
+        f"5.17.0, 5.18.0, 5.24.0); pass convention= one of {MROPE_CONVENTIONS} explicitly")
+
+
+def resolve_convention(convention: str) -> str:
+    """``convention`` itself, or for ``"installed"`` the one of the installed transformers
+    (see :func:`convention_for_version`)."""
+    if convention == "installed":
+        version = _installed_transformers_version()
+        if version is None:
+            raise ValueError(
+                "convention='installed' needs transformers installed; without it pass "
+                f"convention= one of {MROPE_CONVENTIONS}")
+        return convention_for_version(version)
+    if not isinstance(convention, str) or convention not in MROPE_CONVENTIONS:
+        raise ValueError(f"convention must be 'installed' or one of {MROPE_CONVENTIONS}, got "
+                         f"{convention!r}")
+    return convention
 
 
 def _check_int_arg(name: str, value: object, minimum: int) -> int:
@@ -43,6 +121,34 @@ def _check_grid(name: str, grid: object) -> torch.Tensor | None:
     return grid
 
 
+def _check_mask(attention_mask: object, input_ids: torch.Tensor) -> torch.Tensor:
+    check_tensor("attention_mask", attention_mask, 2, "2-D (batch, seq)")
+    if attention_mask.is_complex():
+        raise TypeError(f"attention_mask must be bool, integer or floating, got "
+                        f"{attention_mask.dtype}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal "
+                         f"input_ids shape {tuple(input_ids.shape)}")
+    return attention_mask
+
+
+def _seconds_tensor(second_per_grid_ts: object, n_videos: int, device: torch.device,
+                    dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(second_per_grid_ts, torch.Tensor):
+        if not isinstance(second_per_grid_ts, Sequence):
+            raise TypeError("second_per_grid_ts must be a tensor or a sequence of floats, got "
+                            f"{type(second_per_grid_ts).__name__}")
+        second_per_grid_ts = torch.tensor([float(s) for s in second_per_grid_ts],
+                                          dtype=dtype, device=device)
+    check_tensor("second_per_grid_ts", second_per_grid_ts, 1, "1-D (num_videos,)")
+    if second_per_grid_ts.is_complex() or second_per_grid_ts.dtype == torch.bool:
+        raise TypeError(f"second_per_grid_ts must be real, got {second_per_grid_ts.dtype}")
+    if second_per_grid_ts.shape[0] != n_videos:
+        raise ValueError(f"second_per_grid_ts has {second_per_grid_ts.shape[0]} values but "
+                         f"video_grid_thw has {n_videos} rows")
+    return second_per_grid_ts
+
+
 def compute_mrope_position_ids(
     input_ids: torch.Tensor,
     image_grid_thw: torch.Tensor | None = None,
@@ -50,15 +156,18 @@ def compute_mrope_position_ids(
     attention_mask: torch.Tensor | None = None,
     *,
     model: str = "qwen2_vl",
-    image_token_id: int,
-    video_token_id: int,
-    vision_start_token_id: int,
+    convention: str = "installed",
+    mm_token_type_ids: torch.Tensor | None = None,
+    image_token_id: int | None = None,
+    video_token_id: int | None = None,
+    vision_start_token_id: int | None = None,
     spatial_merge_size: int = 2,
     second_per_grid_ts: torch.Tensor | Sequence[float] | None = None,
     tokens_per_second: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """3-D (T, H, W) position ids of a multimodal prompt, as transformers 4.57's
-    ``get_rope_index`` of Qwen2-VL, Qwen2.5-VL or Qwen3-VL computes them.
+    """3-D (T, H, W) position ids of a multimodal prompt, bit for bit as transformers'
+    ``get_rope_index`` of Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE (``model`` =
+    ``model_type``; the last two share one rule) computes them under ``convention``.
 
     Shapes:
         input_ids:          (B, L) integer token ids
@@ -67,65 +176,101 @@ def compute_mrope_position_ids(
         video_grid_thw:     (n_videos, 3), likewise
         attention_mask:     (B, L) of 0/1 (bool, integer or floating); 0 marks padding,
                             left or right
+        mm_token_type_ids:  (B, L) integer, 0 text, 1 image, 2 video, as the transformers
+                            5.x processors return it (5.x conventions only; when None it is
+                            derived from ``image_token_id`` / ``video_token_id`` as the
+                            processors derive it)
         second_per_grid_ts: (n_videos,) seconds per temporal grid step (Qwen2.5-VL only;
-                            ``temporal_patch_size / fps`` from the processor)
+                            ``temporal_patch_size / fps`` from the processor); a sequence
+                            is taken as float32 under "5.18" (the processor's tensor), as
+                            float64 (exactly) under the others
     Returns ``(position_ids, mrope_position_deltas)``: (3, B, L) int64 and (B, 1) int64.
 
-    Per row, over the unmasked tokens: an image (video) is a run of
-    ``t * (h/m) * (w/m)`` ``image_token_id`` (``video_token_id``) tokens right after a
-    ``vision_start_token_id`` (m = ``spatial_merge_size``); it gets positions
-    ``start + (tidx(ti), hi, wi)`` on its LLM grid, text gets one position per token
-    on all three rows, and whatever follows an image starts at its largest position + 1.
-    Padded slots hold 1, and ``mrope_position_deltas[b] = max position + 1 - L`` (L the
-    padded length) is what decoding adds to the cache position
-    (see :func:`compute_mrope_decode_position_ids`).  Temporal index ``tidx``:
+    ``convention`` is ``"installed"`` (the default: the rules of the transformers release
+    that ``import transformers`` finds, read without importing it; ValueError when it is not
+    installed or its release was not checked) or one of :data:`MROPE_CONVENTIONS`:
+    ``"4.57"`` (4.57.6 checked), ``"5.17"`` (5.17.0), ``"5.18"`` (5.18.0 and 5.24.0).  Per row,
+    over the unmasked tokens, with m = ``spatial_merge_size``:
 
-    - ``"qwen2_vl"``: the frame index ``ti``.
-    - ``"qwen2_5_vl"``: images 0; videos ``trunc(ti * second_per_grid_ts[v] *
-      tokens_per_second)``, computed in float64 (1.0 s per grid when
-      ``second_per_grid_ts`` is None).  ``tokens_per_second`` defaults to
+    - An image (video) is a run of ``t * (h/m) * (w/m)`` tokens: under ``"4.57"``
+      ``image_token_id`` (``video_token_id``) tokens right after a
+      ``vision_start_token_id``; under 5.x a run of ``mm_token_type_ids`` 1 (2).  It gets
+      positions ``start + (tidx(ti), hi, wi)`` on its LLM grid; text gets one position per
+      token on all three rows.
+    - After an image, text resumes at its largest position + 1 (``"4.57"``) or at
+      ``start + max(h, w) // m`` (5.x, which ignores the frames of a video).
+    - Padded slots hold 1 (``"4.57"``) or 0 (5.x).  ``mrope_position_deltas[b]`` is
+      ``max + 1 - L`` (``"4.57"``, L the padded length) or ``max + 1 - (real tokens)``
+      (5.x); :func:`compute_mrope_decode_position_ids` turns it into the ids of later
+      tokens.
+    - Temporal index ``tidx``: the frame index ``ti``, except for ``"qwen2_5_vl"``:
+      images 0 under ``"4.57"``; videos ``ti * int(s) * tokens_per_second`` under
+      ``"4.57"`` and ``"5.17"`` (the fraction of s is dropped: 0.5 s per grid puts every
+      frame at one index), ``long(ti * (tokens_per_second * s))`` in float32 (float64 when
+      ``second_per_grid_ts`` is float64) under ``"5.18"``; s = 1 when
+      ``second_per_grid_ts`` is None.  ``tokens_per_second`` defaults to
       ``QWEN2_5_VL_TOKENS_PER_SECOND`` = 2, the value in the released checkpoints'
-      ``vision_config``.  With integral seconds this equals transformers 4.57; fractional
-      seconds (fps > 2, e.g. 0.5 s per grid) keep their fraction, where some transformers
-      releases truncate the seconds to an integer first (all frames then share one index).
-    - ``"qwen3_vl"``: each video grid (t, h, w) is t frames of (1, h, w), each with its
-      own vision start (the processor puts a timestamp before every frame), so videos get
-      no temporal offset; images use ``ti``.  ``tokens_per_second`` does not apply.
+      ``vision_config``; ``"5.17"`` needs it integral (transformers 5.17 fails otherwise).
+    - ``"qwen3_vl"``: each video grid (t, h, w) is t frames of (1, h, w), each its own run
+      (the processor puts a timestamp and vision start/end around every frame), so video
+      frames get no temporal offset.
 
-    Without grids (both None) every row gets text positions (``cumsum(mask) - 1`` or
-    ``arange(L)``), as transformers does; a row that nevertheless holds a vision run is an
-    error.  Grids that disagree with the tokens raise ``ValueError`` naming
-    ``image_grid_thw`` / ``video_grid_thw``: too few or too many grids, a run shorter or
-    longer than its grid, a placeholder without vision start, h or w not divisible by
-    ``spatial_merge_size``, or values <= 0.
+    Arguments a convention does not read may be passed and are ignored, so that one call
+    serves every release: ``mm_token_type_ids`` under ``"4.57"``, the token ids under 5.x
+    when ``mm_token_type_ids`` is given (they are required under ``"4.57"``).  Without grids
+    (both None) every row gets text positions as transformers does; a row that nevertheless
+    holds a vision run is an error.  Grids that disagree with the tokens raise
+    ``ValueError`` naming ``image_grid_thw`` / ``video_grid_thw``: too few or too many
+    grids, a run shorter or longer than its grid, a placeholder without vision start
+    (``"4.57"``), h or w not divisible by ``spatial_merge_size``, or values <= 0.
     """
     if not isinstance(model, str) or model not in MROPE_MODELS:
         raise ValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")
+    convention = resolve_convention(convention)
+    v5 = _RULES[convention] == 1
     _check_integer_tensor("input_ids", input_ids, 2, "2-D (batch, seq)")
     image_grid_thw = _check_grid("image_grid_thw", image_grid_thw)
     video_grid_thw = _check_grid("video_grid_thw", video_grid_thw)
-    ids = {name: _check_int_arg(name, value, 0) for name, value in (
-        ("image_token_id", image_token_id), ("video_token_id", video_token_id),
-        ("vision_start_token_id", vision_start_token_id))}
-    if len(set(ids.values())) != 3:
-        raise ValueError(f"image_token_id, video_token_id and vision_start_token_id must be "
-                         f"distinct, got {ids}")
+    names = ("image_token_id", "video_token_id", "vision_start_token_id")
+    given = dict(zip(names, (image_token_id, video_token_id, vision_start_token_id)))
+    if v5:
+        token_ids = (0, 1, 2)  # not read by the 5.x walk
+    else:
+        missing = [name for name, value in given.items() if value is None]
+        if missing:
+            raise TypeError(f"convention {convention!r} finds vision runs from token ids: "
+                            f"pass {', '.join(missing)}")
+        token_ids = tuple(_check_int_arg(name, value, 0) for name, value in given.items())
+        if len(set(token_ids)) != 3:
+            raise ValueError(f"image_token_id, video_token_id and vision_start_token_id must "
+                             f"be distinct, got {given}")
     _check_int_arg("spatial_merge_size", spatial_merge_size, 1)
     tensors = {"input_ids": input_ids}
     if attention_mask is not None:
-        check_tensor("attention_mask", attention_mask, 2, "2-D (batch, seq)")
-        if attention_mask.is_complex():
-            raise TypeError(f"attention_mask must be bool, integer or floating, got "
-                            f"{attention_mask.dtype}")
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal "
-                             f"input_ids shape {tuple(input_ids.shape)}")
-        tensors["attention_mask"] = attention_mask
+        tensors["attention_mask"] = _check_mask(attention_mask, input_ids)
+    has_grids = image_grid_thw is not None or video_grid_thw is not None
     if image_grid_thw is not None:
         tensors["image_grid_thw"] = image_grid_thw
     if video_grid_thw is not None:
         tensors["video_grid_thw"] = video_grid_thw
+    types = None
+    if v5 and mm_token_type_ids is not None:
+        _check_integer_tensor("mm_token_type_ids", mm_token_type_ids, 2, "2-D (batch, seq)")
+        if mm_token_type_ids.shape != input_ids.shape:
+            raise ValueError(f"mm_token_type_ids shape {tuple(mm_token_type_ids.shape)} must "
+                             f"equal input_ids shape {tuple(input_ids.shape)}")
+        types = tensors["mm_token_type_ids"] = mm_token_type_ids
+    elif v5 and has_grids:
+        if image_token_id is None or video_token_id is None:
+            raise ValueError(f"convention {convention!r} finds vision runs from "
+                             "mm_token_type_ids (0 text, 1 image, 2 video, from the processor): "
+                             "pass it, or image_token_id and video_token_id to derive it")
+        # as the 5.x processors build it (create_mm_token_type_ids)
+        for name in ("image_token_id", "video_token_id"):
+            _check_int_arg(name, given[name], 0)
+        types = (input_ids == image_token_id).long() + 2 * (input_ids == video_token_id).long()
 
+    time_rule = 0
     if model == "qwen2_5_vl":
         if tokens_per_second is None:
             tokens_per_second = QWEN2_5_VL_TOKENS_PER_SECOND
@@ -133,26 +278,26 @@ def compute_mrope_position_ids(
                                                                  (int, float)):
             raise TypeError(f"tokens_per_second must be a number, got "
                             f"{type(tokens_per_second).__name__}")
-        if not tokens_per_second >= 0 or tokens_per_second == float("inf"):
+        if not math.isfinite(tokens_per_second) or tokens_per_second < 0:
             raise ValueError(f"tokens_per_second must be finite and >= 0, got "
                              f"{tokens_per_second}")
+        if convention == "5.17" and tokens_per_second != math.floor(tokens_per_second):
+            raise ValueError(f"tokens_per_second must be integral under convention '5.17' "
+                             f"(its temporal step is tokens_per_second * int(s)), got "
+                             f"{tokens_per_second}")
+        time_rule = _TIME_TRUNC_SECONDS
         if second_per_grid_ts is not None:
-            if not isinstance(second_per_grid_ts, torch.Tensor):
-                if not isinstance(second_per_grid_ts, Sequence):
-                    raise TypeError("second_per_grid_ts must be a tensor or a sequence of "
-                                    f"floats, got {type(second_per_grid_ts).__name__}")
-                second_per_grid_ts = torch.tensor([float(s) for s in second_per_grid_ts],
-                                                  dtype=torch.float64,
-                                                  device=input_ids.device)
-            check_tensor("second_per_grid_ts", second_per_grid_ts, 1, "1-D (num_videos,)")
-            if second_per_grid_ts.is_complex() or second_per_grid_ts.dtype == torch.bool:
-                raise TypeError(f"second_per_grid_ts must be real, got "
-                                f"{second_per_grid_ts.dtype}")
             n_videos = 0 if video_grid_thw is None else video_grid_thw.shape[0]
-            if second_per_grid_ts.shape[0] != n_videos:
-                raise ValueError(f"second_per_grid_ts has {second_per_grid_ts.shape[0]} "
-                                 f"values but video_grid_thw has {n_videos} rows")
+            second_per_grid_ts = _seconds_tensor(
+                second_per_grid_ts, n_videos, input_ids.device,
+                torch.float32 if convention == "5.18" else torch.float64)
             tensors["second_per_grid_ts"] = second_per_grid_ts
+        if convention == "5.18":
+            dtype = None if second_per_grid_ts is None else second_per_grid_ts.dtype
+            if dtype in (torch.float16, torch.bfloat16):
+                raise TypeError("second_per_grid_ts must be float32, float64 or integer under "
+                                f"convention '5.18', got {dtype}")
+            time_rule = _TIME_F64_INTERVAL if dtype == torch.float64 else _TIME_F32
     else:
         if second_per_grid_ts is not None:
             raise ValueError(f"second_per_grid_ts applies only to model='qwen2_5_vl', "
@@ -164,8 +309,8 @@ def compute_mrope_position_ids(
     check_same_device(**tensors)
     return torch.ops.posenc.mrope_position_ids(
         input_ids, image_grid_thw, video_grid_thw, attention_mask, second_per_grid_ts,
-        MROPE_MODELS[model], image_token_id, video_token_id, vision_start_token_id,
-        spatial_merge_size, float(tokens_per_second))
+        MROPE_MODELS[model], *token_ids, spatial_merge_size, float(tokens_per_second),
+        types, _RULES[convention], time_rule)
 
 
 def compute_mrope_decode_position_ids(
@@ -174,21 +319,47 @@ def compute_mrope_decode_position_ids(
     num_new_tokens: int = 1,
     *,
     batch_size: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    convention: str = "installed",
+    prompt_position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Position ids (3, B, n) of the tokens generated after a multimodal prefill.
+    """Position ids (3, B, n) of the tokens after a multimodal prompt, from its deltas.
 
     Shapes:
         mrope_position_deltas: (B, 1) or (B,) integer — the second output of
-            :func:`compute_mrope_position_ids` for the prefill
-        past_length: number of tokens already in the KV cache (the prefill's padded length,
+            :func:`compute_mrope_position_ids` (or transformers' ``rope_deltas``)
+        past_length: number of tokens already in the KV cache (the prompt's padded length,
             then one more per step), as an int, a 0-d tensor, or transformers'
             ``cache_position`` (1-D; its first entry is used)
         num_new_tokens: n, the tokens of this step (1 for plain decoding)
-    Returns int64 ids (3, B', n), equal on the three rows:
-    ``ids[:, b, i] = past_length + i + mrope_position_deltas[b]``, which is what
-    transformers 4.57's Qwen-VL forward computes once ``rope_deltas`` is set.
+        attention_mask: (B', past_length + n) of 0/1 over the cache and the new tokens
+            (5.x conventions; ignored under ``"4.57"``)
+        prompt_position_ids: (3, B', L) or transformers 5.x's (4, B', L) — the prompt's
+            position ids; when given, the result is what ``generate`` gives (below) and
+            the deltas are not read
+    Returns int64 ids (3, B', n), equal on the three rows (without ``prompt_position_ids``):
+    what the Qwen-VL model's
+    ``forward`` computes from its stored ``rope_deltas`` when it is given no position ids
+    (transformers 4.57.6, 5.17.0, 5.18.0 and 5.24.0 checked):
+
+    - ``"4.57"``, and 5.x without ``attention_mask``:
+      ``ids[:, b, i] = past_length + i + deltas[b]``;
+    - 5.x with ``attention_mask``: ``ids[:, b, i] = c[b, past_length + i] + deltas[b]``,
+      c = ``cumsum(attention_mask) - 1`` with masked slots 0 — the count of real tokens
+      before the new one, which 5.x's deltas (``max + 1 - real tokens``) are relative to.
+      (With 5.x deltas and a padded prompt, ``past_length + deltas`` is off by the padding.)
+
+    The convention is resolved only when ``attention_mask`` is given (the rules agree
+    otherwise), so this needs transformers only then, and only for ``"installed"``.
+    transformers 5.x's ``generate`` instead continues every row of the prompt's position ids
+    from its last slot: ``ids[r, b, i] = prompt_position_ids[r, b, -1] + 1 + (past_length -
+    L) + i`` (checked 5.17.0, 5.18.0, 5.24.0; 4.57's ``generate`` uses the deltas as above).
+    That equals the deltas' result whenever the prompt's last real token holds its largest
+    position, e.g. a prompt that ends in text after images, and not after a 5.x video whose
+    temporal positions outrun ``max(h, w) // merge`` (the text then resumes below them);
+    pass ``prompt_position_ids`` for generate's positions.
     ``batch_size`` B' (a multiple of B) repeats every row's delta B'/B times, for beam search
-    or several samples per prompt; default B.
+    or several samples per prompt; default B (or the mask's rows).
     """
     check_tensor("mrope_position_deltas", mrope_position_deltas, (1, 2), "(batch, 1) or (batch,)")
     if mrope_position_deltas.is_floating_point() or mrope_position_deltas.dtype == torch.bool:
@@ -199,6 +370,9 @@ def compute_mrope_decode_position_ids(
                          f"{tuple(mrope_position_deltas.shape)}")
     _check_int_arg("num_new_tokens", num_new_tokens, 0)
     deltas = mrope_position_deltas.reshape(-1, 1).long()
+    use_mask = attention_mask is not None and _RULES[resolve_convention(convention)] == 1
+    if batch_size is None and use_mask:
+        batch_size = attention_mask.shape[0] if isinstance(attention_mask, torch.Tensor) else None
     if batch_size is not None:
         _check_int_arg("batch_size", batch_size, 1)
         if batch_size % deltas.shape[0]:
@@ -215,8 +389,34 @@ def compute_mrope_decode_position_ids(
         start = past_length.reshape(-1)[:1].to(device=deltas.device, dtype=torch.int64)
     else:
         start = _check_int_arg("past_length", past_length, 0)
-    steps = torch.arange(num_new_tokens, device=deltas.device, dtype=torch.int64)
-    ids = steps.unsqueeze(0) + start + deltas
+    if prompt_position_ids is not None:
+        check_tensor("prompt_position_ids", prompt_position_ids, 3, "(3 or 4, batch, seq)")
+        if prompt_position_ids.is_floating_point() or prompt_position_ids.dtype == torch.bool:
+            raise TypeError(f"prompt_position_ids must be an integer tensor, got "
+                            f"{prompt_position_ids.dtype}")
+        if prompt_position_ids.shape[0] not in (3, 4) or prompt_position_ids.shape[2] == 0:
+            raise ValueError(f"prompt_position_ids must be (3 or 4, batch, seq >= 1), got shape "
+                             f"{tuple(prompt_position_ids.shape)}")
+        if prompt_position_ids.shape[1] != deltas.shape[0]:
+            raise ValueError(f"prompt_position_ids has {prompt_position_ids.shape[1]} rows, "
+                             f"mrope_position_deltas {deltas.shape[0]} (after batch_size)")
+        last = prompt_position_ids[-3:, :, -1:].to(device=deltas.device, dtype=torch.int64)
+        steps = torch.arange(num_new_tokens, device=deltas.device, dtype=torch.int64)
+        return last + 1 + (start - prompt_position_ids.shape[2]) + steps
+    if use_mask:
+        check_tensor("attention_mask", attention_mask, 2, "2-D (batch, past_length + n)")
+        if attention_mask.shape[0] != deltas.shape[0]:
+            raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows, "
+                             f"mrope_position_deltas {deltas.shape[0]} (after batch_size)")
+        if isinstance(start, int) and attention_mask.shape[1] != start + num_new_tokens:
+            raise ValueError(f"attention_mask must cover past_length + num_new_tokens = "
+                             f"{start + num_new_tokens} tokens, got {attention_mask.shape[1]}")
+        mask = attention_mask.to(deltas.device)
+        counted = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        ids = counted[:, counted.shape[1] - num_new_tokens:] + deltas
+    else:
+        steps = torch.arange(num_new_tokens, device=deltas.device, dtype=torch.int64)
+        ids = steps.unsqueeze(0) + start + deltas
     return ids.unsqueeze(0).repeat(3, 1, 1)
 
 

@@ -25,10 +25,12 @@ def pytest_configure(config):
         "markers", "transformers4: compares against transformers 4.x (run with the 4.57.6 overlay)")
     config.addinivalue_line(
         "markers", "any_transformers: runs under both transformers 4.x and 5.x")
-    expected = os.environ.get("POSENC_EXPECT_TRANSFORMERS")
-    if expected is not None and int(expected) != TRANSFORMERS_MAJOR:
+    expected = os.environ.get("POSENC_EXPECT_TRANSFORMERS")  # a major version, or a full one
+    if expected is not None and (expected != transformers.__version__ if "." in expected
+                                 else int(expected) != TRANSFORMERS_MAJOR):
         raise pytest.UsageError(
-            f"expected transformers {expected}.x on the path, found {transformers.__version__}")
+            f"expected transformers {expected}{'' if '.' in expected else '.x'} on the path, "
+            f"found {transformers.__version__}")
 
 
 _NEEDS_HF4: set[str] = set()

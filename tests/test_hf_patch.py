@@ -9,6 +9,7 @@ attention has no graph break in its rotary part.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.any_transformers
 
 TEXT_TYPES = ("llama", "qwen2")
 VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+ORIGINAL_TYPES = TEXT_TYPES + VL_TYPES  # tests/test_hf_models.py covers the others
 IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 122, 123
 LAYERS, VISION_DEPTH = 2, 2
 REPO = Path(__file__).resolve().parents[1]
@@ -149,7 +151,7 @@ def all_grads(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.double().flatten() for _, g in sorted(grads.items())])
 
 
-CASES = [(mt, "text") for mt in hf.SUPPORTED_MODEL_TYPES] + [
+CASES = [(mt, "text") for mt in ORIGINAL_TYPES] + [
     (mt, kind) for mt in VL_TYPES for kind in ("image", "video", "image+video")]
 
 
@@ -157,7 +159,7 @@ CASES = [(mt, "text") for mt in hf.SUPPORTED_MODEL_TYPES] + [
 # What gets patched
 
 
-@pytest.mark.parametrize("model_type", hf.SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", ORIGINAL_TYPES)
 def test_patch_replaces_what_the_attention_calls(model_type):
     tiny_model(model_type)  # imports the modeling file
     module = modeling(model_type)
@@ -165,6 +167,8 @@ def test_patch_replaces_what_the_attention_calls(model_type):
     if model_type in VL_TYPES:
         expected.append(f"{model_type}.apply_rotary_pos_emb_vision")
     names = [t.split(".", 1)[1] for t in expected]
+    if model_type in VL_TYPES:  # a method, not a module function: see test_hf_positions.py
+        expected.append(f"{model_type}.get_rope_index")
     originals = {name: getattr(module, name) for name in names}
 
     handle = hf.patch(model_type)
@@ -217,6 +221,8 @@ def test_fp32_logits_and_gradients_match(model_type, kind):
     expected = {text_target(model_type): LAYERS}
     if model_type in VL_TYPES:
         expected[f"{model_type}.apply_rotary_pos_emb_vision"] = n_vision
+        # 3-D position ids: 5.x asks for them only with grids (see test_hf_positions.py)
+        expected[f"{model_type}.get_rope_index"] = int(kind != "text" or TRANSFORMERS_MAJOR < 5)
     assert handle.calls == expected
     assert handle.fallbacks == dict.fromkeys(expected, 0)
     if kind != "text":  # the 3-D position ids of the vision tokens were used
@@ -224,7 +230,7 @@ def test_fp32_logits_and_gradients_match(model_type, kind):
         assert torch.equal(model.model.rope_deltas, ref_model.model.rope_deltas)
 
 
-@pytest.mark.parametrize("model_type", hf.SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", ORIGINAL_TYPES)
 def test_bf16_as_close_to_fp64_as_transformers(model_type):
     """bf16: transformers rounds after each of its three ops, posenc once, so the two differ
     by about a bf16 ulp per rotation; through the model that is the size of bf16's own error.
@@ -316,7 +322,7 @@ def mentions_rotary(text: str) -> bool:
     return any(word in text for word in ("posenc", "rotary", "rope"))
 
 
-@pytest.mark.parametrize("model_type", hf.SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", ORIGINAL_TYPES)
 def test_compiled_attention_has_no_graph_break_in_rotary(model_type):
     from torch._dynamo.utils import counters
 
@@ -470,9 +476,11 @@ def test_unsupported_inputs_go_to_transformers():
         vq_out, _ = module.apply_rotary_pos_emb_vision(vq, vk, vcos, vsin)
         assert vq_out.shape == vq.shape
         assert handle.fallbacks == {f"qwen2_vl.{text_name}": 1,
-                                    "qwen2_vl.apply_rotary_pos_emb_vision": 1}
+                                    "qwen2_vl.apply_rotary_pos_emb_vision": 1,
+                                    "qwen2_vl.get_rope_index": 0}
         assert handle.calls == {f"qwen2_vl.{text_name}": 0,
-                                "qwen2_vl.apply_rotary_pos_emb_vision": 0}
+                                "qwen2_vl.apply_rotary_pos_emb_vision": 0,
+                                "qwen2_vl.get_rope_index": 0}
 
         # Shapes transformers' function itself rejects: the same error with the patch.
         cpu_q, cpu_k = qk(1)
@@ -589,5 +597,23 @@ def test_finetune_example_quick(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"transformers {transformers.__version__}" in proc.stdout
+    assert "OK: losses match" in proc.stdout and "posenc kernels ran" in proc.stdout
+    assert "all losses match" in proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_finetune_example_on_two_ranks(mode, tmp_path):
+    """The example under torchrun with 2 CPU ranks (gloo): DDP and FSDP2 training steps
+    give the same mean losses with and without the patch, and posenc ran on every rank."""
+    script = REPO / "examples" / "finetune_qwen2_vl.py"
+    # One thread per rank on a small machine; gloo on the loopback interface (the
+    # hostname's address may be one the ranks cannot reach).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), "--quick", "--distributed", mode],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{mode.upper()} on 2 ranks (gloo, cpu)" in proc.stdout
     assert "OK: losses match" in proc.stdout and "posenc kernels ran" in proc.stdout
     assert "all losses match" in proc.stdout

@@ -1,11 +1,16 @@
-"""Position ids: compute_mrope_position_ids against transformers 4.57.6's own
-``get_rope_index`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), the worked examples of the
-specification, decode-step ids, vision-tower patch ids, bad grids and op registration.
+"""Position ids: compute_mrope_position_ids under convention "4.57" against transformers
+4.57.6's own ``get_rope_index`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), the worked examples of the
+specification under every convention, convention resolution, decode-step ids, vision-tower
+patch ids, bad grids and op registration.  The comparison with the ``get_rope_index`` of
+whichever transformers is installed (4.57.6, 5.17.0, 5.18.0, 5.24.0) is in
+test_hf_positions.py.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import random
+import sys
 import types
 
 import pytest
@@ -24,8 +29,16 @@ MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def mrope(input_ids, image_grid_thw=None, video_grid_thw=None, attention_mask=None, **kw):
+    """compute_mrope_position_ids with the Qwen token ids, under convention "4.57" unless
+    told otherwise."""
+    kw.setdefault("convention", "4.57")
     return compute_mrope_position_ids(input_ids, image_grid_thw, video_grid_thw, attention_mask,
                                       **IDS, **kw)
+
+
+def mm_types(input_ids: torch.Tensor) -> torch.Tensor:
+    """mm_token_type_ids as the transformers 5.x processors give them."""
+    return (input_ids == IMG).long() + 2 * (input_ids == VID).long()
 
 
 # ---------------------------------------------------------------------------------------
@@ -266,40 +279,174 @@ def test_example_qwen3_frames():
     # per-frame grids given explicitly are the same thing
     same = mrope(ids, None, torch.tensor([[1, 4, 4], [1, 4, 4]]), model="qwen3_vl")
     assert torch.equal(same[0], pos) and torch.equal(same[1], deltas)
+    # and the 5.x rules agree here
+    for convention in ("5.17", "5.18"):
+        v5 = mrope(ids, None, torch.tensor([[2, 4, 4]]), model="qwen3_vl",
+                   mm_token_type_ids=mm_types(ids), convention=convention)
+        assert torch.equal(v5[0], pos) and torch.equal(v5[1], deltas)
 
 
-@pytest.mark.parametrize("seconds,tps", [(0.5, 2), (0.25, 2), (1 / 3, 2), (0.5, 3.0), (1.5, 2)])
-def test_qwen2_5_fractional_seconds_formula(seconds, tps):
+@pytest.mark.parametrize("convention", ["5.17", "5.18"])
+def test_example_5x_rules(convention):
+    """The issue's example: a video with more frames than rows and columns."""
+    ids = torch.tensor([[17, VS, VID, VID, VID, VID, VE, 18]])
+    grid = torch.tensor([[4, 2, 2]])
+    old = mrope(ids, None, grid)
+    assert old[0][0, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7] and old[1].tolist() == [[0]]
+    pos, deltas = mrope(ids, None, grid, mm_token_type_ids=mm_types(ids), convention=convention)
+    assert pos[:, 0].tolist() == [[0, 1, 2, 3, 4, 5, 3, 4], [0, 1, 2, 2, 2, 2, 3, 4],
+                                  [0, 1, 2, 2, 2, 2, 3, 4]]
+    assert deltas.tolist() == [[-2]]
+    # token ids are not read under 5.x: the types alone decide
+    blind = compute_mrope_position_ids(torch.zeros_like(ids), None, grid,
+                                       mm_token_type_ids=mm_types(ids), convention=convention)
+    assert torch.equal(blind[0], pos)
+    # left padding: padded slots 0, deltas from the real tokens
+    pids = torch.cat([torch.tensor([[PAD, PAD]]), ids], 1)
+    mask = torch.tensor([[0, 0] + [1] * 8])
+    pos, deltas = mrope(pids, None, grid, mask, mm_token_type_ids=mm_types(pids),
+                        convention=convention)
+    assert pos[0, 0].tolist() == [0, 0, 0, 1, 2, 3, 4, 5, 3, 4] and deltas.tolist() == [[-2]]
+    # the decode helper continues from the real tokens: 8 + (-2) = 6
+    full = torch.cat([mask, torch.ones(1, 1, dtype=torch.int64)], 1)
+    step = compute_mrope_decode_position_ids(deltas, 10, attention_mask=full,
+                                             convention=convention)
+    assert step.tolist() == [[[6]]] * 3
+    # transformers 5.x's generate continues from the last slot instead: 4 + 1, then 6
+    gen = compute_mrope_decode_position_ids(deltas, 11, 1, prompt_position_ids=pos)
+    assert gen.tolist() == [[[6]]] * 3
+    assert compute_mrope_decode_position_ids(deltas, 10, 2,
+                                             prompt_position_ids=pos).tolist() == [[[5, 6]]] * 3
+    with pytest.raises(ValueError, match="prompt_position_ids"):
+        compute_mrope_decode_position_ids(deltas, 10, prompt_position_ids=pos[:2])
+    # 4.57 deltas are relative to the padded length instead
+    old = mrope(pids, None, grid, mask)
+    assert old[0][0, 0].tolist() == [1, 1, 0, 1, 2, 3, 4, 5, 6, 7] and old[1].tolist() == [[-2]]
+    assert compute_mrope_decode_position_ids(old[1], 10, attention_mask=full,
+                                             convention="4.57").tolist() == [[[8]]] * 3
+    # without grids: text positions, padded slots 0, deltas 0
+    pos, deltas = mrope(pids, attention_mask=mask, convention=convention)
+    assert pos[0, 0].tolist() == [0, 0, 0, 1, 2, 3, 4, 5, 6, 7] and deltas.tolist() == [[0]]
+    # without mm_token_type_ids: derived from the token ids, as the processors do
+    derived = mrope(pids, None, grid, mask, convention=convention)
+    given = mrope(pids, None, grid, mask, mm_token_type_ids=mm_types(pids), convention=convention)
+    assert torch.equal(derived[0], given[0]) and torch.equal(derived[1], given[1])
+    with pytest.raises(ValueError, match="mm_token_type_ids"):
+        compute_mrope_position_ids(ids, None, grid, convention=convention)
+    bad = mm_types(ids)
+    bad[0, 0] = 3
+    with pytest.raises(ValueError, match=r"mm_token_type_ids\[0, 0\] is 3"):
+        mrope(ids, None, grid, mm_token_type_ids=bad, convention=convention)
+    with pytest.raises(ValueError, match="video_grid_thw"):
+        mrope(ids, None, torch.tensor([[2, 2, 2]]), mm_token_type_ids=mm_types(ids),
+              convention=convention)
+
+
+def test_convention_resolution(monkeypatch):
+    from posenc_torch import positions
+
+    assert positions.convention_for_version("4.57.6") == "4.57"
+    assert positions.convention_for_version("5.17.0") == "5.17"
+    assert positions.convention_for_version("5.18.0") == "5.18"
+    assert positions.convention_for_version("5.24.0.dev0") == "5.18"
+    for unchecked in ("5.3.0", "6.0.0"):
+        with pytest.raises(ValueError, match="not checked"):
+            positions.convention_for_version(unchecked)
+    import transformers
+
+    assert positions.resolve_convention("installed") == positions.convention_for_version(
+        transformers.__version__)
+    with pytest.raises(ValueError, match="convention"):
+        positions.resolve_convention("5.x")
+    # without transformers installed, "installed" asks for an explicit convention
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setattr(positions.importlib.metadata, "version",
+                        lambda name: (_ for _ in ()).throw(
+                            importlib.metadata.PackageNotFoundError(name)))
+    with pytest.raises(ValueError, match="needs transformers installed"):
+        compute_mrope_position_ids(ONE_IMAGE, torch.tensor([[1, 4, 4]]), **IDS)
+    assert mrope(ONE_IMAGE, torch.tensor([[1, 4, 4]]))[1].tolist() == [[-2]]
+    # decoding needs no convention without a mask
+    assert compute_mrope_decode_position_ids(torch.tensor([[-2]]), 8).tolist() == [[[6]]] * 3
+
+
+SECONDS_CASES = [(0.5, 2), (0.25, 2), (1 / 3, 2), (0.5, 3.0), (1.5, 2), (2 / 3, 25), (0.7, 4)]
+
+
+def _float32_steps(seconds: float, tps: float, t: int) -> list[int]:
+    """long(k * fl32(tps * fl32(s))) in float32, written out with numpy-free struct math."""
+    import struct
+
+    f32 = lambda x: struct.unpack("f", struct.pack("f", x))[0]
+    step = f32(f32(tps) * f32(seconds))
+    return [int(f32(f32(k) * step)) for k in range(t)]
+
+
+@pytest.mark.parametrize("convention", ["4.57", "5.17", "5.18"])
+@pytest.mark.parametrize("seconds,tps", SECONDS_CASES)
+def test_qwen2_5_seconds_formula(convention, seconds, tps):
     t, h, w = 5, 4, 6
     n = t * (h // 2) * (w // 2)
     ids = torch.tensor([[17, 18, VS] + [VID] * n + [VE, 19]])
     pos, deltas = mrope(ids, None, torch.tensor([[t, h, w]]), model="qwen2_5_vl",
+                        mm_token_type_ids=mm_types(ids), convention=convention,
                         second_per_grid_ts=torch.tensor([seconds]), tokens_per_second=tps)
     base = 3
-    tidx = [int(k * seconds * tps) for k in range(t)]  # truncation after the multiply
+    if convention == "5.18":  # the fraction is kept, in float32
+        tidx = _float32_steps(seconds, tps, t)
+    else:  # the seconds are truncated to an integer first
+        tidx = [k * int(seconds) * int(tps) for k in range(t)]
     want_t = [base + tidx[k // 6] for k in range(n)]
     want_h = [base + (k % 6) // 3 for k in range(n)]
     want_w = [base + k % 3 for k in range(n)]
     assert pos[0, 0, 3:3 + n].tolist() == want_t
     assert pos[1, 0, 3:3 + n].tolist() == want_h
     assert pos[2, 0, 3:3 + n].tolist() == want_w
-    after = base + max(tidx[-1], 1, 2) + 1
+    after = base + (max(tidx[-1], 1, 2) + 1 if convention == "4.57" else max(h, w) // 2)
     assert pos[:, 0, 3 + n:].tolist() == [[after, after + 1]] * 3
-    assert deltas.item() == after + 2 - ids.shape[1]
-    if seconds < 1:  # the fraction is kept: frames do not all share one index
+    top = max(base + max(tidx[-1], 1, 2), after + 1)
+    assert deltas.item() == top + 1 - ids.shape[1]
+    if convention == "5.18" and seconds < 1:  # frames do not all share one index
         assert len(set(tidx)) > 1
+    if convention == "5.18":  # float64 seconds compute in float64
+        pos64, _ = mrope(ids, None, torch.tensor([[t, h, w]]), model="qwen2_5_vl",
+                         mm_token_type_ids=mm_types(ids), convention="5.18",
+                         second_per_grid_ts=torch.tensor([seconds], dtype=torch.float64),
+                         tokens_per_second=tps)
+        tidx64 = [int(k * (tps * seconds)) for k in range(t)]
+        assert pos64[0, 0, 3:3 + n].tolist() == [base + tidx64[k // 6] for k in range(n)]
+
+
+def test_qwen2_5_float32_and_float64_seconds_differ():
+    """fps 3 (2/3 s per grid) at 25 tokens per second: float32 rounds 16.666667 up."""
+    ids = torch.tensor([[17, VS] + [VID] * 8 + [VE, 18]])
+    kw = dict(model="qwen2_5_vl", mm_token_type_ids=mm_types(ids), convention="5.18",
+              tokens_per_second=25)
+    grid = torch.tensor([[8, 2, 2]])
+    p32, _ = mrope(ids, None, grid, second_per_grid_ts=torch.tensor([2 / 3]), **kw)
+    p64, _ = mrope(ids, None, grid, second_per_grid_ts=torch.tensor([2 / 3], dtype=torch.float64),
+                   **kw)
+    assert (p32[0, 0, 2:10] - 2).tolist() == [0, 16, 33, 50, 66, 83, 100, 116]
+    assert (p64[0, 0, 2:10] - 2).tolist() == [0, 16, 33, 49, 66, 83, 99, 116]
+    with pytest.raises(ValueError, match="integral"):
+        mrope(ids, None, grid, model="qwen2_5_vl", mm_token_type_ids=mm_types(ids),
+              convention="5.17", tokens_per_second=2.5)
+    with pytest.raises(TypeError, match="float32, float64"):
+        mrope(ids, None, grid, second_per_grid_ts=torch.tensor([0.5], dtype=torch.bfloat16),
+              **kw)
 
 
 @pytest.mark.transformers4
-def test_qwen2_5_fractional_seconds_differ_from_transformers_only_in_time():
-    """transformers 4.57.6 casts second_per_grid_ts to int (0.5 -> 0); we keep 0.5."""
+def test_matches_transformers_qwen2_5_fractional_seconds():
+    """transformers 4.57.6 casts second_per_grid_ts to int (0.5 -> 0), and so does "4.57"."""
     ids = torch.tensor([[17, VS] + [VID] * 12 + [VE, 18]])
     grid = torch.tensor([[3, 4, 4]])
-    pos, _ = mrope(ids, None, grid, model="qwen2_5_vl", second_per_grid_ts=[0.5])
-    hpos, _ = hf_call("qwen2_5_vl", ids, None, grid, None, torch.tensor([0.5]))
-    assert torch.equal(pos[1:, 0, :14], hpos[1:, 0, :14])
-    assert hpos[0, 0, 2:14].unique().tolist() == [2]
-    assert pos[0, 0, 2:14].tolist() == [2] * 4 + [3] * 4 + [4] * 4
+    for seconds in ([0.5], [1.5], [2.75]):
+        for tps in (2, 25, 2.5):
+            ours = mrope(ids, None, grid, model="qwen2_5_vl", second_per_grid_ts=seconds,
+                         tokens_per_second=tps)
+            assert_same(ours, hf_call("qwen2_5_vl", ids, None, grid, None,
+                                      torch.tensor(seconds), tokens_per_second=tps))
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -517,7 +664,7 @@ def test_bad_grids(model):
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):
-            compute_mrope_position_ids(ONE_IMAGE, model=model, **IDS, **kwargs)
+            compute_mrope_position_ids(ONE_IMAGE, model=model, convention="4.57", **IDS, **kwargs)
     # a placeholder run without vision start
     ids = torch.tensor([[17, 3, IMG, IMG, IMG, IMG, VE, 18]])
     with pytest.raises(ValueError, match="1 rows, but input_ids has 0 images"):
@@ -573,13 +720,16 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="only 0 and 1"):
         mrope(ONE_IMAGE, grid, attention_mask=torch.full((1, 8), 0.5))
     with pytest.raises(ValueError, match="non-negative|>= 0"):
-        compute_mrope_position_ids(ONE_IMAGE, grid, image_token_id=-1, video_token_id=VID,
+        compute_mrope_position_ids(ONE_IMAGE, grid, convention="4.57",
+                                   image_token_id=-1, video_token_id=VID,
                                    vision_start_token_id=VS)
     with pytest.raises(ValueError, match="distinct"):
-        compute_mrope_position_ids(ONE_IMAGE, grid, image_token_id=IMG, video_token_id=IMG,
+        compute_mrope_position_ids(ONE_IMAGE, grid, convention="4.57",
+                                   image_token_id=IMG, video_token_id=IMG,
                                    vision_start_token_id=VS)
     with pytest.raises(TypeError, match="image_token_id must be an int"):
-        compute_mrope_position_ids(ONE_IMAGE, grid, image_token_id=torch.tensor(IMG),
+        compute_mrope_position_ids(ONE_IMAGE, grid, convention="4.57",
+                                   image_token_id=torch.tensor(IMG),
                                    video_token_id=VID, vision_start_token_id=VS)
     with pytest.raises(ValueError, match="spatial_merge_size"):
         mrope(ONE_IMAGE, grid, spatial_merge_size=0)
@@ -610,6 +760,10 @@ def test_opcheck_mrope_position_ids():
     torch.library.opcheck(torch.ops.posenc.mrope_position_ids,
                           (text, None, None, torch.ones(3, 7, dtype=torch.int64), None, 2,
                            IMG, VID, VS, 2, 0.0))
+    # the 5.x rules: mm_token_type_ids, rules 1, time rules F32 (2) and F64 interval (3)
+    args5 = (ids, images, videos, mask, seconds, 1, IMG, VID, VS, 2, 2.0, mm_types(ids), 1)
+    torch.library.opcheck(torch.ops.posenc.mrope_position_ids, (*args5, 2))
+    torch.library.opcheck(torch.ops.posenc.mrope_position_ids, (*args5, 3))
 
 
 def test_opcheck_vision_position_ids():
@@ -618,12 +772,15 @@ def test_opcheck_vision_position_ids():
     torch.library.opcheck(torch.ops.posenc.vision_position_ids, (random_vision_grids(0), 2))
 
 
-def test_compile_fullgraph():
+@pytest.mark.parametrize("convention", ["installed", "4.57", "5.18"])
+def test_compile_fullgraph(convention):
     ids, images, videos, mask, seconds = make_batch(6, "qwen2_5_vl", 2, "mixed")
+    types = mm_types(ids)
 
     def fn(ids, images, videos, mask, seconds):
         pos, deltas = compute_mrope_position_ids(
-            ids, images, videos, mask, model="qwen2_5_vl", **IDS, second_per_grid_ts=seconds)
+            ids, images, videos, mask, model="qwen2_5_vl", **IDS, second_per_grid_ts=seconds,
+            mm_token_type_ids=types, convention=convention)
         return pos, compute_mrope_decode_position_ids(deltas, ids.shape[1], 2)
 
     # aot_eager: the op must trace as one node through dynamo and AOTAutograd; Inductor

@@ -1,8 +1,8 @@
 /*
  * Torch-free tests of the position-id kernels: the worked examples of the specification in
- * posenc.h, random batches against a literal re-implementation of the token walk (search
- * for the next placeholder from a cursor, as transformers 4.57 does), threaded against
- * serial, and every kind of bad grid.
+ * posenc.h, random batches against literal re-implementations of the token walk (4.57:
+ * search for the next placeholder from a cursor; 5.x: groups of equal mm_token_type_ids),
+ * threaded against serial, the temporal rules of Qwen2.5-VL, and every kind of bad grid.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -212,6 +212,265 @@ static void example_no_grids(void) {
           "vision item without grids: problem %d", e.problem);
 }
 
+/* ---- transformers 5.x rules ----------------------------------------------------------- */
+
+/* Types as the 5.x processors give them for ids laid out as by the 4.57 processors. */
+static void types_of(const int64_t *ids, int64_t n, int64_t *types) {
+    for (int64_t i = 0; i < n; ++i) types[i] = ids[i] == IMG ? 1 : ids[i] == VID ? 2 : 0;
+}
+
+static pe_mrope_args v5_args(pe_mrope_model model, int64_t B, int64_t L, const int64_t *types) {
+    pe_mrope_args a = base_args(model, B, L, NULL);
+    a.rules = PE_MROPE_RULES_5;
+    a.mm_token_type_ids = types;
+    a.types_row_stride = L;
+    a.image_token_id = a.video_token_id = a.vision_start_token_id = 0; /* not read */
+    return a;
+}
+
+static void v5_examples(void) {
+    int64_t types[18], pos[54], delta;
+    pe_pos_error e;
+    /* Example 1 */
+    const int64_t ids1[8] = {1, VS, IMG, IMG, IMG, IMG, VE, 2};
+    const int64_t grid1[3] = {1, 4, 4};
+    const int64_t T1[8] = {0, 1, 2, 2, 2, 2, 4, 5}, H1[8] = {0, 1, 2, 2, 3, 3, 4, 5},
+                  W1[8] = {0, 1, 2, 3, 2, 3, 4, 5};
+    types_of(ids1, 8, types);
+    for (int model = 0; model < 3; ++model) {
+        pe_mrope_args a = v5_args((pe_mrope_model)model, 1, 8, types);
+        a.image_grid_thw = grid1;
+        a.n_images = 1;
+        CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_OK, "5.x image, model %d", model);
+        expect_row("5.x image T", pos, T1, 8);
+        expect_row("5.x image H", pos + 8, H1, 8);
+        expect_row("5.x image W", pos + 16, W1, 8);
+        CHECK(delta == -2, "5.x image delta %lld", (long long)delta);
+    }
+    /* Example 4: left padding */
+    const int64_t ids4[10] = {PAD, PAD, 1, VS, IMG, IMG, IMG, IMG, VE, 2};
+    const int64_t mask4[10] = {0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+    const int64_t T4[10] = {0, 0, 0, 1, 2, 2, 2, 2, 4, 5};
+    types_of(ids4, 10, types);
+    types[0] = 9; /* a masked slot's type is not read */
+    pe_mrope_args a = v5_args(PE_MROPE_QWEN2_VL, 1, 10, types);
+    a.attention_mask = mask4;
+    a.image_grid_thw = grid1;
+    a.n_images = 1;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_OK, "5.x left padding %d", e.problem);
+    expect_row("5.x left padding T", pos, T4, 10);
+    CHECK(delta == -2, "5.x left padding delta %lld", (long long)delta);
+    /* Example 5: a video with more frames than rows and columns */
+    const int64_t ids5[8] = {1, VS, VID, VID, VID, VID, VE, 2};
+    const int64_t grid5[3] = {4, 2, 2};
+    const int64_t T5[8] = {0, 1, 2, 3, 4, 5, 3, 4}, H5[8] = {0, 1, 2, 2, 2, 2, 3, 4};
+    const int64_t T5old[8] = {0, 1, 2, 3, 4, 5, 6, 7}, H5old[8] = {0, 1, 2, 2, 2, 2, 6, 7};
+    types_of(ids5, 8, types);
+    a = v5_args(PE_MROPE_QWEN2_VL, 1, 8, types);
+    a.video_grid_thw = grid5;
+    a.n_videos = 1;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_OK, "5.x video");
+    expect_row("5.x video T", pos, T5, 8);
+    expect_row("5.x video H", pos + 8, H5, 8);
+    expect_row("5.x video W", pos + 16, H5, 8);
+    CHECK(delta == -2, "5.x video delta %lld", (long long)delta);
+    pe_mrope_args o = base_args(PE_MROPE_QWEN2_VL, 1, 8, ids5);
+    o.video_grid_thw = grid5;
+    o.n_videos = 1;
+    CHECK(pe_mrope_position_ids(&o, pos, &delta, &e) == PE_OK, "4.57 video");
+    expect_row("4.57 video T", pos, T5old, 8);
+    expect_row("4.57 video H", pos + 8, H5old, 8);
+    CHECK(delta == 0, "4.57 video delta %lld", (long long)delta);
+    /* Example 2 under 5.x: the text resumes at 2 + max(2, 2) */
+    int64_t ids2[16] = {1, VS};
+    for (int i = 0; i < 12; ++i) ids2[2 + i] = VID;
+    ids2[14] = VE, ids2[15] = 2;
+    const int64_t grid2[3] = {3, 4, 4};
+    const double secs2[1] = {2.0};
+    const int64_t T2[16] = {0, 1, 2, 2, 2, 2, 6, 6, 6, 6, 10, 10, 10, 10, 4, 5};
+    types_of(ids2, 16, types);
+    for (int rule = 0; rule < 4; ++rule) {
+        a = v5_args(PE_MROPE_QWEN2_5_VL, 1, 16, types);
+        a.video_grid_thw = grid2;
+        a.n_videos = 1;
+        a.second_per_grid_ts = secs2;
+        a.time_rule = (pe_mrope_time)rule;
+        CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_OK, "5.x qwen2.5 video");
+        expect_row("5.x qwen2.5 video T", pos, T2, 16);
+        CHECK(delta == -5, "5.x qwen2.5 delta %lld", (long long)delta);
+    }
+    /* Example 3 (Qwen3-VL frames): the same under both rule sets */
+    const int64_t ids3[18] = {11, 12, 13, VS, VID, VID, VID, VID, VE,
+                              14, 15, 16, VS, VID, VID, VID, VID, VE};
+    const int64_t T3[18] = {0, 1, 2, 3, 4, 4, 4, 4, 6, 7, 8, 9, 10, 11, 11, 11, 11, 13};
+    const int64_t grid3[3] = {2, 4, 4};
+    types_of(ids3, 18, types);
+    a = v5_args(PE_MROPE_QWEN3_VL, 1, 18, types);
+    a.video_grid_thw = grid3;
+    a.n_videos = 1;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_OK, "5.x qwen3 frames");
+    expect_row("5.x qwen3 frames T", pos, T3, 18);
+    CHECK(delta == -4, "5.x qwen3 delta %lld", (long long)delta);
+    /* Two images without text between them form one run: the rest of it is stray. */
+    const int64_t t2[10] = {0, 1, 1, 1, 1, 1, 1, 1, 1, 0};
+    const int64_t g2[6] = {1, 4, 4, 1, 4, 4};
+    a = v5_args(PE_MROPE_QWEN2_VL, 1, 10, t2);
+    a.image_grid_thw = g2;
+    a.n_images = 2;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_ERR_GRID &&
+              e.problem == PE_POS_GRID_COUNT && e.found == 1 && e.expected == 2,
+          "5.x merged runs: problem %d", e.problem);
+    a.n_images = 1;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_ERR_GRID &&
+              e.problem == PE_POS_STRAY_TOKEN && e.token == 5,
+          "5.x run longer than grid: problem %d token %lld", e.problem, (long long)e.token);
+    /* An image run that turns into a video run is short. */
+    const int64_t t3[8] = {0, 1, 1, 2, 2, 0, 0, 0};
+    a = v5_args(PE_MROPE_QWEN2_VL, 1, 8, t3);
+    a.image_grid_thw = grid1;
+    a.n_images = 1;
+    const int64_t gv[3] = {1, 2, 4};
+    a.video_grid_thw = gv;
+    a.n_videos = 1;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_ERR_GRID &&
+              e.problem == PE_POS_SHORT_RUN && e.token == 1 && e.found == 2,
+          "5.x image run cut by a video: problem %d", e.problem);
+    /* Bad type values, missing types, no grids */
+    const int64_t t4[4] = {0, 3, 0, 0};
+    a = v5_args(PE_MROPE_QWEN2_VL, 1, 4, t4);
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_ERR_ARG &&
+              e.problem == PE_POS_BAD_TYPE && e.token == 1 && e.found == 3,
+          "5.x type 3: problem %d", e.problem);
+    a.mm_token_type_ids = NULL;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_ERR_ARG, "5.x without types");
+    a.has_grids = 0; /* without grids the types may be absent: plain positions */
+    const int64_t m4[4] = {0, 1, 1, 0};
+    a.attention_mask = m4;
+    const int64_t P4[4] = {0, 0, 1, 0};
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_OK && delta == 0, "5.x no grids");
+    expect_row("5.x no grids", pos, P4, 4);
+    const int64_t t5[4] = {0, 1, 0, 0};
+    a.mm_token_type_ids = t5;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_ERR_GRID &&
+              e.problem == PE_POS_NO_GRIDS && e.token == 1, "5.x vision without grids");
+    a.rules = (pe_mrope_rules)2;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, &e) == PE_ERR_ARG, "unknown rules");
+}
+
+/* Example 6 and the temporal rules against their formulas. */
+static void time_rules(void) {
+    const int64_t types[10] = {0, 2, 2, 2, 2, 2, 2, 2, 2, 0};
+    const int64_t grid[3] = {8, 2, 2};
+    int64_t pos[30], delta;
+    pe_mrope_args a = v5_args(PE_MROPE_QWEN2_5_VL, 1, 10, types);
+    a.video_grid_thw = grid;
+    a.n_videos = 1;
+    const double half[1] = {0.5}, third[1] = {2.0 / 3.0};
+    a.second_per_grid_ts = half;
+    const int64_t trunc_half[8] = {0, 0, 0, 0, 0, 0, 0, 0}, keep_half[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    const pe_mrope_time rules[4] = {PE_TIME_F64, PE_TIME_TRUNC_SECONDS, PE_TIME_F32,
+                                    PE_TIME_F64_INTERVAL};
+    for (int r = 0; r < 4; ++r) {
+        a.time_rule = rules[r];
+        CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_OK, "time rule %d", r);
+        int64_t want[8];
+        for (int k = 0; k < 8; ++k)
+            want[k] = 1 + (rules[r] == PE_TIME_TRUNC_SECONDS ? trunc_half[k] : keep_half[k]);
+        expect_row("0.5 s per grid", pos + 1, want, 8);
+    }
+    a.second_per_grid_ts = third;
+    a.tokens_per_second = 25;
+    const int64_t f32[8] = {0, 16, 33, 50, 66, 83, 100, 116};
+    const int64_t f64[8] = {0, 16, 33, 49, 66, 83, 99, 116};
+    a.time_rule = PE_TIME_F32;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_OK, "f32 2/3");
+    int64_t want[8];
+    for (int k = 0; k < 8; ++k) want[k] = 1 + f32[k];
+    expect_row("f32 25 * 2/3", pos + 1, want, 8);
+    CHECK(delta == 1 + 116 + 1 - 10, "f32 delta %lld", (long long)delta);
+    a.time_rule = PE_TIME_F64_INTERVAL;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_OK, "f64 2/3");
+    for (int k = 0; k < 8; ++k) want[k] = 1 + f64[k];
+    expect_row("f64 25 * 2/3", pos + 1, want, 8);
+    /* int(s) with integral and fractional tokens_per_second (4.57: float32 product) */
+    const double s15[1] = {1.5};
+    a.second_per_grid_ts = s15;
+    a.time_rule = PE_TIME_TRUNC_SECONDS;
+    a.tokens_per_second = 3;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_OK, "trunc 1.5 s");
+    for (int k = 0; k < 8; ++k) want[k] = 1 + 3 * k;
+    expect_row("trunc 1.5 s, 3 tokens/s", pos + 1, want, 8);
+    a.tokens_per_second = 0.1;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_OK, "trunc 0.1 tokens/s");
+    for (int k = 0; k < 8; ++k) want[k] = 1 + (int64_t)((float)k * 0.1f);
+    expect_row("trunc 1.5 s, 0.1 tokens/s", pos + 1, want, 8);
+    /* tokens_per_second beyond float under F32 is an argument error */
+    a.time_rule = PE_TIME_F32;
+    a.tokens_per_second = 1e300;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_ERR_ARG, "f32 huge tokens/s");
+    a.time_rule = (pe_mrope_time)9;
+    a.tokens_per_second = 2;
+    CHECK(pe_mrope_position_ids(&a, pos, &delta, NULL) == PE_ERR_ARG, "unknown time rule");
+}
+
+/* The 5.x walk as transformers writes it: group the kept types, walk the groups. */
+static void reference5(const pe_mrope_args *a, const int64_t *vgrid, const double *secs,
+                       int64_t *pos, int64_t *deltas) {
+    const int64_t B = a->batch, L = a->seq, m = a->spatial_merge_size;
+    int64_t image_index = 0, video_index = 0, video_seconds = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        for (int r = 0; r < 3; ++r)
+            for (int64_t j = 0; j < L; ++j) pos[(r * B + b) * L + j] = 0;
+        int64_t cur = 0, top = -1, n = 0, j = 0;
+        while (j < L) {
+            if (a->attention_mask && a->attention_mask[b * L + j] == 0) { ++j; continue; }
+            const int64_t ty = a->mm_token_type_ids[b * L + j];
+            /* the group: kept tokens of this type from j on */
+            int64_t end = j, count = 0;
+            int64_t *slots = malloc(sizeof(int64_t) * (size_t)L);
+            while (end < L) {
+                if (!a->attention_mask || a->attention_mask[b * L + end] == 1) {
+                    if (a->mm_token_type_ids[b * L + end] != ty) break;
+                    slots[count++] = end;
+                }
+                ++end;
+            }
+            if (ty == 0) {
+                for (int64_t i = 0; i < count; ++i)
+                    for (int r = 0; r < 3; ++r) pos[(r * B + b) * L + slots[i]] = cur + i;
+                if (cur + count - 1 > top) top = cur + count - 1;
+                cur += count;
+            } else {
+                const int64_t *g = ty == 1 ? a->image_grid_thw + 3 * image_index++
+                                           : vgrid + 3 * video_index++;
+                const double s = (ty == 2 && secs) ? secs[video_seconds] : 1.0;
+                video_seconds += ty == 2;
+                const int64_t t = g[0], h = g[1] / m, w = g[2] / m;
+                int64_t k = 0;
+                for (int64_t ti = 0; ti < t; ++ti)
+                    for (int64_t hi = 0; hi < h; ++hi)
+                        for (int64_t wi = 0; wi < w; ++wi, ++k) {
+                            int64_t tv = ti;
+                            if (ty == 2 && a->model == PE_MROPE_QWEN2_5_VL) {
+                                const float step = (float)a->tokens_per_second * (float)s;
+                                tv = (int64_t)((float)ti * step); /* PE_TIME_F32 */
+                            }
+                            const int64_t p[3] = {cur + tv, cur + hi, cur + wi};
+                            for (int r = 0; r < 3; ++r) {
+                                pos[(r * B + b) * L + slots[k]] = p[r];
+                                if (p[r] > top) top = p[r];
+                            }
+                        }
+                cur += h > w ? h : w;
+            }
+            n += count;
+            free(slots);
+            j = end;
+        }
+        deltas[b] = n ? top + 1 - n : 0;
+    }
+}
+
 /* ---- reference: the walk as transformers writes it ------------------------------------ */
 
 static int64_t find_from(const int64_t *t, int64_t n, int64_t what, int64_t st) {
@@ -371,10 +630,17 @@ static void random_batch(batch *bt, pe_mrope_model model, int64_t B, int64_t L, 
     }
 }
 
-static void random_case(pe_mrope_model model, int64_t B, int64_t L, int padding, int threads) {
+static void random_case(pe_mrope_model model, int64_t B, int64_t L, int padding, int threads,
+                        int rules5) {
     batch *bt = malloc(sizeof *bt);
     random_batch(bt, model, B, L, padding);
+    int64_t *types = malloc(sizeof(int64_t) * (size_t)(B * L));
+    types_of(bt->ids, B * L, types);
     pe_mrope_args a = base_args(model, B, L, bt->ids);
+    if (rules5) {
+        a = v5_args(model, B, L, types);
+        a.time_rule = PE_TIME_F32;
+    }
     a.attention_mask = padding ? bt->mask : NULL;
     a.image_grid_thw = bt->igrid;
     a.n_images = bt->ni;
@@ -390,14 +656,17 @@ static void random_case(pe_mrope_model model, int64_t B, int64_t L, int padding,
     CHECK(rc == PE_OK, "random model %d B %lld L %lld: status %d problem %d row %lld token %lld",
           model, (long long)B, (long long)L, rc, e.problem, (long long)e.row, (long long)e.token);
     if (rc == PE_OK) {
-        reference(&a, bt->vframes, a.second_per_grid_ts, ref, dref);
+        if (rules5)
+            reference5(&a, bt->vframes, a.second_per_grid_ts, ref, dref);
+        else
+            reference(&a, bt->vframes, a.second_per_grid_ts, ref, dref);
         char what[96];
-        snprintf(what, sizeof what, "random model %d B %lld L %lld threads %d", model,
-                 (long long)B, (long long)L, threads);
+        snprintf(what, sizeof what, "random model %d B %lld L %lld threads %d rules %d", model,
+                 (long long)B, (long long)L, threads, rules5);
         expect_row(what, pos, ref, 3 * B * L);
         expect_row(what, d, dref, B);
     }
-    free(pos), free(ref), free(d), free(dref);
+    free(pos), free(ref), free(d), free(dref), free(types);
     free(bt->ids), free(bt->mask), free(bt);
 }
 
@@ -649,14 +918,18 @@ int main(void) {
     bad_grids();
     threaded_errors();
     vision_ids();
-    for (int model = 0; model < 3; ++model) {
-        for (int rep = 0; rep < 4; ++rep) {
-            random_case((pe_mrope_model)model, 1 + rnd(4), 20 + rnd(200), rep % 2, 1);
-            random_case((pe_mrope_model)model, 3, 64, 1, 1);
+    v5_examples();
+    time_rules();
+    for (int rules5 = 0; rules5 < 2; ++rules5) {
+        for (int model = 0; model < 3; ++model) {
+            for (int rep = 0; rep < 4; ++rep) {
+                random_case((pe_mrope_model)model, 1 + rnd(4), 20 + rnd(200), rep % 2, 1, rules5);
+                random_case((pe_mrope_model)model, 3, 64, 1, 1, rules5);
+            }
+            /* large enough for the threaded path; threaded and serial must both match */
+            random_case((pe_mrope_model)model, 8, 40000, 1, 4, rules5);
+            random_case((pe_mrope_model)model, 8, 6000, 0, 1, rules5);
         }
-        /* large enough for the threaded path; threaded and serial must both match */
-        random_case((pe_mrope_model)model, 8, 40000, 1, 4);
-        random_case((pe_mrope_model)model, 8, 6000, 0, 1);
     }
     return check_report("test_positions");
 }

@@ -384,9 +384,10 @@ std::string grid_text(const std::optional<Tensor>& grids, int64_t i) {
 [[noreturn]] void raise_position_error(const pe_pos_error& e, int rc,
                                        const std::optional<Tensor>& images,
                                        const std::optional<Tensor>& videos, int64_t merge,
-                                       int64_t model) {
+                                       int64_t model, bool v5) {
     const char* grid_name = e.video ? "video_grid_thw" : "image_grid_thw";
-    const char* token_name = e.video ? "video_token_id" : "image_token_id";
+    const char* token_name = v5 ? (e.video ? "mm_token_type_ids == 2" : "mm_token_type_ids == 1")
+                                : (e.video ? "video_token_id" : "image_token_id");
     const char* kind = e.video ? "video" : "image";
     const std::optional<Tensor>& grids = e.video ? videos : images;
     const bool frames = e.video && model == PE_MROPE_QWEN3_VL;
@@ -396,6 +397,9 @@ std::string grid_text(const std::optional<Tensor>& grids, int64_t i) {
     case PE_POS_BAD_MASK:
         fail_value("attention_mask[", e.row, ", ", e.token, "] is ", e.found,
                    "; expected 0 or 1");
+    case PE_POS_BAD_TYPE:
+        fail_value("mm_token_type_ids[", e.row, ", ", e.token, "] is ", e.found,
+                   "; expected 0 (text), 1 (image) or 2 (video)");
     case PE_POS_BAD_GRID:
         fail_value(grid_name, "[", e.grid, "] = ", grid_text(grids, e.grid),
                    " is not a valid patch grid: t, h, w must be positive and h, w "
@@ -404,7 +408,7 @@ std::string grid_text(const std::optional<Tensor>& grids, int64_t i) {
     case PE_POS_BAD_SECONDS:
         fail_value("second_per_grid_ts[", e.grid, "] (video_grid_thw[", e.grid,
                    "] = ", grid_text(videos, e.grid),
-                   ") must be finite and >= 0, and (t - 1) * second_per_grid_ts * "
+                   ") must be finite, >= 0 and below 2^31, and (t - 1) * second_per_grid_ts * "
                    "tokens_per_second must stay below 2^31");
     case PE_POS_GRID_COUNT:
         fail_value(grid_name, frames ? " describes " : " has ", e.expected,
@@ -412,12 +416,12 @@ std::string grid_text(const std::optional<Tensor>& grids, int64_t i) {
                             "is its own vision_start + video tokens run)"
                           : " rows",
                    ", but input_ids has ", e.found, " ", kind, frames ? " frame runs" : "s",
-                   " (", e.video ? "a " : "an ", token_name,
-                   " right after a vision_start_token_id, counted over "
-                   "the unmasked tokens of all rows)");
+                   " (", v5 ? "runs of " : (e.video ? "a " : "an "), token_name,
+                   v5 ? "" : " right after a vision_start_token_id",
+                   ", counted over the unmasked tokens of all rows)");
     case PE_POS_NO_GRIDS:
         fail_value(where, " starts ", e.video ? "a video" : "an image", " (", token_name,
-                   " after vision_start_token_id), but image_grid_thw "
+                   v5 ? "" : " after vision_start_token_id", "), but image_grid_thw "
                    "and video_grid_thw are both None");
     case PE_POS_SHORT_RUN:
         fail_value(grid_name, "[", e.grid, "] = ", grid_text(grids, e.grid),
@@ -429,9 +433,9 @@ std::string grid_text(const std::optional<Tensor>& grids, int64_t i) {
     case PE_POS_STRAY_TOKEN:
         fail_value(where, " is ", token_name, " but belongs to no ", kind, ": every ", kind,
                    " must be one run of exactly t * h * w / "
-                   "spatial_merge_size^2 placeholder tokens right after a "
-                   "vision_start_token_id (the run is longer than its ", grid_name,
-                   " row, or has no vision start)");
+                   "spatial_merge_size^2 placeholder tokens",
+                   v5 ? "" : " right after a vision_start_token_id", " (the run is longer than its ",
+                   grid_name, " row", v5 ? ")" : ", or has no vision start)");
     default:
         check_status(rc, "posenc::mrope_position_ids");
         fail("posenc::mrope_position_ids: invalid arguments");
@@ -460,7 +464,8 @@ TensorPair mrope_position_ids_cpu(
     const std::optional<Tensor>& video_grid_thw, const std::optional<Tensor>& attention_mask,
     const std::optional<Tensor>& second_per_grid_ts, int64_t model, int64_t image_token_id,
     int64_t video_token_id, int64_t vision_start_token_id, int64_t spatial_merge_size,
-    double tokens_per_second) {
+    double tokens_per_second, const std::optional<Tensor>& mm_token_type_ids, int64_t rules,
+    int64_t time_rule) {
     check_cpu(input_ids_in, "input_ids");
     check_integer(input_ids_in, "input_ids");
     PE_CHECK_VALUE(input_ids_in.dim() == 2, "input_ids must be 2-D (batch, seq), got shape ",
@@ -469,12 +474,18 @@ TensorPair mrope_position_ids_cpu(
                    "model must be 0 (qwen2_vl), 1 (qwen2_5_vl) or 2 (qwen3_vl), got ", model);
     PE_CHECK_VALUE(spatial_merge_size >= 1, "spatial_merge_size must be >= 1, got ",
                    spatial_merge_size);
-    PE_CHECK_VALUE(image_token_id >= 0 && video_token_id >= 0 && vision_start_token_id >= 0,
+    PE_CHECK_VALUE(rules == PE_MROPE_RULES_4_57 || rules == PE_MROPE_RULES_5,
+                   "rules must be 0 (transformers 4.57) or 1 (5.x), got ", rules);
+    PE_CHECK_VALUE(time_rule >= PE_TIME_F64 && time_rule <= PE_TIME_F64_INTERVAL,
+                   "time_rule must be 0 to 3, got ", time_rule);
+    const bool v5 = rules == PE_MROPE_RULES_5;
+    PE_CHECK_VALUE(v5 || (image_token_id >= 0 && video_token_id >= 0 && vision_start_token_id >= 0),
                    "image_token_id, video_token_id and vision_start_token_id must be "
                    "non-negative, got ", image_token_id, ", ", video_token_id, ", ",
                    vision_start_token_id);
-    PE_CHECK_VALUE(image_token_id != video_token_id && image_token_id != vision_start_token_id &&
-                       video_token_id != vision_start_token_id,
+    PE_CHECK_VALUE(v5 || (image_token_id != video_token_id &&
+                           image_token_id != vision_start_token_id &&
+                           video_token_id != vision_start_token_id),
                    "image_token_id, video_token_id and vision_start_token_id must be distinct, "
                    "got ", image_token_id, ", ", video_token_id, ", ", vision_start_token_id);
     PE_CHECK_VALUE(model != PE_MROPE_QWEN2_5_VL ||
@@ -497,8 +508,19 @@ TensorPair mrope_position_ids_cpu(
             PE_CHECK_VALUE(binary_values(m), "attention_mask must hold only 0 and 1");
         mask = row_major_long(m);
     }
+    std::optional<Tensor> types;
+    if (mm_token_type_ids.has_value() && v5) {
+        const Tensor& t = *mm_token_type_ids;
+        check_cpu(t, "mm_token_type_ids");
+        check_integer(t, "mm_token_type_ids");
+        PE_CHECK_VALUE(same(t.sizes(), input_ids_in.sizes()), "mm_token_type_ids shape ",
+                       shape(t), " must equal input_ids shape ", shape(input_ids_in));
+        types = row_major_long(t);
+    }
     const std::optional<Tensor> images = grid_tensor(image_grid_thw, "image_grid_thw");
     const std::optional<Tensor> videos = grid_tensor(video_grid_thw, "video_grid_thw");
+    PE_CHECK_VALUE(!v5 || types.has_value() || (!images.has_value() && !videos.has_value()),
+                   "mm_token_type_ids is required with grids under the transformers 5.x rules");
     const int64_t n_videos = videos.has_value() ? videos->size(0) : 0;
     std::optional<Tensor> seconds;
     if (second_per_grid_ts.has_value()) {
@@ -536,6 +558,10 @@ TensorPair mrope_position_ids_cpu(
     a.spatial_merge_size = spatial_merge_size;
     a.tokens_per_second = tokens_per_second;
     a.nthreads = num_threads();
+    a.rules = static_cast<pe_mrope_rules>(rules);
+    a.mm_token_type_ids = types.has_value() ? types->const_data_ptr<int64_t>() : nullptr;
+    a.types_row_stride = types.has_value() ? types->stride(0) : 0;
+    a.time_rule = static_cast<pe_mrope_time>(time_rule);
 
     const std::array<int64_t, 3> pos_sizes{3, B, L};
     const std::array<int64_t, 2> delta_sizes{B, 1};
@@ -544,7 +570,8 @@ TensorPair mrope_position_ids_cpu(
     pe_pos_error err{};
     const int rc = run_mrope_position_ids(input_ids_in, a, pos.mutable_data_ptr<int64_t>(),
                                           deltas.mutable_data_ptr<int64_t>(), &err);
-    if (rc != PE_OK) raise_position_error(err, rc, images, videos, spatial_merge_size, model);
+    if (rc != PE_OK)
+        raise_position_error(err, rc, images, videos, spatial_merge_size, model, v5);
     return {pos, deltas};
 }
 
@@ -610,7 +637,8 @@ STABLE_TORCH_LIBRARY(posenc, m) {
     m.def("mrope_position_ids(Tensor input_ids, Tensor? image_grid_thw, Tensor? video_grid_thw, "
           "Tensor? attention_mask, Tensor? second_per_grid_ts, int model, int image_token_id, "
           "int video_token_id, int vision_start_token_id, int spatial_merge_size, "
-          "float tokens_per_second) -> (Tensor, Tensor)");
+          "float tokens_per_second, Tensor? mm_token_type_ids=None, int rules=0, "
+          "int time_rule=0) -> (Tensor, Tensor)");
     m.def("vision_position_ids(Tensor grid_thw, int spatial_merge_size) -> Tensor");
     m.def("sinusoidal(SymInt num_positions, SymInt dim, float base, ScalarType dtype) -> Tensor");
 }
