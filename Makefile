@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 PYTEST := $(abspath $(VPY)) -m pytest -q -p no:cacheprovider
 
-.PHONY: all venv build test pytest pytest-hf4 ctest sanitize bench bench-full notebooks clean
+.PHONY: all venv build test pytest pytest-hf4 ctest sanitize cuda-compile gpu-check bench bench-full notebooks clean
 
 all: build
 
@@ -27,7 +27,7 @@ build: $(STAMP)
 
 # Everything: C tests, the same under ASan + UBSan, Python tests on transformers 5.x and
 # the transformers-4.x tests against the 4.57.6 overlay.
-test: build ctest sanitize pytest pytest-hf4
+test: build ctest sanitize cuda-compile pytest pytest-hf4
 
 pytest: build
 	cd tests && $(PYTEST) .
@@ -45,6 +45,16 @@ sanitize: $(STAMP)
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
 		$(VENV)/bin/meson test -C builddir-asan --print-errorlogs
 
+# The CUDA sources compiled with this machine's nvcc for sm_80 and sm_90 (nothing runs; a
+# loud skip without nvcc), so they cannot rot on machines without a GPU.
+cuda-compile:
+	scripts/cuda_compile.sh
+
+# On a machine with an NVIDIA GPU: build against its torch, run the GPU tests and the GPU
+# benchmark, everything into one folder (scripts/gpu_check.sh; README, section GPU).
+gpu-check:
+	scripts/gpu_check.sh
+
 bench: build
 	$(VPY) benchmarks/run.py --quick
 
@@ -57,4 +67,4 @@ notebooks: build
 	$(VPY) notebooks/execute.py
 
 clean:
-	rm -rf build builddir-c builddir-asan
+	rm -rf build builddir-c builddir-asan builddir-cuda builddir-gpu
