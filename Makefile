@@ -47,7 +47,7 @@ sanitize: $(STAMP)
 
 # The CUDA sources compiled with this machine's nvcc for sm_80 and sm_90 (nothing runs; a
 # loud skip without nvcc), so they cannot rot on machines without a GPU.
-cuda-compile:
+cuda-compile: $(STAMP)
 	scripts/cuda_compile.sh
 
 # On a machine with an NVIDIA GPU: build against its torch, run the GPU tests and the GPU
