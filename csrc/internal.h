@@ -1,4 +1,5 @@
-/* Internal helpers shared by the kernel files: dtype conversion, per-ISA entry points. */
+/* Internal helpers shared by the kernel files: sizes, tuning constants, per-ISA entry points
+ * (the per-element conversions and arithmetic are in rope_math.h). */
 #ifndef POSENC_INTERNAL_H
 #define POSENC_INTERNAL_H
 
@@ -7,6 +8,7 @@
 #include <string.h>
 
 #include "posenc.h"
+#include "rope_math.h"
 
 /* Problems below this many elements run on one thread: a parallel region costs more. */
 #define PE_SERIAL_ELEMENTS ((int64_t)1 << 15)
@@ -39,35 +41,6 @@ static inline size_t pe_dtype_size(pe_dtype t) {
 }
 
 static inline int pe_dtype_valid(pe_dtype t) { return pe_dtype_size(t) != 0; }
-
-static inline float pe_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Round to nearest even; NaN stays NaN (quieted). */
-static inline uint16_t pe_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    uint32_t nan = (u >> 16) | 0x40u;
-    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
-}
-
-static inline float pe_f16_to_f32(uint16_t h) {
-    _Float16 v;
-    memcpy(&v, &h, 2);
-    return (float)v;
-}
-
-static inline uint16_t pe_f32_to_f16(float f) {
-    _Float16 v = (_Float16)f; /* IEEE conversion: round to nearest even */
-    uint16_t h;
-    memcpy(&h, &v, 2);
-    return h;
-}
 
 /* Slot of rotary channel e (R = rotary width). */
 static inline int64_t pe_slot(pe_pairing p, int64_t e, int64_t R) {

@@ -5,7 +5,6 @@
  * aliasing); the hot rows use intrinsics.  No fused multiply-add anywhere
  * (-ffp-contract=off, and explicit mul + add), which keeps transformers' rounding.
  */
-#include <math.h>
 #include <stdlib.h>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -31,49 +30,19 @@ typedef struct pe_row_plan {
     int64_t *slot_pos_off;   /* R/2: position offset of slot i's axis */
 } pe_row_plan;
 
-/*
- * sin and cos of fp32 angles, each result scaled by `scaling` in fp32.  The reduction and
- * polynomials run in fp64 (Cody-Waite with a 33+33+53-bit pi/2, fdlibm's kernel
- * coefficients), so the fp32 results are correctly rounded except in rare ties; angles
- * beyond the reduction's exact range go through libm.
- */
+/* scaling * cos, scaling * sin of n fp32 angles (rope_math.h): a branch-free pass over
+ * all of them, then the rare angles beyond the fast reduction again. */
 static void pe_sincos_scaled(const float *restrict ang, float *restrict c, float *restrict s,
                              int64_t n, float scaling) {
-    const double two_over_pi = 6.36619772367581382433e-01;
-    const double p1 = 1.57079632673412561417e+00, p2 = 6.07710050630396597660e-11,
-                 p3 = 2.02226624879595063154e-21;
-    const double S1 = -1.66666666666666324348e-01, S2 = 8.33333333332248946124e-03,
-                 S3 = -1.98412698298579493134e-04, S4 = 2.75573137070700676789e-06,
-                 S5 = -2.50507602534068634195e-08, S6 = 1.58969099521155010221e-10;
-    const double C1 = 4.16666666666666019037e-02, C2 = -1.38888888888741095749e-03,
-                 C3 = 2.48015872894767294178e-05, C4 = -2.75573143513906633035e-07,
-                 C5 = 2.08757232129817482790e-09, C6 = -1.13596475577881948265e-11;
-    const double limit = 823549.6; /* |k| < 2^19: k * p1 is exact */
     int any_large = 0;
     for (int64_t i = 0; i < n; ++i) {
-        const double x = (double)ang[i];
-        const double k = nearbyint(x * two_over_pi);
-        const double r = ((x - k * p1) - k * p2) - k * p3;
-        const double z = r * r;
-        const double sr = r + r * z * (S1 + z * (S2 + z * (S3 + z * (S4 + z * (S5 + z * S6)))));
-        const double cr = 1.0 - 0.5 * z + z * z * (C1 + z * (C2 + z * (C3 + z * (C4 + z * (C5 + z * C6)))));
-        const double q = k - 4.0 * floor(k * 0.25); /* quadrant 0..3 */
-        const int odd = q == 1.0 || q == 3.0;
-        const double sv = odd ? cr : sr, cv = odd ? sr : cr;
-        const double ssign = q >= 2.0 ? -1.0 : 1.0;
-        const double csign = (q == 1.0 || q == 2.0) ? -1.0 : 1.0;
-        s[i] = (float)(ssign * sv) * scaling;
-        c[i] = (float)(csign * cv) * scaling;
-        any_large |= fabs(x) > limit;
+        pe_sincos_fast(ang[i], scaling, c + i, s + i);
+        any_large |= !(ang[i] <= PE_SINCOS_FAST_LIMIT && ang[i] >= -PE_SINCOS_FAST_LIMIT);
     }
     if (any_large) {
-        for (int64_t i = 0; i < n; ++i) {
-            const double x = (double)ang[i];
-            if (fabs(x) > limit || x != x) {
-                s[i] = (float)sin(x) * scaling;
-                c[i] = (float)cos(x) * scaling;
-            }
-        }
+        for (int64_t i = 0; i < n; ++i)
+            if (!(ang[i] <= PE_SINCOS_FAST_LIMIT && ang[i] >= -PE_SINCOS_FAST_LIMIT))
+                pe_sincos_large(ang[i], scaling, c + i, s + i);
     }
 }
 
@@ -221,8 +190,8 @@ PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const floa
 #endif
     for (; e < h; ++e) {
         const float x0 = sx_load(x + e * es, dt), x1 = sx_load(x + e * es + hb, dt);
-        sx_store(o + e * es, x0 * c[e] + x1 * ss[e], dt);
-        sx_store(o + e * es + hb, x1 * c[e + h] + x0 * ss[e + h], dt);
+        sx_store(o + e * es, pe_rot_f32(x0, c[e], x1, ss[e]), dt);
+        sx_store(o + e * es + hb, pe_rot_f32(x1, c[e + h], x0, ss[e + h]), dt);
     }
 }
 
@@ -299,6 +268,9 @@ static inline void store_fence(void) {
 
 #define REAL float
 #define RF(n) n##_f32
+static inline float rot_f32(float x, float c, float xp, float ss) { return pe_rot_f32(x, c, xp, ss); }
+static inline uint16_t to_bf16_f32(float v) { return pe_f32_to_bf16(v); }
+static inline uint16_t to_f16_f32(float v) { return pe_f32_to_f16(v); }
 #define RF_native PE_FLOAT32
 #define RF_FAST_ROWS 1
 #include "rope_core.inc"
@@ -309,6 +281,9 @@ static inline void store_fence(void) {
 
 #define REAL double
 #define RF(n) n##_f64
+static inline double rot_f64(double x, double c, double xp, double ss) { return pe_rot_f64(x, c, xp, ss); }
+static inline uint16_t to_bf16_f64(double v) { return pe_f64_to_bf16(v); }
+static inline uint16_t to_f16_f64(double v) { return pe_f64_to_f16(v); }
 #define RF_native PE_FLOAT64
 #define RF_FAST_ROWS 0
 #include "rope_core.inc"

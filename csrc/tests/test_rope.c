@@ -145,6 +145,91 @@ static void run_case(const rope_case *c, const char *isa) {
     free(q); free(k); free(qo); free(ko); free(cs); free(sn);
 }
 
+/* Ulp distance of two finite floats of the same sign (or both zero). */
+static int64_t f32_ulps(float a, float b) {
+    const int64_t ia = (int32_t)pe_f32_bits(a), ib = (int32_t)pe_f32_bits(b);
+    return ia > ib ? ia - ib : ib - ia;
+}
+
+/* d rounded by `round` to a 16-bit format (decoded by `widen`) is the nearest value, even on
+ * ties: it lies within the midpoints to its neighbours, which are exact in fp64. */
+static int rounds_once(double d, uint16_t r, float (*widen)(uint16_t)) {
+    const double v = widen(r);
+    if (d != d) return v != v;
+    if (v == 0 && d != 0 && fabs(d) > 1e-300) {
+        const double up = widen((uint16_t)((r & 0x8000u) | 1u));
+        return fabs(d) <= fabs(up) / 2 && !(fabs(d) == fabs(up) / 2);
+    }
+    const uint16_t mag = r & 0x7fffu;
+    const double lo = widen((uint16_t)(r - 1)), hi = widen((uint16_t)(r + 1));
+    if (mag == 0) return d == 0 || fabs(d) < fabs(hi) / 2 || (fabs(d) == fabs(hi) / 2);
+    const double mlo = (v + lo) / 2, mhi = (v + hi) / 2;
+    if (v != v || lo != lo || hi != hi || !isfinite(hi) || !isfinite(v)) return 1; /* edges */
+    const double a = fmin(mlo, mhi), b = fmax(mlo, mhi);
+    if (d < a || d > b) return 0;
+    if (d == a || d == b) return (r & 1u) == 0;
+    return 1;
+}
+
+/* rope_math.h: each conversion rounds once to nearest even; sin/cos agree with libm's fp64
+ * values rounded to fp32, on the fast path and past it (exact reduction). */
+static void math_cases(void) {
+    int64_t bad = 0;
+    for (uint32_t h = 0; h < 65536; ++h) {
+        const float f = pe_f16_to_f32((uint16_t)h);
+        if (f == f && pe_f32_to_f16(f) != h) ++bad;
+        if (f == f && pe_f32_to_bf16(pe_bf16_to_f32((uint16_t)h)) != h) ++bad;
+    }
+    CHECK(bad == 0, "16-bit values do not round-trip through fp32: %ld", (long)bad);
+    bad = 0;
+    for (uint64_t u = 0; u < ((uint64_t)1 << 32); u += 4099) {
+        const float f = pe_bits_f32((uint32_t)u);
+        if (fabsf(f) > 6e4f) continue; /* fp16 overflow: checked below */
+        bad += !rounds_once(f, pe_f32_to_f16(f), pe_f16_to_f32);
+        bad += !rounds_once(f, pe_f32_to_bf16(f), pe_bf16_to_f32);
+    }
+    CHECK(bad == 0, "fp32 -> bf16/fp16 not correctly rounded: %ld values", (long)bad);
+    CHECK(pe_f32_to_f16(65519.0f) == 0x7bff && pe_f32_to_f16(65520.0f) == 0x7c00,
+          "fp16 overflow threshold");
+    bad = 0;
+    for (int i = 0; i < 200000; ++i) {
+        const double d = (double)urand() * ldexp(1.0, (int)(urand() * 20)) * (1.0 + urand() * 1e-9);
+        bad += !rounds_once(d, pe_f64_to_f16(d), pe_f16_to_f32);
+        bad += !rounds_once(d, pe_f64_to_bf16(d), pe_bf16_to_f32);
+    }
+    /* a tie in bf16 only after rounding to fp32 first: one rounding goes up */
+    const double tie = 1.0 + ldexp(1.0, -8) + ldexp(1.0, -30);
+    CHECK(pe_f64_to_bf16(tie) == pe_f32_to_bf16(1.0f + 0x1p-7f), "fp64 -> bf16 rounds twice");
+    CHECK(pe_f64_to_f16(1.0 + ldexp(1.0, -11) + ldexp(1.0, -40)) == 0x3c01, "fp64 -> fp16 rounds twice");
+    CHECK(bad == 0, "fp64 -> bf16/fp16 not correctly rounded: %ld values", (long)bad);
+
+    int64_t n = 0, off = 0, far = 0, fastdiff = 0;
+    for (int i = 0; i < 300000; ++i) {
+        float x;
+        if (i % 3 == 0) x = (float)(urand() * 800000.0);
+        else x = pe_bits_f32((uint32_t)(rng_state = rng_state * 1664525u + 1013904223u) & 0x7f7fffffu);
+        if (i & 1) x = -x;
+        float c, s, c2, s2;
+        pe_sincos_large(x, 1.0f, &c, &s);
+        if (fabsf(x) <= PE_SINCOS_FAST_LIMIT) {
+            pe_sincos_fast(x, 1.0f, &c2, &s2);
+            fastdiff += c2 != c || s2 != s;
+        }
+        const float rc = (float)cos((double)x), rs = (float)sin((double)x);
+        ++n;
+        if (c != rc || s != rs) {
+            ++off;
+            if (f32_ulps(c, rc) > 1 || f32_ulps(s, rs) > 1) ++far;
+        }
+    }
+    CHECK(fastdiff == 0, "fast and exact reductions disagree on %ld angles", (long)fastdiff);
+    CHECK(far == 0 && off * 10000 <= n, "sincos vs libm: %ld of %ld differ, %ld by more than 1 ulp",
+          (long)off, (long)n, (long)far);
+    float c, s;
+    pe_sincos_large(INFINITY, 1.0f, &c, &s);
+    CHECK(c != c && s != s, "sincos(inf) must be NaN");
+}
+
 /* <F x, y> == <x, F^T y>: the transpose is the adjoint, checked in fp64. */
 static void adjoint_case(pe_pairing pairing, int64_t D, int64_t R) {
     const int64_t T = 5, H = 3, n = T * H * D;
@@ -347,5 +432,6 @@ int main(void) {
     pe_isa_set(pe_isa_best());
     empty_cases();
     bad_args();
+    math_cases();
     return check_report("test_rope");
 }
