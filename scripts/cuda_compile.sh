@@ -21,7 +21,7 @@ mkdir -p "$out"
 flags=(-std=c++17 -O3 --fmad=false -Icsrc -Xcompiler -Wall,-Wextra,-Werror,-ffp-contract=off
        -Werror all-warnings -Xptxas -warn-spills)
 echo "cuda-compile: $("$nvcc" --version | tail -n 2 | head -n 1)"
-for src in csrc/cuda/*.cu; do
+for src in csrc/cuda/*.cu csrc/cuda/tests/math_device.cu; do
     for arch in $archs; do
         obj="$out/$(basename "$src" .cu).sm_$arch.o"
         "$nvcc" "${flags[@]}" -gencode "arch=compute_$arch,code=sm_$arch" -c "$src" -o "$obj"
@@ -34,6 +34,8 @@ done
 "$meson" compile -C builddir-c posenc_kernels >/dev/null
 "$nvcc" "${flags[@]}" -Icsrc/cuda -gencode "arch=compute_${archs##* },code=sm_${archs##* }" \
     -c csrc/cuda/tests/test_emulated.cu -o "$out/test_emulated.o"
-"${CXX:-c++}" "$out/test_emulated.o" builddir-c/libposenc_kernels.a -fopenmp -lm \
+"${CC:-cc}" -std=c17 -O2 -ffp-contract=off -Wall -Wextra -Werror -Icsrc -c \
+    csrc/cuda/tests/math_sweep_c.c -o "$out/math_sweep_c.o"
+"${CXX:-c++}" "$out/test_emulated.o" "$out/math_sweep_c.o" builddir-c/libposenc_kernels.a -fopenmp -lm \
     -L"$(python3 scripts/cuda_libdir.py "$nvcc")" -lcudart -o "$out/test_emulated"
 "$out/test_emulated"

@@ -5,15 +5,13 @@
 // Between phases the kernels synchronize the block.
 #pragma once
 
-#include <cuda_fp16.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
-#include "math_bridge.cuh"
 #include "posenc_cuda.h"
+#include "rope_math.h" // the per-element math, shared with the CPU kernels
 
 namespace pe_cuda {
 
@@ -42,24 +40,22 @@ template <> struct Io<double> {
 };
 template <> struct Io<Bf16> {
     using storage = uint16_t;
-    template <typename R> PE_HD static R load(uint16_t v) { return static_cast<R>(bf16_to_f32(v)); }
-    // fp64 -> bf16 goes through fp32, as on the CPU (the accepted compute type there).
+    template <typename R> PE_HD static R load(uint16_t v) { return static_cast<R>(pe_bf16_to_f32(v)); }
     template <typename R> PE_HD static uint16_t store(R v) {
-        return f32_to_bf16(static_cast<float>(v));
+        if constexpr (std::is_same_v<R, double>) return pe_f64_to_bf16(v);
+        else return pe_f32_to_bf16(v);
     }
 };
 template <> struct Io<F16> {
     using storage = uint16_t;
-    template <typename R> PE_HD static R load(uint16_t v) {
-        return static_cast<R>(__half2float(__ushort_as_half(v)));
-    }
+    template <typename R> PE_HD static R load(uint16_t v) { return static_cast<R>(pe_f16_to_f32(v)); }
     template <typename R> PE_HD static uint16_t store(R v) {
-        if constexpr (std::is_same_v<R, double>) return __half_as_ushort(__double2half(v));
-        else return __half_as_ushort(__float2half_rn(v));
+        if constexpr (std::is_same_v<R, double>) return pe_f64_to_f16(v);
+        else return pe_f32_to_f16(v);
     }
 };
 
-PE_HD inline size_t dtype_size(pe_dtype t) {
+PE_HD size_t dtype_size(pe_dtype t) {
     switch (t) {
     case PE_FLOAT32: return 4;
     case PE_FLOAT64: return 8;
@@ -87,23 +83,17 @@ template <typename R> PE_HD void store_dyn(char *base, int64_t i, pe_dtype dt, R
     }
 }
 
-// Unfused arithmetic whatever the flags: round after the product, then after the sum (the
-// host side is compiled with -ffp-contract=off).
-#ifdef __CUDA_ARCH__
-__device__ inline float mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ inline double mul(double a, double b) { return __dmul_rn(a, b); }
-__device__ inline float add(float a, float b) { return __fadd_rn(a, b); }
-__device__ inline double add(double a, double b) { return __dadd_rn(a, b); }
-__device__ inline float sub(float a, float b) { return __fsub_rn(a, b); }
-__device__ inline double sub(double a, double b) { return __dsub_rn(a, b); }
-#else
-template <typename R> inline R mul(R a, R b) { return a * b; }
-template <typename R> inline R add(R a, R b) { return a + b; }
-template <typename R> inline R sub(R a, R b) { return a - b; }
-#endif
+// Unfused arithmetic: each product and sum rounded (the _rn intrinsics on the device).
+PE_HD float mul(float a, float b) { return PE_FMUL(a, b); }
+PE_HD double mul(double a, double b) { return PE_DMUL(a, b); }
+PE_HD float add(float a, float b) { return PE_FADD(a, b); }
+PE_HD double add(double a, double b) { return PE_DADD(a, b); }
+PE_HD float sub(float a, float b) { return PE_FADD(a, -b); }
+PE_HD double sub(double a, double b) { return PE_DADD(a, -b); }
 
 // out = x * c + xp * ss, the one formula of every rotated channel (ss: signed sine).
-template <typename R> PE_HD inline R rot(R x, R c, R xp, R ss) { return add(mul(x, c), mul(xp, ss)); }
+PE_HD float rot(float x, float c, float xp, float ss) { return pe_rot_f32(x, c, xp, ss); }
+PE_HD double rot(double x, double c, double xp, double ss) { return pe_rot_f64(x, c, xp, ss); }
 
 // ---- kernel parameters (passed by value) --------------------------------------------------
 
@@ -143,17 +133,17 @@ struct GradP {
     char *dcos, *dsin;
 };
 
-PE_HD inline int64_t slot_of(int pairing, int64_t e, int64_t R) {
+PE_HD int64_t slot_of(int pairing, int64_t e, int64_t R) {
     return pairing == PE_PAIR_HALF ? (e < R / 2 ? e : e - R / 2) : e / 2;
 }
 
-PE_HD inline int64_t partner_of(int pairing, int64_t e, int64_t R) {
+PE_HD int64_t partner_of(int pairing, int64_t e, int64_t R) {
     if (pairing == PE_PAIR_HALF) return e < R / 2 ? e + R / 2 : e - R / 2;
     return e % 2 == 0 ? e + 1 : e - 1;
 }
 
 // sign(e) = -1 on the first channel of each pair
-PE_HD inline bool first_of_pair(int pairing, int64_t e, int64_t R) {
+PE_HD bool first_of_pair(int pairing, int64_t e, int64_t R) {
     return pairing == PE_PAIR_HALF ? e < R / 2 : e % 2 == 0;
 }
 
@@ -167,8 +157,8 @@ PE_HD void token_tables(const RopeP &p, int64_t b, int64_t t, R *c, R *s, Lane l
         const int64_t *pos = src.pos + (src.pos_batch == 1 ? 0 : b) * src.pos_s[1] + t * src.pos_s[2];
         for (int64_t i = l.id; i < nslot; i += l.count) {
             float cv, sv;
-            sincos_scaled(angle(src.inv_freq[i], pos[src.axis[i] * src.pos_s[0]]), src.scaling,
-                          &cv, &sv);
+            pe_sincos_large(pe_rope_angle(src.inv_freq[i], pos[src.axis[i] * src.pos_s[0]]),
+                            src.scaling, &cv, &sv); // any angle (the fast range included)
             const int64_t e0 = p.pairing == PE_PAIR_HALF ? i : 2 * i;
             const int64_t e1 = p.pairing == PE_PAIR_HALF ? i + nslot : 2 * i + 1;
             c[e0] = c[e1] = static_cast<R>(cv);
@@ -323,7 +313,7 @@ template <typename R> PE_HD void table_grad_row(const GradP &gp, int64_t row, La
 
 // ---- tables from positions: store the fp32 rows of (b, t) -----------------------------------
 
-PE_HD inline void store_tables_row(const RopeP &p, int64_t row, const float *c, const float *s,
+PE_HD void store_tables_row(const RopeP &p, int64_t row, const float *c, const float *s,
                                    pe_dtype out_dt, char *cos, char *sin, Lane l) {
     for (int64_t e = l.id; e < p.R; e += l.count) {
         store_dyn<float>(cos, row * p.R + e, out_dt, c[e]);

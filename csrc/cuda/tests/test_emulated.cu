@@ -8,7 +8,8 @@
 // bytes included; argument checks must return the CPU's statuses.  Covers pairings,
 // transpose, tables (plain, per-batch, MRoPE sections, interleaved) and positions, partial
 // rotary, GQA / MQA / no k, (B, T, H, D) and (B, H, T, D) layouts, misaligned rows, every
-// dtype and mixes.  What this cannot check: the device's own arithmetic and memory system.
+// dtype and mixes; and the math header's functions, nvcc host code against C, over a sweep
+// of inputs (tests/math_sweep.h).  What this cannot check: the device's own arithmetic and memory system.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +18,9 @@
 #include <vector>
 
 #include "../rope_kernels.cuh"
+#include "math_sweep.h"
+
+extern "C" uint64_t pe_math_sweep_c(uint32_t i); // math_sweep_c.c, compiled as C
 
 using namespace pe_cuda;
 
@@ -112,7 +116,7 @@ std::vector<char> random_buffer(int64_t n, pe_dtype dt) {
         switch (dt) {
         case PE_FLOAT32: reinterpret_cast<float *>(buf.data())[i] = v; break;
         case PE_FLOAT64: reinterpret_cast<double *>(buf.data())[i] = static_cast<double>(v) * (1.0 + 1e-9); break;
-        case PE_BFLOAT16: reinterpret_cast<uint16_t *>(buf.data())[i] = f32_to_bf16(v); break;
+        case PE_BFLOAT16: reinterpret_cast<uint16_t *>(buf.data())[i] = pe_f32_to_bf16(v); break;
         case PE_FLOAT16: reinterpret_cast<uint16_t *>(buf.data())[i] = Io<F16>::store(v); break;
         }
     }
@@ -381,6 +385,11 @@ int main() {
         for (int pairing = 0; pairing < 2; ++pairing)
             for (pe_dtype dt : dts) run_tables(2, 7, 64, static_cast<Source>(src), static_cast<pe_pairing>(pairing), dt);
     run_checks();
+    // rope_math.h compiled by nvcc (host side) against the same header compiled as C
+    uint32_t sweep_bad = 0;
+    for (uint32_t i = 0; i < PE_SWEEP_N; ++i) sweep_bad += pe_math_sweep(i) != pe_math_sweep_c(i);
+    expect(sweep_bad == 0, "rope_math.h: nvcc host code and C give the same bits (" +
+                               std::to_string(sweep_bad) + " of " + std::to_string(PE_SWEEP_N) + " differ)");
     expect(vector_runs > 0, "the 16-byte rows were exercised");
     std::printf("cuda kernels emulated on the host: %d checks, %d failed, %d runs on 16-byte rows\n",
                 checks, failures, vector_runs);
