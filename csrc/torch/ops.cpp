@@ -1,89 +1,97 @@
-// The only file that includes torch headers: it registers the posenc ops, validates the
-// tensors, allocates outputs and hands raw pointers, sizes and strides to the C kernels.
-// It also defines the posenc_torch._C module with the plain Python C API; importing that
-// module runs the registrations below.
+// The torch side of posenc: registers the posenc ops, validates the tensors, allocates
+// outputs and hands raw pointers, sizes and strides to the C kernels.  It uses only the
+// LibTorch stable ABI (stable_support.h), so one binary serves every torch from the target
+// version on.  It also defines the posenc_torch._C module with the limited Python C API;
+// importing that module runs the registrations below.
+//
+// Each op: validate -> fill the C argument struct (posenc.h) -> run_* (the one place per
+// op that picks the device's kernel) -> check the status.
 #include <Python.h>
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/result_type.h>
-#include <torch/library.h>
-
-#include <array>
 #include <cmath>
-#include <cstdint>
-#include <optional>
 #include <string>
 #include <tuple>
-#include <vector>
 
-#include "posenc.h"
+#include "stable_support.h"
 
+namespace posenc {
 namespace {
 
-using at::IntArrayRef;
-using at::Tensor;
 using TensorPair = std::tuple<Tensor, Tensor>;
 
-pe_dtype to_pe_dtype(at::ScalarType s, const char* name) {
-    switch (s) {
-    case at::kFloat: return PE_FLOAT32;
-    case at::kDouble: return PE_FLOAT64;
-    case at::kBFloat16: return PE_BFLOAT16;
-    case at::kHalf: return PE_FLOAT16;
-    default:
-        TORCH_CHECK(false, name, " must be float32, float64, bfloat16 or float16, got ", s);
-    }
+// ---- Kernel calls, one per op.  `on` is a tensor of the op, whose device selects the
+// kernel; only CPU kernels exist so far.
+
+int run_rope_apply([[maybe_unused]] const Tensor& on, const pe_rope_args& a) {
+    return pe_rope_apply(&a);
 }
 
-pe_dtype to_pe_dtype(const Tensor& t, const char* name) { return to_pe_dtype(t.scalar_type(), name); }
+int run_rope_table_grad([[maybe_unused]] const Tensor& on, const pe_rope_args& a,
+                        const void* grad_q, const int64_t grad_q_stride[3], const void* grad_k,
+                        const int64_t grad_k_stride[3], pe_dtype grad_dtype, void* dcos,
+                        void* dsin) {
+    return pe_rope_table_grad(&a, grad_q, grad_q_stride, grad_k, grad_k_stride, grad_dtype, dcos,
+                              dsin);
+}
 
-int num_threads() { return at::in_parallel_region() ? 1 : at::get_num_threads(); }
+int run_rope_tables([[maybe_unused]] const Tensor& on, const pe_rope_args& a, pe_dtype dtype,
+                    void* cos, void* sin) {
+    return pe_rope_tables(&a, dtype, cos, sin);
+}
+
+int run_mrope_position_ids([[maybe_unused]] const Tensor& on, const pe_mrope_args& a,
+                           int64_t* pos, int64_t* deltas, pe_pos_error* err) {
+    return pe_mrope_position_ids(&a, pos, deltas, err);
+}
+
+int run_vision_position_ids([[maybe_unused]] const Tensor& on, int64_t n, const int64_t* grids,
+                            int64_t merge, int64_t total, int64_t* out, pe_pos_error* err) {
+    return pe_vision_position_ids(n, grids, merge, total, out, num_threads(), err);
+}
+
+int run_sinusoidal([[maybe_unused]] const Tensor& on, int64_t n, int64_t dim, double base,
+                   pe_dtype dtype) {
+    return pe_sinusoidal(n, dim, base, dtype, on.mutable_data_ptr(), num_threads());
+}
+
+// ---- Checks shared by the ops.
 
 void check_cpu(const Tensor& t, const char* name) {
-    TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
-}
-
-// The kernels need unit stride in the channel dimension; anything else is copied once.
-Tensor channel_contiguous(const Tensor& t) {
-    return (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous();
-}
-
-void fill_strides(int64_t dst[3], const Tensor& t) {  // t is (B, T, H, D)
-    for (int i = 0; i < 3; ++i) dst[i] = t.stride(i);
+    PE_CHECK(t.is_cpu(), name, " must be a CPU tensor, got device ", DeviceName{t});
 }
 
 void check_status(int rc, const char* op) {
-    TORCH_CHECK(rc != PE_ERR_NOMEM, op, ": out of memory for scratch buffers");
-    TORCH_CHECK(rc == PE_OK, op, ": the kernel rejected its arguments (status ", rc, ")");
+    PE_CHECK(rc != PE_ERR_NOMEM, op, ": out of memory for scratch buffers");
+    PE_CHECK(rc == PE_OK, op, ": the kernel rejected its arguments (status ", rc, ")");
+}
+
+void fill_strides(int64_t dst[3], const Tensor& t) {  // t is (B, T, H, D)
+    const IntList s = t.strides();
+    for (int i = 0; i < 3; ++i) dst[i] = s[i];
 }
 
 // Validates q, k (B, T, H, D) and returns the rotary problem without its angle source.
 pe_rope_args problem(const Tensor& q, const Tensor& k, int64_t rot_dim, int64_t pairing,
                      bool transpose) {
-    TORCH_CHECK(q.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", q.dim(), "-D");
-    TORCH_CHECK(k.dim() == 4, "k must be 4-D (batch, seq, heads, head_dim), got ", k.dim(), "-D");
+    PE_CHECK(q.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", q.dim(), "-D");
+    PE_CHECK(k.dim() == 4, "k must be 4-D (batch, seq, heads, head_dim), got ", k.dim(), "-D");
     check_cpu(q, "q");
     check_cpu(k, "k");
-    TORCH_CHECK(k.size(0) == q.size(0), "k batch size ", k.size(0), " must equal q batch size ",
-                q.size(0));
-    TORCH_CHECK(k.size(1) == q.size(1), "k sequence length ", k.size(1),
-                " must equal q sequence length ", q.size(1));
-    TORCH_CHECK(k.size(3) == q.size(3), "k head_dim ", k.size(3), " must equal q head_dim ",
-                q.size(3));
-    TORCH_CHECK(pairing == PE_PAIR_HALF || pairing == PE_PAIR_ADJACENT,
-                "pairing must be 0 (half) or 1 (adjacent), got ", pairing);
-    TORCH_CHECK(rot_dim % 2 == 0 && rot_dim >= 2,
-                "rotary width (last dim of cos/sin, or 2 * len(inv_freq)) must be even and >= 2, got ",
-                rot_dim);
-    TORCH_CHECK(rot_dim <= q.size(3), "rotary width ", rot_dim, " must not exceed head_dim ",
-                q.size(3));
+    const IntList qs = q.sizes(), ks = k.sizes();
+    PE_CHECK(ks[0] == qs[0], "k batch size ", ks[0], " must equal q batch size ", qs[0]);
+    PE_CHECK(ks[1] == qs[1], "k sequence length ", ks[1], " must equal q sequence length ",
+             qs[1]);
+    PE_CHECK(ks[3] == qs[3], "k head_dim ", ks[3], " must equal q head_dim ", qs[3]);
+    PE_CHECK(pairing == PE_PAIR_HALF || pairing == PE_PAIR_ADJACENT,
+             "pairing must be 0 (half) or 1 (adjacent), got ", pairing);
+    PE_CHECK(rot_dim % 2 == 0 && rot_dim >= 2,
+             "rotary width (last dim of cos/sin, or 2 * len(inv_freq)) must be even and >= 2, "
+             "got ", rot_dim);
+    PE_CHECK(rot_dim <= qs[3], "rotary width ", rot_dim, " must not exceed head_dim ", qs[3]);
     pe_rope_args a{};
-    a.batch = q.size(0);
-    a.seq = q.size(1);
-    a.head_dim = q.size(3);
+    a.batch = qs[0];
+    a.seq = qs[1];
+    a.head_dim = qs[3];
     a.rot_dim = rot_dim;
     a.pairing = static_cast<pe_pairing>(pairing);
     a.transpose = transpose ? 1 : 0;
@@ -101,52 +109,48 @@ void bind(pe_rope_tensor& dst, const Tensor& in, const Tensor& out, const char* 
     fill_strides(dst.out_stride, out);
 }
 
-// Section list -> per-slot axis map (empty sections: plain RoPE, no map).
-std::vector<uint8_t> axis_map(IntArrayRef sections, bool interleaved, int64_t rot_dim) {
+// Section list -> per-slot axis map (empty sections: plain RoPE, no map).  Every entry is
+// checked against the slot count before anything is added, so no sum can overflow.
+std::vector<uint8_t> axis_map(IntList sections, bool interleaved, int64_t rot_dim) {
     if (sections.empty()) return {};
-    TORCH_CHECK(sections.size() == 3, "mrope_section must have 3 entries (T, H, W), got ",
-                sections.size());
-    int64_t sum = sections[0] + sections[1] + sections[2];
-    TORCH_CHECK(sections[0] >= 0 && sections[1] >= 0 && sections[2] >= 0,
-                "mrope_section entries must be non-negative, got ", sections);
-    TORCH_CHECK(2 * sum == rot_dim, "mrope_section ", sections, " must satisfy 2 * sum == ",
-                rot_dim, " (the rotary width), got 2 * ", sum, " = ", 2 * sum);
-    std::vector<uint8_t> map(static_cast<size_t>(rot_dim / 2));
+    PE_CHECK(sections.size() == 3, "mrope_section must have 3 entries (T, H, W), got ",
+             sections.size());
+    const Shape shown{sections};
+    PE_CHECK(sections[0] >= 0 && sections[1] >= 0 && sections[2] >= 0,
+             "mrope_section entries must be non-negative, got ", shown);
+    const int64_t slots = rot_dim / 2;
+    for (int64_t s : sections)
+        PE_CHECK(s <= slots, "mrope_section ", shown, " must satisfy 2 * sum == ", rot_dim,
+                 " (the rotary width), got an entry larger than ", slots);
+    const int64_t sum = sections[0] + sections[1] + sections[2];
+    PE_CHECK(sum == slots, "mrope_section ", shown, " must satisfy 2 * sum == ", rot_dim,
+             " (the rotary width), got 2 * ", sum, " = ", 2 * sum);
+    std::vector<uint8_t> map(static_cast<size_t>(slots));
     const std::array<int64_t, 3> s{sections[0], sections[1], sections[2]};
-    check_status(pe_mrope_axis_map(rot_dim / 2, s.data(), interleaved ? 1 : 0, map.data()),
+    check_status(pe_mrope_axis_map(slots, s.data(), interleaved ? 1 : 0, map.data()),
                  "mrope_section");
     return map;
-}
-
-// Output of x's shape in dtype, laid out like x (empty_like) when that gives the unit
-// channel stride the kernel writes with, else contiguous.  The fake kernels
-// (posenc_torch/ops.py, _output_like) follow the same rule.
-Tensor output_like(const Tensor& x, at::ScalarType dtype) {
-    Tensor out = at::empty_like(x, x.options().dtype(dtype));
-    if (out.size(-1) > 1 && out.stride(-1) != 1)
-        out = at::empty(x.sizes(), x.options().dtype(dtype));
-    return out;
 }
 
 // cos/sin checks shared by the table ops; returns the table batch.
 int64_t check_tables(const Tensor& cos, const Tensor& sin, int64_t B, int64_t T, bool mrope) {
     check_cpu(cos, "cos");
     check_cpu(sin, "sin");
-    TORCH_CHECK(sin.sizes() == cos.sizes(), "sin shape ", sin.sizes(), " must equal cos shape ",
-                cos.sizes());
-    TORCH_CHECK(sin.scalar_type() == cos.scalar_type(), "sin dtype ", sin.scalar_type(),
-                " must equal cos dtype ", cos.scalar_type());
+    PE_CHECK(same(sin.sizes(), cos.sizes()), "sin shape ", shape(sin), " must equal cos shape ",
+             shape(cos));
+    PE_CHECK(sin.scalar_type() == cos.scalar_type(), "sin dtype ", sin.scalar_type(),
+             " must equal cos dtype ", cos.scalar_type());
     const int64_t want = mrope ? 4 : 3;
-    TORCH_CHECK(cos.dim() == want, "cos must be ", want, "-D ",
-                mrope ? "(3, batch, seq, rot_dim)" : "(batch, seq, rot_dim)", ", got shape ",
-                cos.sizes());
+    PE_CHECK(cos.dim() == want, "cos must be ", want, "-D ",
+             mrope ? "(3, batch, seq, rot_dim)" : "(batch, seq, rot_dim)", ", got shape ",
+             shape(cos));
     if (mrope)
-        TORCH_CHECK(cos.size(0) == 3, "cos for MRoPE must have 3 axes (T, H, W) in dim 0, got ",
-                    cos.size(0));
+        PE_CHECK(cos.size(0) == 3, "cos for MRoPE must have 3 axes (T, H, W) in dim 0, got ",
+                 cos.size(0));
     const int64_t Bc = cos.size(-3);
-    TORCH_CHECK(Bc == 1 || Bc == B, "cos batch size ", Bc, " must be 1 or the batch size ", B);
-    TORCH_CHECK(cos.size(-2) == T, "cos sequence length ", cos.size(-2),
-                " must equal the sequence length of q ", T);
+    PE_CHECK(Bc == 1 || Bc == B, "cos batch size ", Bc, " must be 1 or the batch size ", B);
+    PE_CHECK(cos.size(-2) == T, "cos sequence length ", cos.size(-2),
+             " must equal the sequence length of q ", T);
     return Bc;
 }
 
@@ -163,45 +167,50 @@ void set_table_source(pe_rope_source& src, const Tensor& cos, const Tensor& sin,
     src.axis_of_slot = map.empty() ? nullptr : map.data();
 }
 
+// ---- Rotations.
+
 TensorPair rope_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& cos_in,
-                    const Tensor& sin_in, IntArrayRef mrope_section, bool interleaved,
-                    int64_t pairing, bool transpose, std::optional<at::ScalarType> q_dtype,
-                    std::optional<at::ScalarType> k_dtype) {
-    TORCH_CHECK(cos_in.dim() >= 1, "cos must have a rotary dimension");
+                    const Tensor& sin_in, IntList mrope_section, bool interleaved,
+                    int64_t pairing, bool transpose, std::optional<ScalarType> q_dtype,
+                    std::optional<ScalarType> k_dtype) {
+    PE_CHECK(cos_in.dim() >= 1, "cos must have a rotary dimension");
     pe_rope_args a = problem(q_in, k_in, cos_in.size(-1), pairing, transpose);
     const bool mrope = !mrope_section.empty();
     const int64_t Bc = check_tables(cos_in, sin_in, a.batch, a.seq, mrope);
-    to_pe_dtype(q_in, "q");
-    to_pe_dtype(k_in, "k");
-    to_pe_dtype(cos_in, "cos");
+    const ScalarType qt = q_in.scalar_type(), kt = k_in.scalar_type();
+    const ScalarType ct = cos_in.scalar_type();
+    to_pe_dtype(qt, "q");
+    to_pe_dtype(kt, "k");
+    to_pe_dtype(ct, "cos");
     const auto map = axis_map(mrope_section, interleaved, a.rot_dim);
 
     Tensor q = channel_contiguous(q_in), k = channel_contiguous(k_in);
     Tensor cos = channel_contiguous(cos_in), sin = channel_contiguous(sin_in);
-    if (sin.strides() != cos.strides()) sin = sin.contiguous(), cos = cos.contiguous();
-    Tensor q_out = output_like(q_in, q_dtype.value_or(at::result_type(q_in, cos_in)));
-    Tensor k_out = output_like(k_in, k_dtype.value_or(at::result_type(k_in, cos_in)));
+    if (!same(sin.strides(), cos.strides()))
+        sin = torch::stable::contiguous(sin), cos = torch::stable::contiguous(cos);
+    Tensor q_out = output_like(q_in, q_dtype.value_or(result_type(qt, ct)));
+    Tensor k_out = output_like(k_in, k_dtype.value_or(result_type(kt, ct)));
     to_pe_dtype(q_out, "q_dtype");
     to_pe_dtype(k_out, "k_dtype");
 
     set_table_source(a.src, cos, sin, Bc, map);
     bind(a.q, q, q_out, "q");
     bind(a.k, k, k_out, "k");
-    check_status(pe_rope_apply(&a), "posenc::rope");
+    check_status(run_rope_apply(q_in, a), "posenc::rope");
     return {q_out, k_out};
 }
 
 TensorPair rope_table_grad_cpu(const Tensor& grad_q_in, const Tensor& grad_k_in,
                                const Tensor& q_in, const Tensor& k_in, const Tensor& cos,
-                               IntArrayRef mrope_section, bool interleaved, int64_t pairing) {
-    TORCH_CHECK(cos.dim() >= 1, "cos must have a rotary dimension");
+                               IntList mrope_section, bool interleaved, int64_t pairing) {
+    PE_CHECK(cos.dim() >= 1, "cos must have a rotary dimension");
     pe_rope_args a = problem(q_in, k_in, cos.size(-1), pairing, false);
     const bool mrope = !mrope_section.empty();
     const int64_t Bc = check_tables(cos, cos, a.batch, a.seq, mrope);
-    TORCH_CHECK(grad_q_in.sizes() == q_in.sizes(), "grad_q shape ", grad_q_in.sizes(),
-                " must equal q shape ", q_in.sizes());
-    TORCH_CHECK(grad_k_in.sizes() == k_in.sizes(), "grad_k shape ", grad_k_in.sizes(),
-                " must equal k shape ", k_in.sizes());
+    PE_CHECK(same(grad_q_in.sizes(), q_in.sizes()), "grad_q shape ", shape(grad_q_in),
+             " must equal q shape ", shape(q_in));
+    PE_CHECK(same(grad_k_in.sizes(), k_in.sizes()), "grad_k shape ", shape(grad_k_in),
+             " must equal k shape ", shape(k_in));
     check_cpu(grad_q_in, "grad_q");
     check_cpu(grad_k_in, "grad_k");
     const pe_dtype gdt = to_pe_dtype(grad_q_in, "grad_q");
@@ -210,9 +219,9 @@ TensorPair rope_table_grad_cpu(const Tensor& grad_q_in, const Tensor& grad_k_in,
 
     Tensor q = channel_contiguous(q_in), k = channel_contiguous(k_in);
     Tensor gq = channel_contiguous(grad_q_in);
-    Tensor gk = channel_contiguous(grad_k_in.to(grad_q_in.scalar_type()));
-    Tensor dcos = at::empty(cos.sizes(), cos.options().memory_format(at::MemoryFormat::Contiguous));
-    Tensor dsin = at::empty(cos.sizes(), cos.options().memory_format(at::MemoryFormat::Contiguous));
+    Tensor gk = channel_contiguous(converted(grad_k_in, grad_q_in.scalar_type()));
+    Tensor dcos = empty(cos.sizes(), cos.scalar_type(), cos);
+    Tensor dsin = empty(cos.sizes(), cos.scalar_type(), cos);
 
     a.src.table_dtype = to_pe_dtype(cos, "cos");
     a.src.table_batch = Bc;
@@ -223,8 +232,8 @@ TensorPair rope_table_grad_cpu(const Tensor& grad_q_in, const Tensor& grad_k_in,
     int64_t gqs[3], gks[3];
     fill_strides(gqs, gq);
     fill_strides(gks, gk);
-    check_status(pe_rope_table_grad(&a, gq.const_data_ptr(), gqs, gk.const_data_ptr(), gks, gdt,
-                                    dcos.mutable_data_ptr(), dsin.mutable_data_ptr()),
+    check_status(run_rope_table_grad(q_in, a, gq.const_data_ptr(), gqs, gk.const_data_ptr(), gks,
+                                     gdt, dcos.mutable_data_ptr(), dsin.mutable_data_ptr()),
                  "posenc::rope_table_grad");
     return {dcos, dsin};
 }
@@ -236,40 +245,44 @@ struct PositionSource {
 };
 
 PositionSource position_source(pe_rope_source& src, const Tensor& position_ids,
-                               const Tensor& inv_freq, IntArrayRef mrope_section,
-                               bool interleaved, double scaling, int64_t B, int64_t T) {
+                               const Tensor& inv_freq, IntList mrope_section, bool interleaved,
+                               double scaling, int64_t B, int64_t T) {
     check_cpu(position_ids, "position_ids");
     check_cpu(inv_freq, "inv_freq");
-    TORCH_CHECK(position_ids.scalar_type() == at::kLong || position_ids.scalar_type() == at::kInt,
-                "position_ids must be int64 or int32, got ", position_ids.scalar_type());
-    TORCH_CHECK(position_ids.dim() == 2 || position_ids.dim() == 3,
-                "position_ids must be (batch, seq) or (3, batch, seq), got shape ",
-                position_ids.sizes());
-    if (position_ids.dim() == 3)
-        TORCH_CHECK(position_ids.size(0) == 3,
-                    "3-D position_ids must have 3 rows (T, H, W) in dim 0, got shape ",
-                    position_ids.sizes());
-    TORCH_CHECK(position_ids.dim() == 2 || !mrope_section.empty(),
-                "position_ids of shape ", position_ids.sizes(),
-                " (3 axes) need mrope_section to pick an axis per frequency");
-    TORCH_CHECK(inv_freq.dim() == 1 && inv_freq.size(0) >= 1,
-                "inv_freq must be 1-D with at least one frequency, got shape ", inv_freq.sizes());
-    TORCH_CHECK(at::isFloatingType(inv_freq.scalar_type()), "inv_freq must be floating point, got ",
-                inv_freq.scalar_type());
+    const ScalarType pt = position_ids.scalar_type();
+    PE_CHECK(pt == ScalarType::Long || pt == ScalarType::Int,
+             "position_ids must be int64 or int32, got ", pt);
+    const int64_t pdim = position_ids.dim();
+    PE_CHECK(pdim == 2 || pdim == 3,
+             "position_ids must be (batch, seq) or (3, batch, seq), got shape ",
+             shape(position_ids));
+    if (pdim == 3)
+        PE_CHECK(position_ids.size(0) == 3,
+                 "3-D position_ids must have 3 rows (T, H, W) in dim 0, got shape ",
+                 shape(position_ids));
+    PE_CHECK(pdim == 2 || !mrope_section.empty(), "position_ids of shape ", shape(position_ids),
+             " (3 axes) need mrope_section to pick an axis per frequency");
+    PE_CHECK(inv_freq.dim() == 1 && inv_freq.size(0) >= 1,
+             "inv_freq must be 1-D with at least one frequency, got shape ", shape(inv_freq));
+    PE_CHECK(is_floating(inv_freq.scalar_type()), "inv_freq must be floating point, got ",
+             inv_freq.scalar_type());
     const int64_t Bp = position_ids.size(-2);
-    TORCH_CHECK(B < 0 || Bp == 1 || Bp == B, "position_ids batch size ", Bp,
-                " must be 1 or the batch size ", B);
-    TORCH_CHECK(T < 0 || position_ids.size(-1) == T, "position_ids sequence length ",
-                position_ids.size(-1), " must equal the sequence length of q ", T);
+    PE_CHECK(B < 0 || Bp == 1 || Bp == B, "position_ids batch size ", Bp,
+             " must be 1 or the batch size ", B);
+    PE_CHECK(T < 0 || position_ids.size(-1) == T, "position_ids sequence length ",
+             position_ids.size(-1), " must equal the sequence length of q ", T);
     const int64_t R = 2 * inv_freq.size(0);
-    PositionSource ps{position_ids.to(at::kLong), inv_freq.to(at::kFloat).contiguous(),
+    Tensor f = converted(inv_freq, ScalarType::Float);
+    if (!f.is_contiguous()) f = torch::stable::contiguous(f);
+    PositionSource ps{converted(position_ids, ScalarType::Long), f,
                       axis_map(mrope_section, interleaved, R)};
-    const bool three = ps.pos.dim() == 3;
+    const bool three = pdim == 3;
+    const IntList ps_strides = ps.pos.strides();
     src.pos = ps.pos.const_data_ptr<int64_t>();
     src.pos_batch = Bp;
-    src.pos_stride[0] = three ? ps.pos.stride(0) : 0;
-    src.pos_stride[1] = ps.pos.stride(-2);
-    src.pos_stride[2] = ps.pos.stride(-1);
+    src.pos_stride[0] = three ? ps_strides[0] : 0;
+    src.pos_stride[1] = ps_strides[pdim - 2];
+    src.pos_stride[2] = ps_strides[pdim - 1];
     src.inv_freq = ps.inv_freq.const_data_ptr<float>();
     src.scaling = static_cast<float>(scaling);
     // 2-D ids: all three axes are the same row, so the axis map changes nothing.
@@ -278,28 +291,29 @@ PositionSource position_source(pe_rope_source& src, const Tensor& position_ids,
 }
 
 TensorPair rope_fused_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& position_ids,
-                          const Tensor& inv_freq, IntArrayRef mrope_section, bool interleaved,
+                          const Tensor& inv_freq, IntList mrope_section, bool interleaved,
                           double attention_scaling, int64_t pairing, bool transpose) {
-    TORCH_CHECK(inv_freq.dim() == 1, "inv_freq must be 1-D, got shape ", inv_freq.sizes());
+    PE_CHECK(inv_freq.dim() == 1, "inv_freq must be 1-D, got shape ", shape(inv_freq));
     pe_rope_args a = problem(q_in, k_in, 2 * inv_freq.size(0), pairing, transpose);
-    to_pe_dtype(q_in, "q");
-    to_pe_dtype(k_in, "k");
+    const ScalarType qt = q_in.scalar_type(), kt = k_in.scalar_type();
+    to_pe_dtype(qt, "q");
+    to_pe_dtype(kt, "k");
     PositionSource ps = position_source(a.src, position_ids, inv_freq, mrope_section, interleaved,
                                         attention_scaling, a.batch, a.seq);
     Tensor q = channel_contiguous(q_in), k = channel_contiguous(k_in);
-    Tensor q_out = output_like(q_in, q_in.scalar_type());
-    Tensor k_out = output_like(k_in, k_in.scalar_type());
+    Tensor q_out = output_like(q_in, qt);
+    Tensor k_out = output_like(k_in, kt);
     bind(a.q, q, q_out, "q");
     bind(a.k, k, k_out, "k");
-    check_status(pe_rope_apply(&a), "posenc::rope_fused");
+    check_status(run_rope_apply(q_in, a), "posenc::rope_fused");
     return {q_out, k_out};
 }
 
 TensorPair rope_tables_cpu(const Tensor& position_ids, const Tensor& inv_freq,
-                           IntArrayRef mrope_section, bool interleaved, double attention_scaling,
-                           int64_t pairing, at::ScalarType dtype) {
-    TORCH_CHECK(pairing == PE_PAIR_HALF || pairing == PE_PAIR_ADJACENT,
-                "pairing must be 0 (half) or 1 (adjacent), got ", pairing);
+                           IntList mrope_section, bool interleaved, double attention_scaling,
+                           int64_t pairing, ScalarType dtype) {
+    PE_CHECK(pairing == PE_PAIR_HALF || pairing == PE_PAIR_ADJACENT,
+             "pairing must be 0 (half) or 1 (adjacent), got ", pairing);
     pe_rope_args a{};
     PositionSource ps = position_source(a.src, position_ids, inv_freq, mrope_section, interleaved,
                                         attention_scaling, -1, -1);
@@ -309,10 +323,11 @@ TensorPair rope_tables_cpu(const Tensor& position_ids, const Tensor& inv_freq,
     a.pairing = static_cast<pe_pairing>(pairing);
     a.nthreads = num_threads();
     const pe_dtype odt = to_pe_dtype(dtype, "dtype");
-    auto opts = at::TensorOptions().dtype(dtype);
-    Tensor cos = at::empty({a.batch, a.seq, a.rot_dim}, opts);
-    Tensor sin = at::empty({a.batch, a.seq, a.rot_dim}, opts);
-    check_status(pe_rope_tables(&a, odt, cos.mutable_data_ptr(), sin.mutable_data_ptr()),
+    const std::array<int64_t, 3> sizes{a.batch, a.seq, a.rot_dim};
+    Tensor cos = empty(sizes, dtype, position_ids);
+    Tensor sin = empty(sizes, dtype, position_ids);
+    check_status(run_rope_tables(position_ids, a, odt, cos.mutable_data_ptr(),
+                                 sin.mutable_data_ptr()),
                  "posenc::rope_tables");
     return {cos, sin};
 }
@@ -323,87 +338,107 @@ TensorPair rope_tables_cpu(const Tensor& position_ids, const Tensor& inv_freq,
 const char* const kModelNames[] = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"};
 
 void check_integer(const Tensor& t, const char* name) {
-    TORCH_CHECK_TYPE(at::isIntegralType(t.scalar_type(), /*includeBool=*/false), name,
-                     " must be an integer tensor (int64 or int32), got ", t.scalar_type());
+    // TypeError in the Python layer, which checks this first.
+    PE_CHECK_VALUE(is_integral(t.scalar_type()), name,
+                   " must be an integer tensor (int64 or int32), got ", t.scalar_type());
 }
 
-// (n, 3) integer grids -> contiguous int64 (an undefined tensor stays undefined).
-Tensor grid_tensor(const std::optional<Tensor>& g, const char* name) {
-    if (!g.has_value()) return {};
+// (n, 3) integer grids -> contiguous int64.
+std::optional<Tensor> grid_tensor(const std::optional<Tensor>& g, const char* name) {
+    if (!g.has_value()) return std::nullopt;
     const Tensor& t = *g;
     check_cpu(t, name);
     check_integer(t, name);
-    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(1) == 3, name,
-                      " must have shape (num_grids, 3) of (t, h, w) patch counts, got shape ",
-                      t.sizes());
-    return t.to(at::kLong).contiguous();
+    PE_CHECK_VALUE(t.dim() == 2 && t.size(1) == 3, name,
+                   " must have shape (num_grids, 3) of (t, h, w) patch counts, got shape ",
+                   shape(t));
+    Tensor out = converted(t, ScalarType::Long);
+    return out.is_contiguous() ? out : torch::stable::contiguous(out);
 }
 
-std::string grid_text(const Tensor& grids, int64_t i) {
-    if (!grids.defined() || i < 0 || i >= grids.size(0)) return "?";
-    const int64_t* g = grids.const_data_ptr<int64_t>() + 3 * i;
+std::string grid_text(const std::optional<Tensor>& grids, int64_t i) {
+    if (!grids.has_value() || i < 0 || i >= grids->size(0)) return "?";
+    const int64_t* g = grids->const_data_ptr<int64_t>() + 3 * i;
     return "(" + std::to_string(g[0]) + ", " + std::to_string(g[1]) + ", " + std::to_string(g[2]) +
            ")";
 }
 
 // Turns a pe_pos_error into a ValueError that names the argument at fault.
-[[noreturn]] void raise_position_error(const pe_pos_error& e, int rc, const Tensor& images,
-                                       const Tensor& videos, int64_t merge, int64_t model) {
+[[noreturn]] void raise_position_error(const pe_pos_error& e, int rc,
+                                       const std::optional<Tensor>& images,
+                                       const std::optional<Tensor>& videos, int64_t merge,
+                                       int64_t model) {
     const char* grid_name = e.video ? "video_grid_thw" : "image_grid_thw";
     const char* token_name = e.video ? "video_token_id" : "image_token_id";
     const char* kind = e.video ? "video" : "image";
-    const Tensor& grids = e.video ? videos : images;
+    const std::optional<Tensor>& grids = e.video ? videos : images;
     const bool frames = e.video && model == PE_MROPE_QWEN3_VL;
     const std::string where =
         "input_ids[" + std::to_string(e.row) + ", " + std::to_string(e.token) + "]";
     switch (e.problem) {
     case PE_POS_BAD_MASK:
-        TORCH_CHECK_VALUE(false, "attention_mask[", e.row, ", ", e.token, "] is ", e.found,
-                          "; expected 0 or 1");
+        fail_value("attention_mask[", e.row, ", ", e.token, "] is ", e.found,
+                   "; expected 0 or 1");
     case PE_POS_BAD_GRID:
-        TORCH_CHECK_VALUE(false, grid_name, "[", e.grid, "] = ", grid_text(grids, e.grid),
-                          " is not a valid patch grid: t, h, w must be positive and h, w "
-                          "divisible by spatial_merge_size = ", merge,
-                          " (grids count patches before merging)");
+        fail_value(grid_name, "[", e.grid, "] = ", grid_text(grids, e.grid),
+                   " is not a valid patch grid: t, h, w must be positive and h, w "
+                   "divisible by spatial_merge_size = ", merge,
+                   " (grids count patches before merging)");
     case PE_POS_BAD_SECONDS:
-        TORCH_CHECK_VALUE(false, "second_per_grid_ts[", e.grid, "] (video_grid_thw[", e.grid,
-                          "] = ", grid_text(videos, e.grid),
-                          ") must be finite and >= 0, and (t - 1) * second_per_grid_ts * "
-                          "tokens_per_second must stay below 2^31");
+        fail_value("second_per_grid_ts[", e.grid, "] (video_grid_thw[", e.grid,
+                   "] = ", grid_text(videos, e.grid),
+                   ") must be finite and >= 0, and (t - 1) * second_per_grid_ts * "
+                   "tokens_per_second must stay below 2^31");
     case PE_POS_GRID_COUNT:
-        TORCH_CHECK_VALUE(false, grid_name, frames ? " describes " : " has ", e.expected,
-                          frames ? " frames (Qwen3-VL: the sum of t over its rows; every frame "
-                                   "is its own vision_start + video tokens run)"
-                                 : " rows",
-                          ", but input_ids has ", e.found, " ", kind,
-                          frames ? " frame runs" : "s",
-                          " (", e.video ? "a " : "an ", token_name,
-                          " right after a vision_start_token_id, counted over "
-                          "the unmasked tokens of all rows)");
+        fail_value(grid_name, frames ? " describes " : " has ", e.expected,
+                   frames ? " frames (Qwen3-VL: the sum of t over its rows; every frame "
+                            "is its own vision_start + video tokens run)"
+                          : " rows",
+                   ", but input_ids has ", e.found, " ", kind, frames ? " frame runs" : "s",
+                   " (", e.video ? "a " : "an ", token_name,
+                   " right after a vision_start_token_id, counted over "
+                   "the unmasked tokens of all rows)");
     case PE_POS_NO_GRIDS:
-        TORCH_CHECK_VALUE(false, where, " starts ", e.video ? "a video" : "an image",
-                          " (", token_name, " after vision_start_token_id), but image_grid_thw "
-                          "and video_grid_thw are both None");
+        fail_value(where, " starts ", e.video ? "a video" : "an image", " (", token_name,
+                   " after vision_start_token_id), but image_grid_thw "
+                   "and video_grid_thw are both None");
     case PE_POS_SHORT_RUN:
-        TORCH_CHECK_VALUE(false, grid_name, "[", e.grid, "] = ", grid_text(grids, e.grid),
-                          frames ? " (frame " + std::to_string(e.frame) + ")" : std::string(),
-                          " needs ", e.expected, " ", token_name, " tokens (",
-                          frames ? "h * w" : "t * h * w", " / spatial_merge_size^2 with "
-                          "spatial_merge_size = ", merge, "), but the run that starts at ", where,
-                          " has ", e.found);
+        fail_value(grid_name, "[", e.grid, "] = ", grid_text(grids, e.grid),
+                   frames ? " (frame " + std::to_string(e.frame) + ")" : std::string(),
+                   " needs ", e.expected, " ", token_name, " tokens (",
+                   frames ? "h * w" : "t * h * w", " / spatial_merge_size^2 with "
+                   "spatial_merge_size = ", merge, "), but the run that starts at ", where,
+                   " has ", e.found);
     case PE_POS_STRAY_TOKEN:
-        TORCH_CHECK_VALUE(false, where, " is ", token_name, " but belongs to no ", kind,
-                          ": every ", kind, " must be one run of exactly t * h * w / "
-                          "spatial_merge_size^2 placeholder tokens right after a "
-                          "vision_start_token_id (the run is longer than its ", grid_name,
-                          " row, or has no vision start)");
+        fail_value(where, " is ", token_name, " but belongs to no ", kind, ": every ", kind,
+                   " must be one run of exactly t * h * w / "
+                   "spatial_merge_size^2 placeholder tokens right after a "
+                   "vision_start_token_id (the run is longer than its ", grid_name,
+                   " row, or has no vision start)");
     default:
         check_status(rc, "posenc::mrope_position_ids");
-        TORCH_CHECK(false, "posenc::mrope_position_ids: invalid arguments");
+        fail("posenc::mrope_position_ids: invalid arguments");
     }
 }
 
-std::tuple<Tensor, Tensor> mrope_position_ids_cpu(
+// A (B, L) integer tensor as int64 with unit stride along L.
+Tensor row_major_long(const Tensor& t) {
+    Tensor out = converted(t, ScalarType::Long);
+    if (out.size(1) > 1 && out.stride(1) != 1) out = torch::stable::contiguous(out);
+    return out;
+}
+
+// Floating masks must hold only 0 and 1 (the int64 conversion would hide 0.5 or NaN).
+bool binary_values(const Tensor& m) {
+    Tensor d = torch::stable::contiguous(converted(m, ScalarType::Double));
+    const double* p = d.const_data_ptr<double>();
+    const int64_t n = d.numel();
+    for (int64_t i = 0; i < n; ++i)
+        if (!(p[i] == 0.0 || p[i] == 1.0)) return false;
+    return true;
+}
+
+TensorPair mrope_position_ids_cpu(
     const Tensor& input_ids_in, const std::optional<Tensor>& image_grid_thw,
     const std::optional<Tensor>& video_grid_thw, const std::optional<Tensor>& attention_mask,
     const std::optional<Tensor>& second_per_grid_ts, int64_t model, int64_t image_token_id,
@@ -411,57 +446,57 @@ std::tuple<Tensor, Tensor> mrope_position_ids_cpu(
     double tokens_per_second) {
     check_cpu(input_ids_in, "input_ids");
     check_integer(input_ids_in, "input_ids");
-    TORCH_CHECK_VALUE(input_ids_in.dim() == 2, "input_ids must be 2-D (batch, seq), got shape ",
-                      input_ids_in.sizes());
-    TORCH_CHECK_VALUE(model >= 0 && model <= 2,
-                      "model must be 0 (qwen2_vl), 1 (qwen2_5_vl) or 2 (qwen3_vl), got ", model);
-    TORCH_CHECK_VALUE(spatial_merge_size >= 1, "spatial_merge_size must be >= 1, got ",
-                      spatial_merge_size);
-    TORCH_CHECK_VALUE(image_token_id >= 0 && video_token_id >= 0 && vision_start_token_id >= 0,
-                      "image_token_id, video_token_id and vision_start_token_id must be "
-                      "non-negative, got ", image_token_id, ", ", video_token_id, ", ",
-                      vision_start_token_id);
-    TORCH_CHECK_VALUE(image_token_id != video_token_id && image_token_id != vision_start_token_id &&
-                          video_token_id != vision_start_token_id,
-                      "image_token_id, video_token_id and vision_start_token_id must be distinct, "
-                      "got ", image_token_id, ", ", video_token_id, ", ", vision_start_token_id);
-    TORCH_CHECK_VALUE(model != PE_MROPE_QWEN2_5_VL ||
-                          (std::isfinite(tokens_per_second) && tokens_per_second >= 0),
-                      "tokens_per_second must be finite and >= 0, got ", tokens_per_second);
+    PE_CHECK_VALUE(input_ids_in.dim() == 2, "input_ids must be 2-D (batch, seq), got shape ",
+                   shape(input_ids_in));
+    PE_CHECK_VALUE(model >= 0 && model <= 2,
+                   "model must be 0 (qwen2_vl), 1 (qwen2_5_vl) or 2 (qwen3_vl), got ", model);
+    PE_CHECK_VALUE(spatial_merge_size >= 1, "spatial_merge_size must be >= 1, got ",
+                   spatial_merge_size);
+    PE_CHECK_VALUE(image_token_id >= 0 && video_token_id >= 0 && vision_start_token_id >= 0,
+                   "image_token_id, video_token_id and vision_start_token_id must be "
+                   "non-negative, got ", image_token_id, ", ", video_token_id, ", ",
+                   vision_start_token_id);
+    PE_CHECK_VALUE(image_token_id != video_token_id && image_token_id != vision_start_token_id &&
+                       video_token_id != vision_start_token_id,
+                   "image_token_id, video_token_id and vision_start_token_id must be distinct, "
+                   "got ", image_token_id, ", ", video_token_id, ", ", vision_start_token_id);
+    PE_CHECK_VALUE(model != PE_MROPE_QWEN2_5_VL ||
+                       (std::isfinite(tokens_per_second) && tokens_per_second >= 0),
+                   "tokens_per_second must be finite and >= 0, got ", tokens_per_second);
     const int64_t B = input_ids_in.size(0), L = input_ids_in.size(1);
-    Tensor input_ids = input_ids_in.to(at::kLong);
-    if (L > 1 && input_ids.stride(1) != 1) input_ids = input_ids.contiguous();
+    const Tensor input_ids = row_major_long(input_ids_in);
 
-    Tensor mask;
+    std::optional<Tensor> mask;
     if (attention_mask.has_value()) {
         const Tensor& m = *attention_mask;
         check_cpu(m, "attention_mask");
-        TORCH_CHECK_VALUE(m.sizes() == input_ids_in.sizes(), "attention_mask shape ", m.sizes(),
-                          " must equal input_ids shape ", input_ids_in.sizes());
-        TORCH_CHECK_TYPE(!m.is_complex(), "attention_mask must be bool, integer or floating, got ",
-                         m.scalar_type());
-        if (m.is_floating_point())  // the int64 conversion would hide 0.5 or NaN
-            TORCH_CHECK_VALUE(m.eq(0).logical_or(m.eq(1)).all().item<bool>(),
-                              "attention_mask must hold only 0 and 1");
-        mask = m.to(at::kLong);
-        if (L > 1 && mask.stride(1) != 1) mask = mask.contiguous();
+        PE_CHECK_VALUE(same(m.sizes(), input_ids_in.sizes()), "attention_mask shape ",
+                       shape(m), " must equal input_ids shape ", shape(input_ids_in));
+        // TypeError in the Python layer, which checks this first.
+        PE_CHECK_VALUE(!is_complex(m.scalar_type()),
+                       "attention_mask must be bool, integer or floating, got ",
+                       m.scalar_type());
+        if (is_floating(m.scalar_type()))
+            PE_CHECK_VALUE(binary_values(m), "attention_mask must hold only 0 and 1");
+        mask = row_major_long(m);
     }
-    const Tensor images = grid_tensor(image_grid_thw, "image_grid_thw");
-    const Tensor videos = grid_tensor(video_grid_thw, "video_grid_thw");
-    const int64_t n_videos = videos.defined() ? videos.size(0) : 0;
-    Tensor seconds;
+    const std::optional<Tensor> images = grid_tensor(image_grid_thw, "image_grid_thw");
+    const std::optional<Tensor> videos = grid_tensor(video_grid_thw, "video_grid_thw");
+    const int64_t n_videos = videos.has_value() ? videos->size(0) : 0;
+    std::optional<Tensor> seconds;
     if (second_per_grid_ts.has_value()) {
         const Tensor& s = *second_per_grid_ts;
-        TORCH_CHECK_VALUE(model == PE_MROPE_QWEN2_5_VL,
-                          "second_per_grid_ts is only used by qwen2_5_vl, got model ",
-                          kModelNames[model]);
+        PE_CHECK_VALUE(model == PE_MROPE_QWEN2_5_VL,
+                       "second_per_grid_ts is only used by qwen2_5_vl, got model ",
+                       kModelNames[model]);
         check_cpu(s, "second_per_grid_ts");
-        TORCH_CHECK_TYPE(s.is_floating_point() || at::isIntegralType(s.scalar_type(), false),
-                         "second_per_grid_ts must be a real tensor, got ", s.scalar_type());
-        TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == n_videos,
-                          "second_per_grid_ts must have shape (num_videos,) = (", n_videos,
-                          ",) to match video_grid_thw, got shape ", s.sizes());
-        seconds = s.to(at::kDouble).contiguous();
+        // TypeError in the Python layer, which checks this first.
+        PE_CHECK_VALUE(is_floating(s.scalar_type()) || is_integral(s.scalar_type()),
+                       "second_per_grid_ts must be a real tensor, got ", s.scalar_type());
+        PE_CHECK_VALUE(s.dim() == 1 && s.size(0) == n_videos,
+                       "second_per_grid_ts must have shape (num_videos,) = (", n_videos,
+                       ",) to match video_grid_thw, got shape ", shape(s));
+        seconds = torch::stable::contiguous(converted(s, ScalarType::Double));
     }
 
     pe_mrope_args a{};
@@ -469,14 +504,14 @@ std::tuple<Tensor, Tensor> mrope_position_ids_cpu(
     a.seq = L;
     a.input_ids = input_ids.const_data_ptr<int64_t>();
     a.ids_row_stride = input_ids.stride(0);
-    a.attention_mask = mask.defined() ? mask.const_data_ptr<int64_t>() : nullptr;
-    a.mask_row_stride = mask.defined() ? mask.stride(0) : 0;
-    a.has_grids = images.defined() || videos.defined();
-    a.image_grid_thw = images.defined() ? images.const_data_ptr<int64_t>() : nullptr;
-    a.n_images = images.defined() ? images.size(0) : 0;
-    a.video_grid_thw = videos.defined() ? videos.const_data_ptr<int64_t>() : nullptr;
+    a.attention_mask = mask.has_value() ? mask->const_data_ptr<int64_t>() : nullptr;
+    a.mask_row_stride = mask.has_value() ? mask->stride(0) : 0;
+    a.has_grids = images.has_value() || videos.has_value();
+    a.image_grid_thw = images.has_value() ? images->const_data_ptr<int64_t>() : nullptr;
+    a.n_images = images.has_value() ? images->size(0) : 0;
+    a.video_grid_thw = videos.has_value() ? videos->const_data_ptr<int64_t>() : nullptr;
     a.n_videos = n_videos;
-    a.second_per_grid_ts = seconds.defined() ? seconds.const_data_ptr<double>() : nullptr;
+    a.second_per_grid_ts = seconds.has_value() ? seconds->const_data_ptr<double>() : nullptr;
     a.model = static_cast<pe_mrope_model>(model);
     a.image_token_id = image_token_id;
     a.video_token_id = video_token_id;
@@ -485,57 +520,67 @@ std::tuple<Tensor, Tensor> mrope_position_ids_cpu(
     a.tokens_per_second = tokens_per_second;
     a.nthreads = num_threads();
 
-    auto opts = at::TensorOptions().dtype(at::kLong);
-    Tensor pos = at::empty({3, B, L}, opts);
-    Tensor deltas = at::empty({B, 1}, opts);
+    const std::array<int64_t, 3> pos_sizes{3, B, L};
+    const std::array<int64_t, 2> delta_sizes{B, 1};
+    Tensor pos = empty(pos_sizes, ScalarType::Long, input_ids_in);
+    Tensor deltas = empty(delta_sizes, ScalarType::Long, input_ids_in);
     pe_pos_error err{};
-    const int rc = pe_mrope_position_ids(&a, pos.mutable_data_ptr<int64_t>(),
-                                         deltas.mutable_data_ptr<int64_t>(), &err);
+    const int rc = run_mrope_position_ids(input_ids_in, a, pos.mutable_data_ptr<int64_t>(),
+                                          deltas.mutable_data_ptr<int64_t>(), &err);
     if (rc != PE_OK) raise_position_error(err, rc, images, videos, spatial_merge_size, model);
     return {pos, deltas};
 }
 
 Tensor vision_position_ids_cpu(const Tensor& grid_thw, int64_t spatial_merge_size) {
-    TORCH_CHECK_VALUE(spatial_merge_size >= 1, "spatial_merge_size must be >= 1, got ",
-                      spatial_merge_size);
-    const Tensor grids = grid_tensor(grid_thw, "grid_thw");
-    const int64_t n = grids.size(0);
-    const int64_t* g = grids.const_data_ptr<int64_t>();
+    PE_CHECK_VALUE(spatial_merge_size >= 1, "spatial_merge_size must be >= 1, got ",
+                   spatial_merge_size);
+    const std::optional<Tensor> grids = grid_tensor(grid_thw, "grid_thw");
+    const int64_t n = grids->size(0);
+    const int64_t* g = grids->const_data_ptr<int64_t>();
     pe_pos_error err{};
     int64_t total = 0;
     int rc = pe_vision_position_count(n, g, spatial_merge_size, &total, &err);
     if (rc == PE_ERR_GRID)
-        TORCH_CHECK_VALUE(false, "grid_thw[", err.grid, "] = ", grid_text(grids, err.grid),
-                          " is not a valid patch grid: t, h, w must be positive, h and w "
-                          "divisible by spatial_merge_size = ", spatial_merge_size,
-                          ", and the patch count must fit in int64");
+        fail_value("grid_thw[", err.grid, "] = ", grid_text(grids, err.grid),
+                   " is not a valid patch grid: t, h, w must be positive, h and w "
+                   "divisible by spatial_merge_size = ", spatial_merge_size,
+                   ", and the patch count must fit in int64");
     check_status(rc, "posenc::vision_position_ids");
-    Tensor out = at::empty({total, 2}, at::TensorOptions().dtype(at::kLong));
-    rc = pe_vision_position_ids(n, g, spatial_merge_size, total, out.mutable_data_ptr<int64_t>(),
-                                num_threads(), &err);
+    const std::array<int64_t, 2> sizes{total, 2};
+    Tensor out = empty(sizes, ScalarType::Long, grid_thw);
+    rc = run_vision_position_ids(grid_thw, n, g, spatial_merge_size, total,
+                                 out.mutable_data_ptr<int64_t>(), &err);
     check_status(rc, "posenc::vision_position_ids");
     return out;
 }
 
-// posenc::sinusoidal has no tensor inputs, so no backend key selects a kernel: it is
-// registered under CompositeExplicitAutograd, which also serves calls without a key.
-Tensor sinusoidal_impl(int64_t num_positions, int64_t dim, double base, at::ScalarType dtype) {
-    TORCH_CHECK(num_positions >= 0, "num_positions must be >= 0, got ", num_positions);
-    TORCH_CHECK(dim >= 1, "dim must be >= 1, got ", dim);
-    TORCH_CHECK(num_positions <= INT64_MAX / dim, "num_positions * dim overflows: ",
-                num_positions, " * ", dim);
-    TORCH_CHECK(std::isfinite(base) && base > 0.0, "base must be finite and > 0, got ", base);
+// ---- Sinusoidal table.  posenc::sinusoidal has no tensor inputs, so no backend key
+// selects a kernel: it is registered under CompositeExplicitAutograd, which also serves
+// calls without a key, and it allocates on the CPU.
+
+Tensor sinusoidal_impl(int64_t num_positions, int64_t dim, double base, ScalarType dtype) {
+    PE_CHECK(num_positions >= 0, "num_positions must be >= 0, got ", num_positions);
+    PE_CHECK(dim >= 1, "dim must be >= 1, got ", dim);
+    PE_CHECK(num_positions <= INT64_MAX / dim, "num_positions * dim overflows: ", num_positions,
+             " * ", dim);
+    PE_CHECK(std::isfinite(base) && base > 0.0, "base must be finite and > 0, got ", base);
     const pe_dtype odt = to_pe_dtype(dtype, "dtype");
-    Tensor out = at::empty({num_positions, dim}, at::TensorOptions().dtype(dtype));
-    check_status(pe_sinusoidal(num_positions, dim, base, odt, out.mutable_data_ptr(),
-                               num_threads()),
-                 "posenc::sinusoidal");
+    const std::array<int64_t, 2> sizes{num_positions, dim};
+    const std::array<int64_t, 2> strides{dim, 1};
+    AtenTensorHandle h = nullptr;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(
+        2, sizes.data(), strides.data(),
+        torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype)),
+        aoti_torch_device_type_cpu(), 0, &h));
+    Tensor out(h);
+    check_status(run_sinusoidal(out, num_positions, dim, base, odt), "posenc::sinusoidal");
     return out;
 }
 
 }  // namespace
+}  // namespace posenc
 
-TORCH_LIBRARY(posenc, m) {
+STABLE_TORCH_LIBRARY(posenc, m) {
     m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, int[] mrope_section, bool interleaved, "
           "int pairing, bool transpose, ScalarType? q_dtype=None, ScalarType? k_dtype=None) "
           "-> (Tensor, Tensor)");
@@ -553,17 +598,17 @@ TORCH_LIBRARY(posenc, m) {
     m.def("sinusoidal(SymInt num_positions, SymInt dim, float base, ScalarType dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(posenc, CPU, m) {
-    m.impl("rope", &rope_cpu);
-    m.impl("rope_table_grad", &rope_table_grad_cpu);
-    m.impl("rope_fused", &rope_fused_cpu);
-    m.impl("rope_tables", &rope_tables_cpu);
-    m.impl("mrope_position_ids", &mrope_position_ids_cpu);
-    m.impl("vision_position_ids", &vision_position_ids_cpu);
+STABLE_TORCH_LIBRARY_IMPL(posenc, CPU, m) {
+    m.impl("rope", TORCH_BOX(&posenc::rope_cpu));
+    m.impl("rope_table_grad", TORCH_BOX(&posenc::rope_table_grad_cpu));
+    m.impl("rope_fused", TORCH_BOX(&posenc::rope_fused_cpu));
+    m.impl("rope_tables", TORCH_BOX(&posenc::rope_tables_cpu));
+    m.impl("mrope_position_ids", TORCH_BOX(&posenc::mrope_position_ids_cpu));
+    m.impl("vision_position_ids", TORCH_BOX(&posenc::vision_position_ids_cpu));
 }
 
-TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
-    m.impl("sinusoidal", &sinusoidal_impl);
+STABLE_TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
+    m.impl("sinusoidal", TORCH_BOX(&posenc::sinusoidal_impl));
 }
 
 // ---- posenc_torch._C: the module object, plus the SIMD-variant switch used by the tests.

@@ -1,0 +1,240 @@
+// What the posenc shim needs from torch, on top of the LibTorch stable ABI only: checks
+// that raise with a plain message, dtype and layout rules that the stable surface does
+// not offer (result_type, empty_like's layout), and output allocation.  Everything here
+// is header-only C++ over torch/csrc/stable and torch/headeronly, so the binary depends on
+// nothing but the stable C shim of libtorch (TORCH_TARGET_VERSION, set by the build).
+#pragma once
+
+#ifndef TORCH_TARGET_VERSION
+#error "build with -DTORCH_TARGET_VERSION=<the oldest torch to support> (see meson.build)"
+#endif
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/shim_utils.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "posenc.h"
+
+namespace posenc {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+using IntList = torch::headeronly::IntHeaderOnlyArrayRef;
+
+// ---- Errors.  A failed check throws with exactly its message: std::runtime_error reaches
+// Python as RuntimeError and std::invalid_argument as ValueError.  (The stable ABI has no
+// TypeError; the Python layer raises that one before the op is called.)
+
+template <class... Args>
+std::string cat(const Args&... args) {
+    std::ostringstream s;
+    (s << ... << args);
+    return s.str();
+}
+
+template <class... Args>
+[[noreturn]] __attribute__((cold, noinline)) void fail(const Args&... args) {
+    throw std::runtime_error(cat(args...));
+}
+
+template <class... Args>
+[[noreturn]] __attribute__((cold, noinline)) void fail_value(const Args&... args) {
+    throw std::invalid_argument(cat(args...));
+}
+
+#define PE_CHECK(cond, ...) \
+    do {                    \
+        if (__builtin_expect(!(cond), 0)) ::posenc::fail(__VA_ARGS__); \
+    } while (0)
+#define PE_CHECK_VALUE(cond, ...) \
+    do {                          \
+        if (__builtin_expect(!(cond), 0)) ::posenc::fail_value(__VA_ARGS__); \
+    } while (0)
+
+// ---- Printing, as torch prints these in its own messages: [2, 3, 4], Float, cpu, cuda:0.
+
+struct Shape {
+    IntList v;
+};
+inline std::ostream& operator<<(std::ostream& s, Shape x) {
+    s << '[';
+    for (size_t i = 0; i < x.v.size(); ++i) s << (i ? ", " : "") << x.v[i];
+    return s << ']';
+}
+inline Shape shape(const Tensor& t) { return {t.sizes()}; }
+
+struct DeviceName {
+    const Tensor& t;
+};
+inline std::ostream& operator<<(std::ostream& s, DeviceName d) {
+    using torch::headeronly::DeviceType;
+    const torch::stable::Device dev = d.t.device();
+    switch (dev.type()) {
+    case DeviceType::CPU: s << "cpu"; break;
+    case DeviceType::CUDA: s << "cuda"; break;
+    case DeviceType::HIP: s << "hip"; break;
+    case DeviceType::XPU: s << "xpu"; break;
+    case DeviceType::MPS: s << "mps"; break;
+    case DeviceType::Meta: s << "meta"; break;
+    case DeviceType::PrivateUse1: s << "privateuseone"; break;
+    default: s << "device type " << static_cast<int>(dev.type()); break;
+    }
+    if (dev.has_index()) s << ':' << static_cast<int>(dev.index());
+    return s;
+}
+
+// ---- Dtypes.
+
+inline bool is_floating(ScalarType s) {
+    switch (s) {
+    case ScalarType::Half: case ScalarType::Float: case ScalarType::Double:
+    case ScalarType::BFloat16: case ScalarType::Float8_e5m2: case ScalarType::Float8_e4m3fn:
+    case ScalarType::Float8_e5m2fnuz: case ScalarType::Float8_e4m3fnuz:
+    case ScalarType::Float8_e8m0fnu:
+        return true;
+    default: return false;
+    }
+}
+
+inline bool is_integral(ScalarType s) {  // bool excluded
+    switch (s) {
+    case ScalarType::Byte: case ScalarType::Char: case ScalarType::Short: case ScalarType::Int:
+    case ScalarType::Long: case ScalarType::UInt16: case ScalarType::UInt32:
+    case ScalarType::UInt64:
+        return true;
+    default: return false;
+    }
+}
+
+inline bool is_complex(ScalarType s) {
+    return s == ScalarType::ComplexHalf || s == ScalarType::ComplexFloat ||
+           s == ScalarType::ComplexDouble;
+}
+
+inline pe_dtype to_pe_dtype(ScalarType s, const char* name) {
+    switch (s) {
+    case ScalarType::Float: return PE_FLOAT32;
+    case ScalarType::Double: return PE_FLOAT64;
+    case ScalarType::BFloat16: return PE_BFLOAT16;
+    case ScalarType::Half: return PE_FLOAT16;
+    default: fail(name, " must be float32, float64, bfloat16 or float16, got ", s);
+    }
+}
+
+inline pe_dtype to_pe_dtype(const Tensor& t, const char* name) {
+    return to_pe_dtype(t.scalar_type(), name);
+}
+
+// torch.result_type of two tensors of dimension >= 1 whose dtypes are kernel dtypes
+// (to_pe_dtype accepted both): the wider one, and float32 for bfloat16 with float16.
+inline ScalarType result_type(ScalarType a, ScalarType b) {
+    if (a == b) return a;
+    if (a == ScalarType::Double || b == ScalarType::Double) return ScalarType::Double;
+    return ScalarType::Float;
+}
+
+// ---- Threads: torch's intra-op count, one inside a parallel region (torch's OpenMP pool
+// is the runtime the kernels use too).
+inline int num_threads() {
+    return omp_in_parallel() ? 1 : static_cast<int>(torch::stable::get_num_threads());
+}
+
+// ---- Layout and allocation.
+
+inline bool same(IntList a, IntList b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); }
+
+// Unit stride in the channel (last) dimension: what the kernels read and write.
+inline bool channel_dense(const Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1; }
+
+// The kernels need unit stride in the channel dimension; anything else is copied once.
+inline Tensor channel_contiguous(const Tensor& t) {
+    return channel_dense(t) ? t : torch::stable::contiguous(t);
+}
+
+inline Tensor converted(const Tensor& t, ScalarType dtype) {
+    return t.scalar_type() == dtype ? t : torch::stable::to(t, dtype);
+}
+
+// c10's is_non_overlapping_and_dense: some permutation of the dims is contiguous.
+inline bool non_overlapping_and_dense(IntList sizes, IntList strides) {
+    const size_t n = sizes.size();
+    if (n == 1) return sizes[0] < 2 || strides[0] == 1;
+    std::array<int64_t, 16> perm{};
+    if (n > perm.size()) return false;  // not decided here: the caller asks torch
+    for (size_t i = 0; i < n; ++i) perm[i] = static_cast<int64_t>(i);
+    std::sort(perm.begin(), perm.begin() + n, [&](int64_t a, int64_t b) {
+        if (sizes[a] < 2) return false;
+        if (sizes[b] < 2) return true;
+        return strides[a] < strides[b];
+    });
+    int64_t want = 1;
+    for (size_t i = 0; i < n; ++i) {
+        if (sizes[perm[i]] < 2) return true;
+        if (strides[perm[i]] != want) return false;
+        want *= sizes[perm[i]];
+    }
+    return true;
+}
+
+inline Tensor empty_strided(IntList sizes, IntList strides, ScalarType dtype, const Tensor& like) {
+    int32_t device_type = 0, device_index = 0;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
+    const int32_t dt = torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype));
+    AtenTensorHandle h = nullptr;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()),
+                                                    sizes.data(), strides.data(), dt,
+                                                    device_type, device_index, &h));
+    return Tensor(h);
+}
+
+// Dense row-major tensor on the device of `like`.
+inline Tensor empty(IntList sizes, ScalarType dtype, const Tensor& like) {
+    std::vector<int64_t> strides(sizes.size());
+    int64_t s = 1;
+    for (size_t i = sizes.size(); i-- > 0;) {
+        strides[i] = s;
+        s *= std::max<int64_t>(sizes[i], 1);
+    }
+    return empty_strided(sizes, strides, dtype, like);
+}
+
+// empty_like(x, dtype) with torch's layout rule: x's strides when x is non-overlapping and
+// dense, else whatever torch picks (asked from torch, off the fast path).
+inline Tensor empty_like(const Tensor& x, ScalarType dtype) {
+    if (non_overlapping_and_dense(x.sizes(), x.strides()))
+        return empty_strided(x.sizes(), x.strides(), dtype, x);
+    std::array<StableIValue, 6> stack{
+        torch::stable::detail::from(x),
+        torch::stable::detail::from(std::optional<ScalarType>(dtype)),
+        torch::stable::detail::from(std::nullopt),
+        torch::stable::detail::from(std::nullopt),
+        torch::stable::detail::from(std::nullopt),
+        torch::stable::detail::from(std::nullopt)};
+    STABLE_TORCH_ERROR_CODE_CHECK(
+        torch_call_dispatcher("aten::empty_like", "", stack.data(), TORCH_ABI_VERSION));
+    return torch::stable::detail::to<Tensor>(stack[0]);
+}
+
+// Output of x's shape in dtype, laid out like x (empty_like) when that gives the unit
+// channel stride the kernels write with, else contiguous.  The fake kernels
+// (posenc_torch/ops.py, _output_like) follow the same rule.
+inline Tensor output_like(const Tensor& x, ScalarType dtype) {
+    Tensor out = empty_like(x, dtype);
+    return channel_dense(out) ? out : empty(x.sizes(), dtype, x);
+}
+
+}  // namespace posenc
