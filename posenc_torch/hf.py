@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from . import rope as _rope
+from ._checks import KERNEL_DEVICES
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "PatchHandle", "patch"]
 
@@ -159,7 +160,8 @@ class PatchHandle:
 
 def _float_cpu(dtypes: tuple, *tensors: object) -> bool:
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype not in dtypes:
+        if (not isinstance(t, torch.Tensor) or t.device.type not in KERNEL_DEVICES
+                or t.dtype not in dtypes):
             return False
     return True
 
