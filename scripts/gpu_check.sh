@@ -15,6 +15,7 @@
 # Without a CUDA device it still builds (steps 1-2), then stops with exit status 2.
 # Exit status: 0 all passed, 1 a step failed, 2 no CUDA device.
 #   PYTHON=python3  SUITE=quick|full|smoke  GPU_ARCHS="90" (default: this GPU's)
+#   WHEELS=dir: extra wheels to put on the path first (default ./.whl when it has any)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -69,6 +70,14 @@ stage() {
         (cd builddir-gpu && PYTHONPATH="$root/builddir-gpu/stage" "$py" -c \
             "import posenc_torch as p; assert p._C.has_cuda(), 'built without CUDA kernels'; print('staged', p.__file__)")
 }
+# Optional extra packages as wheels (e.g. Liger-Kernel for the benchmark, on a machine
+# without network): every *.whl in $WHEELS (default ./.whl) goes on the path, no deps.
+wheels=${WHEELS:-.whl}
+if compgen -G "$wheels/*.whl" >/dev/null; then
+    step "extra wheels from $wheels" "$py" -m pip install -q --no-index --no-deps --no-compile \
+        --upgrade --target builddir-gpu-site "$wheels"/*.whl
+    export PYTHONPATH="$root/builddir-gpu-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 step "build (meson, cuda enabled, sm_$archs)" build
 step "stage the package" stage
 export PYTHONPATH="$root/builddir-gpu/stage${PYTHONPATH:+:$PYTHONPATH}"

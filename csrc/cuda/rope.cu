@@ -9,17 +9,16 @@ namespace {
 
 __device__ inline Lane lane() { return {threadIdx.x, blockDim.x}; }
 
-// One block per token, grid-stride: cos and signed sine once, then every head of q and k.
+// One block per token, grid-stride: the cos and signed-sine rows once, then every head of
+// q and k.
 template <typename R, typename T, int V> __global__ void rope_apply_kernel(const RopeP p) {
     extern __shared__ __align__(16) unsigned char smem[];
-    R *c = reinterpret_cast<R *>(smem), *ss = c + p.R, *s = ss + p.R;
+    R *c = reinterpret_cast<R *>(smem), *ss = c + p.R;
     const int64_t ntok = p.B * p.T;
     for (int64_t tok = blockIdx.x; tok < ntok; tok += gridDim.x) {
         const int64_t b = tok / p.T, t = tok - b * p.T;
         __syncthreads(); // the previous token's rows are no longer read
-        token_tables<R>(p, b, t, c, s, lane());
-        __syncthreads();
-        signed_sine<R>(p, s, ss, lane());
+        token_rows<R>(p, b, t, c, ss, lane());
         __syncthreads();
         rotate_token<R, T, V>(p, b, t, c, ss, lane());
     }
@@ -83,7 +82,7 @@ int pe_cuda_rope_apply(const pe_rope_args *a, cudaStream_t stream) {
     with_apply_variant(a, [&](auto r, auto tx, auto v) {
         using R = typename decltype(r)::type;
         using T = typename decltype(tx)::type;
-        const size_t shm = 3 * static_cast<size_t>(p.R) * sizeof(R);
+        const size_t shm = 2 * static_cast<size_t>(p.R) * sizeof(R);
         rope_apply_kernel<R, T, decltype(v)::value><<<grid, kApplyThreads, shm, stream>>>(p);
     });
     return launched();

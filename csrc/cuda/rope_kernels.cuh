@@ -147,7 +147,7 @@ PE_HD bool first_of_pair(int pairing, int64_t e, int64_t R) {
     return pairing == PE_PAIR_HALF ? e < R / 2 : e % 2 == 0;
 }
 
-// ---- phase 1: the token's cos and unsigned sin rows (fp32 or fp64, shared memory) --------
+// ---- the token's cos and unsigned sin rows (the tables op) ---------------------------------
 
 template <typename R>
 PE_HD void token_tables(const RopeP &p, int64_t b, int64_t t, R *c, R *s, Lane l) {
@@ -174,17 +174,41 @@ PE_HD void token_tables(const RopeP &p, int64_t b, int64_t t, R *c, R *s, Lane l
     }
 }
 
-// ---- phase 2: signed sine, forward ss[e] = sign(e) s[e], transpose sign(p(e)) s[p(e)] ------
+// ---- the rotation's rows in one pass: cos and the signed sine of the forward,
+// ss[e] = sign(e) s[e], or of the transpose, ss[e] = sign(p(e)) s[p(e)] = -sign(e) s[p(e)].
+// A channel and its partner share a frequency slot, hence an axis: each lane writes whole
+// entries from the source, and the block synchronizes once before rotating.
 
-template <typename R> PE_HD void signed_sine(const RopeP &p, const R *s, R *ss, Lane l) {
+template <typename R>
+PE_HD void token_rows(const RopeP &p, int64_t b, int64_t t, R *c, R *ss, Lane l) {
+    const SourceP &src = p.src;
+    const int64_t nslot = p.R / 2;
+    if (src.positions) { // one lane per slot: both channels of the slot are partners
+        const int64_t *pos = src.pos + (src.pos_batch == 1 ? 0 : b) * src.pos_s[1] + t * src.pos_s[2];
+        for (int64_t i = l.id; i < nslot; i += l.count) {
+            float cv, sv;
+            pe_sincos_large(pe_rope_angle(src.inv_freq[i], pos[src.axis[i] * src.pos_s[0]]),
+                            src.scaling, &cv, &sv);
+            const int64_t e0 = p.pairing == PE_PAIR_HALF ? i : 2 * i;
+            const int64_t e1 = p.pairing == PE_PAIR_HALF ? i + nslot : 2 * i + 1;
+            c[e0] = c[e1] = static_cast<R>(cv);
+            ss[e0] = p.transpose ? static_cast<R>(sv) : -static_cast<R>(sv);
+            ss[e1] = p.transpose ? -static_cast<R>(sv) : static_cast<R>(sv);
+        }
+        return;
+    }
+    const int64_t off = (src.table_batch == 1 ? 0 : b) * src.table_s[1] + t * src.table_s[2];
     for (int64_t e = l.id; e < p.R; e += l.count) {
+        const int64_t base = off + src.axis[slot_of(p.pairing, e, p.R)] * src.table_s[0];
         const bool first = first_of_pair(p.pairing, e, p.R);
-        if (!p.transpose) ss[e] = first ? -s[e] : s[e];
-        else ss[e] = first ? s[partner_of(p.pairing, e, p.R)] : -s[partner_of(p.pairing, e, p.R)];
+        c[e] = load_dyn<R>(src.cos, base + e, src.table_dt);
+        const R sv = load_dyn<R>(src.sin, base + (p.transpose ? partner_of(p.pairing, e, p.R) : e),
+                                 src.table_dt);
+        ss[e] = first != static_cast<bool>(p.transpose) ? -sv : sv;
     }
 }
 
-// ---- phase 3: rotate every head of one tensor at token (b, t) ----------------------------
+// ---- rotate every head of one tensor at token (b, t) ------------------------------------
 
 template <typename T, int V> struct alignas(sizeof(typename Io<T>::storage) * V) Pack {
     typename Io<T>::storage v[V];

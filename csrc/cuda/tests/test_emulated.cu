@@ -34,14 +34,13 @@ int failures = 0, checks = 0, vector_runs = 0;
 // ---- emulated launches ------------------------------------------------------------------
 
 template <typename R, typename T, int V> void emulate_apply(const RopeP &p) {
-    std::vector<R> smem(3 * static_cast<size_t>(p.R));
-    R *c = smem.data(), *ss = c + p.R, *s = ss + p.R;
+    std::vector<R> smem(2 * static_cast<size_t>(p.R));
+    R *c = smem.data(), *ss = c + p.R;
     const int64_t ntok = p.B * p.T;
     for (int64_t blk = 0; blk < kGrid; ++blk)
         for (int64_t tok = blk; tok < ntok; tok += kGrid) {
             const int64_t b = tok / p.T, t = tok % p.T;
-            for (int64_t i = 0; i < kThreads; ++i) token_tables<R>(p, b, t, c, s, {i, kThreads});
-            for (int64_t i = 0; i < kThreads; ++i) signed_sine<R>(p, s, ss, {i, kThreads});
+            for (int64_t i = 0; i < kThreads; ++i) token_rows<R>(p, b, t, c, ss, {i, kThreads});
             for (int64_t i = 0; i < kThreads; ++i) rotate_token<R, T, V>(p, b, t, c, ss, {i, kThreads});
         }
 }
