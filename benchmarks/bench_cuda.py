@@ -14,8 +14,8 @@ transposed views of the projection output that transformers passes; bf16 unless 
   merges the sections inside its rotary module, so its apply is the plain function on the
   merged (1, T, 128) tables (the same rotation; the merge is not timed).
 - ``rotary_step``: positions in, rotated q and k out, T = 8192: transformers' own
-  Qwen2VLRotaryEmbedding + apply (eager and compiled), posenc ``apply_rope`` (fused) and
-  posenc tables + apply; forward and forward+backward.
+  Qwen2VLRotaryEmbedding + apply (eager and compiled), Liger-Kernel on transformers' tables,
+  posenc ``apply_rope`` (fused) and posenc tables + apply; forward and forward+backward.
 - ``decode``: one decode step, B = 64, T = 1: posenc's fused call (also timed end to end in
   microseconds per call) against transformers.
 

@@ -14,20 +14,19 @@
  * the kernel's parameters); a larger rotary width is PE_ERR_ARG.
  *
  * Arithmetic.  Exactly the CPU's: fp32 inside (fp64 when any tensor of the call is fp64),
- * products and sums unfused (explicit round-to-nearest intrinsics, --fmad=false), one
- * rounding to nearest even at the store.  The per-element math, including the angle
- * fl32(inv_freq * fl32(pos)) and its sin/cos, comes from the header the CPU kernels use,
- * so table-driven calls give the CPU's bits and so do fused calls with |angle| below the
- * exact-reduction range of that header (beyond it both fall back to the platform's
- * double-precision sin/cos, which may differ in the last fp32 bit).
+ * every product and sum rounded on its own (never fused), one rounding to nearest even at
+ * the store.  The per-element math, including the fused path's angle
+ * fl32(inv_freq * fl32(pos)) and its sine and cosine, is rope_math.h, the header the CPU
+ * kernels use, so every op gives the CPU's bits.
  *
  * Parallel layout.  apply: one thread block per token (b, t), grid-stride over tokens; the
- * block prepares the token's cos and signed-sine rows in shared memory once, then its
- * threads rotate every head of q and k, 16 bytes per load and store when all rows are
- * 16-byte aligned (else one element at a time).  No atomics.  table_grad: one block per
- * output row (b', t), one thread per channel summing heads (and the batch when Bc = 1) in a
- * fixed order, so the result is deterministic and equal to the CPU's.  tables: one block
- * per (b, t).
+ * block writes the token's cos and signed-sine rows to shared memory once (one barrier),
+ * then its threads rotate every head of q and k, 16 bytes per load and store when every
+ * row is 16-byte aligned and all tensors share one dtype (else one element at a time).  No
+ * atomics.  table_grad: one block per output row (b', t), one thread per channel summing
+ * the heads (and the batch when Bc = 1) in the CPU's order, so the result is deterministic
+ * and equal to the CPU's.  tables: one block per (b, t).  The per-thread code of all three
+ * is in cuda/rope_kernels.cuh.
  *
  * Statuses: PE_OK, PE_ERR_ARG (as on the CPU, plus the limit above) and PE_ERR_CUDA when the
  * launch fails (pe_cuda_last_error() then names the CUDA error).  Errors that happen later
