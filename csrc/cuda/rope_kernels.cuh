@@ -147,6 +147,13 @@ PE_HD bool first_of_pair(int pairing, int64_t e, int64_t R) {
     return pairing == PE_PAIR_HALF ? e < R / 2 : e % 2 == 0;
 }
 
+// scaling * cos, scaling * sin of slot i's angle at token (b, t) (fused path)
+PE_HD void slot_sincos(const SourceP &src, int64_t b, int64_t t, int64_t i, float *c, float *s) {
+    const int64_t *pos = src.pos + (src.pos_batch == 1 ? 0 : b) * src.pos_s[1] + t * src.pos_s[2];
+    pe_sincos_large(pe_rope_angle(src.inv_freq[i], pos[src.axis[i] * src.pos_s[0]]), src.scaling,
+                    c, s); // any angle, the fast range included
+}
+
 // ---- the token's cos and unsigned sin rows (the tables op) ---------------------------------
 
 template <typename R>
@@ -154,11 +161,9 @@ PE_HD void token_tables(const RopeP &p, int64_t b, int64_t t, R *c, R *s, Lane l
     const SourceP &src = p.src;
     const int64_t nslot = p.R / 2;
     if (src.positions) {
-        const int64_t *pos = src.pos + (src.pos_batch == 1 ? 0 : b) * src.pos_s[1] + t * src.pos_s[2];
         for (int64_t i = l.id; i < nslot; i += l.count) {
             float cv, sv;
-            pe_sincos_large(pe_rope_angle(src.inv_freq[i], pos[src.axis[i] * src.pos_s[0]]),
-                            src.scaling, &cv, &sv); // any angle (the fast range included)
+            slot_sincos(src, b, t, i, &cv, &sv);
             const int64_t e0 = p.pairing == PE_PAIR_HALF ? i : 2 * i;
             const int64_t e1 = p.pairing == PE_PAIR_HALF ? i + nslot : 2 * i + 1;
             c[e0] = c[e1] = static_cast<R>(cv);
@@ -184,11 +189,9 @@ PE_HD void token_rows(const RopeP &p, int64_t b, int64_t t, R *c, R *ss, Lane l)
     const SourceP &src = p.src;
     const int64_t nslot = p.R / 2;
     if (src.positions) { // one lane per slot: both channels of the slot are partners
-        const int64_t *pos = src.pos + (src.pos_batch == 1 ? 0 : b) * src.pos_s[1] + t * src.pos_s[2];
         for (int64_t i = l.id; i < nslot; i += l.count) {
             float cv, sv;
-            pe_sincos_large(pe_rope_angle(src.inv_freq[i], pos[src.axis[i] * src.pos_s[0]]),
-                            src.scaling, &cv, &sv);
+            slot_sincos(src, b, t, i, &cv, &sv);
             const int64_t e0 = p.pairing == PE_PAIR_HALF ? i : 2 * i;
             const int64_t e1 = p.pairing == PE_PAIR_HALF ? i + nslot : 2 * i + 1;
             c[e0] = c[e1] = static_cast<R>(cv);
