@@ -31,7 +31,7 @@ done
 
 # The kernels' per-thread code on the host, bit for bit against the CPU kernels.
 [[ -f builddir-c/build.ninja ]] || "$meson" setup builddir-c -Dpython_extension=false >/dev/null
-"$meson" compile -C builddir-c posenc_kernels >/dev/null
+"$meson" compile -C builddir-c posenc_kernels >/dev/null 2>&1 || "$meson" compile -C builddir-c posenc_kernels
 "$nvcc" "${flags[@]}" -Icsrc/cuda -gencode "arch=compute_${archs##* },code=sm_${archs##* }" \
     -c csrc/cuda/tests/test_emulated.cu -o "$out/test_emulated.o"
 "${CC:-cc}" -std=c17 -O2 -ffp-contract=off -Wall -Wextra -Werror -Icsrc -c \
