@@ -4,7 +4,7 @@
 static int isa_forced = -1;
 
 pe_isa pe_isa_best(void) {
-#if defined(__x86_64__) || defined(__i386__)
+#ifdef PE_HAVE_X86_VARIANTS /* the AVX2 / AVX-512 kernels were built */
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&

@@ -47,16 +47,63 @@ static inline int64_t pe_slot(pe_pairing p, int64_t e, int64_t R) {
     return p == PE_PAIR_HALF ? (e < R / 2 ? e : e - R / 2) : e / 2;
 }
 
-/* Per-ISA implementations: arguments are validated by the public wrappers. */
-#define PE_DECLARE_ISA(sfx)                                                                   \
-    int pe_rope_apply##sfx(const pe_rope_args *a);                                            \
-    int pe_rope_table_grad##sfx(const pe_rope_args *a, const void *gq, const int64_t gqs[3],  \
-                                const void *gk, const int64_t gks[3], pe_dtype gdt,           \
-                                void *dcos, void *dsin);                                      \
-    int pe_rope_tables##sfx(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *sin);
+/* Per-call layout facts shared by every token (built by rope.c). */
+typedef struct pe_rope_plan {
+    int64_t axes;          /* A: 1 or 3 table axes */
+    uint8_t *chan_axis;    /* R: axis of channel e */
+    int64_t nruns;         /* channels as runs of one axis: [run_start[i], run_start[i+1]) */
+    int64_t *run_start;    /* nruns + 1 entries */
+    int64_t *slot_pos_off; /* R/2: position offset of slot i's axis */
+    int stream;            /* outputs large enough for streaming stores */
+} pe_rope_plan;
 
-PE_DECLARE_ISA(_baseline)
-PE_DECLARE_ISA(_avx2)
-PE_DECLARE_ISA(_avx512)
+/* The gradient side of pe_rope_table_grad. */
+typedef struct pe_rope_grads {
+    const void *grad_q, *grad_k;
+    int64_t grad_q_stride[3], grad_k_stride[3];
+    pe_dtype grad_dtype;
+    void *dcos, *dsin;
+} pe_rope_grads;
+
+/* Fused path: scaling * cos and scaling * sin of each frequency slot of token (b, t). */
+static inline void pe_rope_slot_sincos(const pe_rope_args *a, const pe_rope_plan *plan, int64_t b,
+                                       int64_t t, float *restrict cs, float *restrict sn) {
+    const pe_rope_source *src = &a->src;
+    const int64_t nslot = a->rot_dim / 2;
+    const int64_t *pos = src->pos + (src->pos_batch == 1 ? 0 : b) * src->pos_stride[1] +
+                         t * src->pos_stride[2];
+    int any_large = 0;
+    for (int64_t i = 0; i < nslot; ++i) { /* branch-free: vectorizes */
+        const float ang = pe_rope_angle(src->inv_freq[i], pos[plan->slot_pos_off[i]]);
+        pe_sincos_fast(ang, src->scaling, cs + i, sn + i);
+        any_large |= !(ang <= PE_SINCOS_FAST_LIMIT && ang >= -PE_SINCOS_FAST_LIMIT);
+    }
+    if (!any_large) return;
+    for (int64_t i = 0; i < nslot; ++i) {
+        const float ang = pe_rope_angle(src->inv_freq[i], pos[plan->slot_pos_off[i]]);
+        if (!(ang <= PE_SINCOS_FAST_LIMIT && ang >= -PE_SINCOS_FAST_LIMIT))
+            pe_sincos_large(ang, src->scaling, cs + i, sn + i);
+    }
+}
+
+/* The fp32 core (rope_f32.h) compiled per instruction set, in rope_<isa>.c; arguments are
+ * validated by the public entry points in rope.c. */
+int pe_rope_apply_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p);
+int pe_rope_table_grad_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p,
+                                    const pe_rope_grads *g);
+int pe_rope_tables_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p, pe_dtype out_dtype,
+                                void *cos, void *sin);
+#ifdef PE_HAVE_X86_VARIANTS
+int pe_rope_apply_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p);
+int pe_rope_table_grad_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p,
+                                const pe_rope_grads *g);
+int pe_rope_tables_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p, pe_dtype out_dtype,
+                            void *cos, void *sin);
+int pe_rope_apply_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p);
+int pe_rope_table_grad_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p,
+                                  const pe_rope_grads *g);
+int pe_rope_tables_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p, pe_dtype out_dtype,
+                              void *cos, void *sin);
+#endif
 
 #endif /* POSENC_INTERNAL_H */

@@ -39,9 +39,19 @@
  *   interleaved (Qwen3-VL):  slot i -> H if i%3==1 and i < 3*s1; W if i%3==2 and i < 3*s2;
  *       else T            slot:  T H W T H W ... T H W T T T
  *
- * Arithmetic.  16-bit and fp32 data are computed in fp32, fp64 data in fp64 (a call runs
- * in fp64 when any of its tensors is fp64); products and sums are not fused, and each
- * result is rounded once, to nearest even, when it is stored.
+ * Arithmetic.  Each of q and k is computed in fp32, or in fp64 when that tensor (its input
+ * or output) or the tables are fp64: one tensor's dtype never changes the other's result.
+ * The fused path's angles and sin/cos are always fp32 (see pe_rope_source).  Products and
+ * sums are not fused, and each result is rounded once, to nearest even, when it is stored
+ * (an fp64 result stored to bf16/fp16 is rounded directly, not through fp32).  The
+ * per-element operations are in rope_math.h.
+ *
+ * Memory.  Outputs must not overlap the inputs (q, k, tables, positions, inv_freq, the axis
+ * map, gradients) or each other: the kernels read and write through restrict pointers, and
+ * in-place calls are not supported.  Every entry point compares the byte range each tensor
+ * spans (from its lowest to its highest addressed byte) and returns PE_ERR_ARG when an
+ * output's range meets another range, even if the elements themselves would interleave
+ * without colliding.  A size or stride whose byte offsets overflow int64 is PE_ERR_ARG too.
  *
  * Threads.  Work is split over tokens (b, t) with OpenMP; the cos/sin row of a token is
  * prepared once and used for every head of q and k.  nthreads <= 1 (or a small problem)
@@ -132,7 +142,7 @@ int pe_rope_apply(const pe_rope_args *a);
  *
  * for the axis a chosen by channel e's slot; the other axes get 0.  dcos, dsin are written
  * densely as (A, Bc, T, R) in table_dtype (src.table_* describe their shape, not data).
- * Sums run in fp32 (fp64 when any tensor is fp64).
+ * Sums run in fp32, or in fp64 when the tables, the gradients or an input is fp64.
  */
 int pe_rope_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t grad_q_stride[3],
                        const void *grad_k, const int64_t grad_k_stride[3], pe_dtype grad_dtype,
@@ -147,7 +157,8 @@ int pe_rope_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t 
 int pe_rope_tables(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *sin);
 
 /* Build the per-slot axis map for R/2 slots from mrope sections (3 values).  Returns
- * PE_ERR_ARG unless the sections sum to R/2 (and are non-negative). */
+ * PE_ERR_ARG unless each section is in [0, n_slots] and they sum to n_slots (checked
+ * without overflow for any int64 values). */
 int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleaved,
                       uint8_t *axis_of_slot);
 
@@ -315,7 +326,8 @@ int pe_sinusoidal(int64_t num_positions, int64_t dim, double base, pe_dtype out_
  * Runtime CPU dispatch
  * ------------------------------------------------------------------------------------- */
 typedef enum pe_isa {
-    PE_ISA_BASELINE = 0, /* x86-64 / generic C, no extensions assumed */
+    PE_ISA_BASELINE = 0, /* the target's baseline (x86-64, aarch64 with NEON, ...): the only
+                            variant built off x86-64 */
     PE_ISA_AVX2 = 1,     /* AVX2 + FMA + F16C */
     PE_ISA_AVX512 = 2,   /* AVX-512 F/BW/VL/DQ + F16C */
 } pe_isa;

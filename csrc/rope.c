@@ -1,21 +1,32 @@
-/* Public RoPE entry points: argument checks, then the SIMD variant for this CPU. */
+/*
+ * Public RoPE entry points: argument checks (sizes, overflow, overlap), the per-call plan,
+ * the choice of compute precision per tensor, and the small fp64 core.  The fp32 core is
+ * rope_f32.h, compiled per instruction set into rope_<isa>.c.
+ */
+#include <stdlib.h>
+
 #include "internal.h"
 
 int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleaved,
                       uint8_t *axis_of_slot) {
     if (n_slots < 0 || !sections || !axis_of_slot) return PE_ERR_ARG;
-    if (sections[0] < 0 || sections[1] < 0 || sections[2] < 0) return PE_ERR_ARG;
+    /* each section in [0, n_slots] before adding: the sum cannot overflow */
+    for (int i = 0; i < 3; ++i)
+        if (sections[i] < 0 || sections[i] > n_slots) return PE_ERR_ARG;
     if (sections[0] + sections[1] + sections[2] != n_slots) return PE_ERR_ARG;
     for (int64_t i = 0; i < n_slots; ++i) {
-        if (interleaved) {
-            axis_of_slot[i] = (i % 3 == 1 && i < 3 * sections[1]) ? 1
-                              : (i % 3 == 2 && i < 3 * sections[2]) ? 2 : 0;
+        if (interleaved) { /* i = 3j + 1 -> H while j < s1; i = 3j + 2 -> W while j < s2 */
+            axis_of_slot[i] = (i % 3 == 1 && i / 3 < sections[1])   ? 1
+                              : (i % 3 == 2 && i / 3 < sections[2]) ? 2
+                                                                     : 0;
         } else {
-            axis_of_slot[i] = i < sections[0] ? 0 : i < sections[0] + sections[1] ? 1 : 2;
+            axis_of_slot[i] = i < sections[0] ? 0 : i - sections[0] < sections[1] ? 1 : 2;
         }
     }
     return PE_OK;
 }
+
+/* ---- argument checks ----------------------------------------------------------------- */
 
 /* Empty tensors may have NULL data: pointers are checked only where data is touched. */
 static int tensor_ok(const pe_rope_tensor *x, int empty) {
@@ -24,11 +35,16 @@ static int tensor_ok(const pe_rope_tensor *x, int empty) {
            (empty || (x->in && x->out));
 }
 
-/* Sizes and options, independent of the angle source. */
+/* Sizes and options, independent of the angle source; B T (Hq + Hk) D must fit int64. */
 static int sizes_ok(const pe_rope_args *a) {
     if (!a || a->batch < 0 || a->seq < 0 || a->head_dim < 0) return 0;
     if (a->rot_dim < 2 || a->rot_dim % 2 || a->rot_dim > a->head_dim) return 0;
     if (a->pairing != PE_PAIR_HALF && a->pairing != PE_PAIR_ADJACENT) return 0;
+    if (a->q.heads < 0 || a->k.heads < 0) return 0;
+    int64_t n;
+    if (__builtin_mul_overflow(a->batch, a->seq, &n) || __builtin_add_overflow(a->q.heads, a->k.heads, &n) ||
+        __builtin_mul_overflow(a->batch * a->seq, n, &n) || __builtin_mul_overflow(n, a->head_dim, &n))
+        return 0;
     const uint8_t *axis = a->src.axis_of_slot;
     if (axis) {
         for (int64_t i = 0; i < a->rot_dim / 2; ++i)
@@ -45,10 +61,325 @@ static int table_shape_ok(const pe_rope_source *s, int64_t batch) {
     return pe_dtype_valid(s->table_dtype) && (s->table_batch == 1 || s->table_batch == batch);
 }
 
-typedef int (*apply_fn)(const pe_rope_args *);
-typedef int (*grad_fn)(const pe_rope_args *, const void *, const int64_t[3], const void *,
-                       const int64_t[3], pe_dtype, void *, void *);
-typedef int (*tables_fn)(const pe_rope_args *, pe_dtype, void *, void *);
+/* The bytes [lo, hi) a view can touch; lo == hi when it touches none. */
+typedef struct span {
+    uintptr_t lo, hi;
+} span;
+
+/* Span of a view of sizes n[0..nd-1] with element strides s, each index selecting a run of
+ * `inner` contiguous elements of es bytes.  Returns 0 when the offsets overflow int64. */
+static int span_of(const void *base, int nd, const int64_t *n, const int64_t *s, int64_t inner,
+                   size_t es, span *out) {
+    out->lo = out->hi = 0;
+    if (!base || inner <= 0) return 1;
+    for (int i = 0; i < nd; ++i)
+        if (n[i] <= 0) return 1;
+    int64_t lo = 0, hi = inner, ext;
+    for (int i = 0; i < nd; ++i) {
+        if (__builtin_mul_overflow(n[i] - 1, s[i], &ext)) return 0;
+        if (__builtin_add_overflow(ext < 0 ? lo : hi, ext, ext < 0 ? &lo : &hi)) return 0;
+    }
+    if (__builtin_mul_overflow(lo, (int64_t)es, &lo) || __builtin_mul_overflow(hi, (int64_t)es, &hi))
+        return 0;
+    out->lo = (uintptr_t)base + (uintptr_t)lo; /* unsigned: wraps instead of overflowing */
+    out->hi = (uintptr_t)base + (uintptr_t)hi;
+    return 1;
+}
+
+static int dense_span(const void *base, int64_t count, size_t es, span *out) {
+    const int64_t one = 1;
+    return span_of(base, 1, &one, &one, count, es, out);
+}
+
+static int overlap(span a, span b) {
+    return a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi;
+}
+
+/* 1 when no output touches an input or another output. */
+static int disjoint(const span *out, int n_out, const span *in, int n_in) {
+    for (int i = 0; i < n_out; ++i) {
+        for (int j = 0; j < n_in; ++j)
+            if (overlap(out[i], in[j])) return 0;
+        for (int j = 0; j < i; ++j)
+            if (overlap(out[i], out[j])) return 0;
+    }
+    return 1;
+}
+
+/* Input and output spans of x's (B, T, heads, width) rows. */
+static int tensor_spans(const pe_rope_args *a, const pe_rope_tensor *x, int64_t width,
+                        span *in, span *out) {
+    const int64_t n[3] = {a->batch, a->seq, x->heads};
+    return span_of(x->in, 3, n, x->in_stride, width, pe_dtype_size(x->in_dtype), in) &&
+           span_of(x->out, 3, n, x->out_stride, width, pe_dtype_size(x->out_dtype), out);
+}
+
+/* Spans of the angle source: cos, sin or pos, inv_freq; then axis_of_slot. */
+static int source_spans(const pe_rope_args *a, int tables, span in[3]) {
+    const pe_rope_source *s = &a->src;
+    const int64_t nslot = a->rot_dim / 2;
+    int64_t axes = 1;
+    for (int64_t i = 0; s->axis_of_slot && i < nslot; ++i)
+        if (s->axis_of_slot[i] + 1 > axes) axes = s->axis_of_slot[i] + 1;
+    int ok = dense_span(s->axis_of_slot, nslot, 1, &in[2]);
+    if (tables) {
+        const int64_t n[3] = {s->axis_of_slot ? 3 : 1, s->table_batch, a->seq};
+        const size_t es = pe_dtype_size(s->table_dtype);
+        return ok && span_of(s->cos, 3, n, s->table_stride, a->rot_dim, es, &in[0]) &&
+               span_of(s->sin, 3, n, s->table_stride, a->rot_dim, es, &in[1]);
+    }
+    const int64_t n[3] = {axes, s->pos_batch, a->seq};
+    return ok && span_of(s->pos, 3, n, s->pos_stride, 1, sizeof(int64_t), &in[0]) &&
+           dense_span(s->inv_freq, nslot, sizeof(float), &in[1]);
+}
+
+/* ---- per-call plan ------------------------------------------------------------------- */
+
+static void plan_free(pe_rope_plan *p) {
+    free(p->chan_axis);
+    free(p->slot_pos_off);
+    free(p->run_start);
+}
+
+static int plan_make(const pe_rope_args *a, pe_rope_plan *p) {
+    const int64_t R = a->rot_dim, nslot = R / 2;
+    const uint8_t *axis = a->src.axis_of_slot;
+    p->axes = axis ? 3 : 1;
+    p->stream = 0;
+    p->chan_axis = (uint8_t *)calloc((size_t)R + 1, 1);
+    p->slot_pos_off = (int64_t *)calloc((size_t)nslot + 1, sizeof(int64_t));
+    p->run_start = (int64_t *)calloc((size_t)R + 1, sizeof(int64_t));
+    if (!p->chan_axis || !p->slot_pos_off || !p->run_start) {
+        plan_free(p);
+        return PE_ERR_NOMEM;
+    }
+    p->nruns = 0;
+    for (int64_t e = 0; e < R; ++e) {
+        p->chan_axis[e] = axis ? axis[pe_slot(a->pairing, e, R)] : 0;
+        if (e == 0 || p->chan_axis[e] != p->chan_axis[e - 1]) p->run_start[p->nruns++] = e;
+    }
+    p->run_start[p->nruns] = R;
+    for (int64_t i = 0; i < nslot; ++i)
+        p->slot_pos_off[i] = (axis ? axis[i] : 0) * a->src.pos_stride[0];
+    return PE_OK;
+}
+
+/* ---- fp64 core: tensors that are fp64 or rotate with fp64 tables.  Scalar and small;
+ * stores round once from fp64 to the output dtype. */
+
+static double load_f64(const char *p, pe_dtype dt) {
+    float f;
+    double d;
+    uint16_t h;
+    switch (dt) {
+    case PE_FLOAT64: memcpy(&d, p, 8); return d;
+    case PE_FLOAT32: memcpy(&f, p, 4); return f;
+    case PE_BFLOAT16: memcpy(&h, p, 2); return pe_bf16_to_f32(h);
+    case PE_FLOAT16: memcpy(&h, p, 2); return pe_f16_to_f32(h);
+    }
+    return 0;
+}
+
+static void store_f64(char *p, pe_dtype dt, double v) {
+    const float f = (float)v;
+    uint16_t h;
+    switch (dt) {
+    case PE_FLOAT64: memcpy(p, &v, 8); return;
+    case PE_FLOAT32: memcpy(p, &f, 4); return;
+    case PE_BFLOAT16: h = pe_f64_to_bf16(v); memcpy(p, &h, 2); return;
+    case PE_FLOAT16: h = pe_f64_to_f16(v); memcpy(p, &h, 2); return;
+    }
+}
+
+static int64_t partner(pe_pairing p, int64_t e, int64_t R) {
+    if (p == PE_PAIR_HALF) return e < R / 2 ? e + R / 2 : e - R / 2;
+    return e ^ 1;
+}
+
+/* sign(e) < 0: the first half (HALF) or even channels (ADJACENT). */
+static int negative(pe_pairing p, int64_t e, int64_t R) {
+    return p == PE_PAIR_HALF ? e < R / 2 : !(e & 1);
+}
+
+/* cos and signed sine of token (b, t) (forward or transpose, see posenc.h). */
+static void token_tables_f64(const pe_rope_args *a, const pe_rope_plan *plan, int64_t b, int64_t t,
+                             double *c, double *ss, double *s, float *scratch) {
+    const pe_rope_source *src = &a->src;
+    const int64_t R = a->rot_dim;
+    if (src->pos) {
+        float *cs = scratch, *sn = scratch + R / 2;
+        pe_rope_slot_sincos(a, plan, b, t, cs, sn);
+        for (int64_t e = 0; e < R; ++e) {
+            c[e] = cs[pe_slot(a->pairing, e, R)];
+            s[e] = sn[pe_slot(a->pairing, e, R)];
+        }
+    } else {
+        const int64_t es = (int64_t)pe_dtype_size(src->table_dtype);
+        const int64_t off = (src->table_batch == 1 ? 0 : b) * src->table_stride[1] +
+                            t * src->table_stride[2];
+        for (int64_t e = 0; e < R; ++e) {
+            const int64_t o = (off + plan->chan_axis[e] * src->table_stride[0] + e) * es;
+            c[e] = load_f64((const char *)src->cos + o, src->table_dtype);
+            s[e] = load_f64((const char *)src->sin + o, src->table_dtype);
+        }
+    }
+    for (int64_t e = 0; e < R; ++e) {
+        const int neg = negative(a->pairing, e, R);
+        ss[e] = a->transpose ? (neg ? s[partner(a->pairing, e, R)] : -s[partner(a->pairing, e, R)])
+                             : (neg ? -s[e] : s[e]);
+    }
+}
+
+static void rotate_heads_f64(const pe_rope_args *a, const pe_rope_tensor *x, int64_t b, int64_t t,
+                             const double *c, const double *ss, double *row) {
+    const int64_t R = a->rot_dim, D = a->head_dim;
+    const int64_t ies = (int64_t)pe_dtype_size(x->in_dtype), oes = (int64_t)pe_dtype_size(x->out_dtype);
+    for (int64_t h = 0; h < x->heads; ++h) {
+        const char *in = (const char *)x->in +
+                         (b * x->in_stride[0] + t * x->in_stride[1] + h * x->in_stride[2]) * ies;
+        char *out = (char *)x->out +
+                    (b * x->out_stride[0] + t * x->out_stride[1] + h * x->out_stride[2]) * oes;
+        for (int64_t e = 0; e < D; ++e) row[e] = load_f64(in + e * ies, x->in_dtype);
+        for (int64_t e = 0; e < R; ++e)
+            store_f64(out + e * oes, x->out_dtype,
+                      pe_rot_f64(row[e], c[e], row[partner(a->pairing, e, R)], ss[e]));
+        for (int64_t e = R; e < D; ++e) store_f64(out + e * oes, x->out_dtype, row[e]);
+    }
+}
+
+static int rope_f64_apply(const pe_rope_args *a, const pe_rope_plan *plan) {
+    const int64_t T = a->seq, R = a->rot_dim, D = a->head_dim, ntok = a->batch * T;
+    const int64_t work = ntok * (a->q.heads + a->k.heads) * D;
+    const int nt = (a->nthreads > 1 && work >= PE_SERIAL_ELEMENTS) ? a->nthreads : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        double *buf = (double *)malloc((size_t)(3 * R + D) * sizeof(double));
+        float *scratch = (float *)malloc((size_t)(R + 1) * sizeof(float));
+        if (!buf || !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, pe_chunk(ntok, nt))
+        for (int64_t i = 0; i < ntok; ++i) {
+            if (!buf || !scratch) continue;
+            double *c = buf, *ss = buf + R, *s = buf + 2 * R, *row = buf + 3 * R;
+            token_tables_f64(a, plan, i / T, i % T, c, ss, s, scratch);
+            rotate_heads_f64(a, &a->q, i / T, i % T, c, ss, row);
+            rotate_heads_f64(a, &a->k, i / T, i % T, c, ss, row);
+        }
+        free(buf);
+        free(scratch);
+    }
+    return failed ? PE_ERR_NOMEM : PE_OK;
+}
+
+static void accumulate_heads_f64(const pe_rope_args *a, const pe_rope_tensor *x, const void *g,
+                                 const int64_t gs[3], pe_dtype gdt, int64_t b, int64_t t,
+                                 double *acc_c, double *acc_s, double *xr, double *gr) {
+    const int64_t R = a->rot_dim;
+    const int64_t xes = (int64_t)pe_dtype_size(x->in_dtype), ges = (int64_t)pe_dtype_size(gdt);
+    for (int64_t h = 0; h < x->heads; ++h) {
+        const char *xp = (const char *)x->in +
+                         (b * x->in_stride[0] + t * x->in_stride[1] + h * x->in_stride[2]) * xes;
+        const char *gp = (const char *)g + (b * gs[0] + t * gs[1] + h * gs[2]) * ges;
+        for (int64_t e = 0; e < R; ++e) {
+            xr[e] = load_f64(xp + e * xes, x->in_dtype);
+            gr[e] = load_f64(gp + e * ges, gdt);
+        }
+        for (int64_t e = 0; e < R; ++e) {
+            const double gx = gr[e] * xr[partner(a->pairing, e, R)];
+            acc_c[e] += gr[e] * xr[e];
+            acc_s[e] = negative(a->pairing, e, R) ? acc_s[e] - gx : acc_s[e] + gx;
+        }
+    }
+}
+
+static int rope_f64_table_grad(const pe_rope_args *a, const pe_rope_plan *plan,
+                               const pe_rope_grads *g) {
+    const pe_rope_source *src = &a->src;
+    const int64_t B = a->batch, T = a->seq, R = a->rot_dim, Bc = src->table_batch;
+    const int64_t A = plan->axes, nrow = Bc * T;
+    const int64_t oes = (int64_t)pe_dtype_size(src->table_dtype);
+    const int64_t work = B * T * (a->q.heads + a->k.heads) * a->head_dim;
+    const int nt = (a->nthreads > 1 && work >= PE_SERIAL_ELEMENTS) ? a->nthreads : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        double *buf = (double *)malloc((size_t)(4 * R) * sizeof(double));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < nrow; ++i) {
+            if (!buf) continue;
+            const int64_t bc = i / T, t = i % T;
+            double *acc_c = buf, *acc_s = buf + R, *xr = buf + 2 * R, *gr = buf + 3 * R;
+            for (int64_t e = 0; e < R; ++e) acc_c[e] = acc_s[e] = 0;
+            const int64_t b0 = Bc == 1 ? 0 : bc, b1 = Bc == 1 ? B : bc + 1;
+            for (int64_t b = b0; b < b1; ++b) {
+                accumulate_heads_f64(a, &a->q, g->grad_q, g->grad_q_stride, g->grad_dtype, b, t,
+                                     acc_c, acc_s, xr, gr);
+                accumulate_heads_f64(a, &a->k, g->grad_k, g->grad_k_stride, g->grad_dtype, b, t,
+                                     acc_c, acc_s, xr, gr);
+            }
+            for (int64_t ax = 0; ax < A; ++ax) {
+                char *dc = (char *)g->dcos + ((ax * Bc + bc) * T + t) * R * oes;
+                char *ds = (char *)g->dsin + ((ax * Bc + bc) * T + t) * R * oes;
+                for (int64_t e = 0; e < R; ++e) {
+                    const int on = A == 1 || plan->chan_axis[e] == ax;
+                    store_f64(dc + e * oes, src->table_dtype, on ? acc_c[e] : 0.0);
+                    store_f64(ds + e * oes, src->table_dtype, on ? acc_s[e] : 0.0);
+                }
+            }
+        }
+        free(buf);
+    }
+    return failed ? PE_ERR_NOMEM : PE_OK;
+}
+
+/* ---- dispatch ------------------------------------------------------------------------ */
+
+typedef struct f32_kernels {
+    int (*apply)(const pe_rope_args *, const pe_rope_plan *);
+    int (*table_grad)(const pe_rope_args *, const pe_rope_plan *, const pe_rope_grads *);
+    int (*tables)(const pe_rope_args *, const pe_rope_plan *, pe_dtype, void *, void *);
+} f32_kernels;
+
+/* Indexed by pe_isa; only variants that were built are listed (pe_isa_best never returns
+ * the others). */
+static const f32_kernels f32_variants[] = {
+    [PE_ISA_BASELINE] = {pe_rope_apply_f32_baseline, pe_rope_table_grad_f32_baseline,
+                         pe_rope_tables_f32_baseline},
+#ifdef PE_HAVE_X86_VARIANTS
+    [PE_ISA_AVX2] = {pe_rope_apply_f32_avx2, pe_rope_table_grad_f32_avx2,
+                     pe_rope_tables_f32_avx2},
+    [PE_ISA_AVX512] = {pe_rope_apply_f32_avx512, pe_rope_table_grad_f32_avx512,
+                       pe_rope_tables_f32_avx512},
+#endif
+};
+
+static const f32_kernels *f32_current(void) { return &f32_variants[pe_isa_current()]; }
+
+/* A tensor runs in fp64 when it or the tables are fp64; its result never depends on the
+ * other tensor's dtype. */
+static int runs_f64(const pe_rope_args *a, const pe_rope_tensor *x) {
+    return x->in_dtype == PE_FLOAT64 || x->out_dtype == PE_FLOAT64 ||
+           (!a->src.pos && a->src.table_dtype == PE_FLOAT64);
+}
+
+/* Rotates the tensors of a (the others have heads = 0) in one precision. */
+static int apply_pass(const pe_rope_args *a, pe_rope_plan *plan, int f64) {
+    if (!a->q.heads && !a->k.heads) return PE_OK;
+    if (f64) return rope_f64_apply(a, plan);
+    const int64_t rows = a->batch * a->seq;
+    plan->stream = rows * a->head_dim *
+                       (a->q.heads * (int64_t)pe_dtype_size(a->q.out_dtype) +
+                        a->k.heads * (int64_t)pe_dtype_size(a->k.out_dtype)) >=
+                   PE_STREAM_BYTES;
+    return f32_current()->apply(a, plan);
+}
 
 int pe_rope_apply(const pe_rope_args *a) {
     if (!sizes_ok(a)) return PE_ERR_ARG;
@@ -56,11 +387,31 @@ int pe_rope_apply(const pe_rope_args *a) {
     if (!tensor_ok(&a->q, empty) || !tensor_ok(&a->k, empty)) return PE_ERR_ARG;
     if (empty) return PE_OK;
     const pe_rope_source *s = &a->src;
-    if (s->pos ? !positions_ok(s, a->batch)
-               : !(s->cos && s->sin && table_shape_ok(s, a->batch)))
+    const int tables = !s->pos;
+    if (tables ? !(s->cos && s->sin && table_shape_ok(s, a->batch)) : !positions_ok(s, a->batch))
         return PE_ERR_ARG;
-    static const apply_fn fns[] = {pe_rope_apply_baseline, pe_rope_apply_avx2, pe_rope_apply_avx512};
-    return fns[pe_isa_current()](a);
+    span in[5], out[2];
+    if (!tensor_spans(a, &a->q, a->head_dim, &in[0], &out[0]) ||
+        !tensor_spans(a, &a->k, a->head_dim, &in[1], &out[1]) || !source_spans(a, tables, &in[2]) ||
+        !disjoint(out, 2, in, 5))
+        return PE_ERR_ARG;
+
+    pe_rope_plan plan;
+    int rc = plan_make(a, &plan);
+    if (rc) return rc;
+    const int q64 = a->q.heads && runs_f64(a, &a->q), k64 = a->k.heads && runs_f64(a, &a->k);
+    if (!a->q.heads || !a->k.heads || q64 == k64) {
+        rc = apply_pass(a, &plan, q64 || k64);
+    } else { /* q and k in different precisions: one pass each */
+        pe_rope_args one = *a;
+        one.k.heads = 0;
+        rc = apply_pass(&one, &plan, q64);
+        one = *a;
+        one.q.heads = 0;
+        if (rc == PE_OK) rc = apply_pass(&one, &plan, k64);
+    }
+    plan_free(&plan);
+    return rc;
 }
 
 /* The tables are written densely, (A, Bc, T, R); with B = 0 and Bc = 1 they are zeros. */
@@ -72,19 +423,56 @@ int pe_rope_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t 
         return PE_ERR_ARG;
     const int no_input = a->batch == 0 || a->seq == 0;
     if (!tensor_ok(&a->q, no_input) || !tensor_ok(&a->k, no_input)) return PE_ERR_ARG;
-    if (!no_input && ((a->q.heads && !grad_q) || (a->k.heads && !grad_k))) return PE_ERR_ARG;
+    if (!no_input && ((a->q.heads && (!grad_q || !grad_q_stride)) ||
+                      (a->k.heads && (!grad_k || !grad_k_stride))))
+        return PE_ERR_ARG;
     if (a->src.table_batch == 0 || a->seq == 0) return PE_OK;
     if (!dcos || !dsin) return PE_ERR_ARG;
-    static const grad_fn fns[] = {pe_rope_table_grad_baseline, pe_rope_table_grad_avx2,
-                                  pe_rope_table_grad_avx512};
-    return fns[pe_isa_current()](a, grad_q, grad_q_stride, grad_k, grad_k_stride, grad_dtype,
-                                 dcos, dsin);
+
+    pe_rope_grads g = {grad_q, grad_k, {0, 0, 0}, {0, 0, 0}, grad_dtype, dcos, dsin};
+    if (grad_q_stride) memcpy(g.grad_q_stride, grad_q_stride, sizeof g.grad_q_stride);
+    if (grad_k_stride) memcpy(g.grad_k_stride, grad_k_stride, sizeof g.grad_k_stride);
+    const int64_t A = a->src.axis_of_slot ? 3 : 1, R = a->rot_dim;
+    const int64_t n_q[3] = {a->batch, a->seq, a->q.heads}, n_k[3] = {a->batch, a->seq, a->k.heads};
+    const size_t ges = pe_dtype_size(grad_dtype), tes = pe_dtype_size(a->src.table_dtype);
+    int64_t count;
+    span in[5], out[2], unused;
+    if (__builtin_mul_overflow(A * a->src.table_batch, a->seq, &count) ||
+        __builtin_mul_overflow(count, R, &count) || !dense_span(dcos, count, tes, &out[0]) ||
+        !dense_span(dsin, count, tes, &out[1]) || !tensor_spans(a, &a->q, R, &in[0], &unused) ||
+        !tensor_spans(a, &a->k, R, &in[1], &unused) ||
+        !span_of(grad_q, 3, n_q, g.grad_q_stride, R, ges, &in[2]) ||
+        !span_of(grad_k, 3, n_k, g.grad_k_stride, R, ges, &in[3]) ||
+        !dense_span(a->src.axis_of_slot, R / 2, 1, &in[4]) || !disjoint(out, 2, in, 5))
+        return PE_ERR_ARG;
+
+    pe_rope_plan plan;
+    int rc = plan_make(a, &plan);
+    if (rc) return rc;
+    const int f64 = grad_dtype == PE_FLOAT64 || a->src.table_dtype == PE_FLOAT64 ||
+                    (a->q.heads && a->q.in_dtype == PE_FLOAT64) ||
+                    (a->k.heads && a->k.in_dtype == PE_FLOAT64);
+    rc = f64 ? rope_f64_table_grad(a, &plan, &g) : f32_current()->table_grad(a, &plan, &g);
+    plan_free(&plan);
+    return rc;
 }
 
 int pe_rope_tables(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *sin) {
     if (!sizes_ok(a) || !pe_dtype_valid(out_dtype) || a->src.pos_batch < 0) return PE_ERR_ARG;
     if (a->src.pos_batch == 0 || a->seq == 0) return PE_OK;
     if (!positions_ok(&a->src, a->batch) || !cos || !sin) return PE_ERR_ARG;
-    static const tables_fn fns[] = {pe_rope_tables_baseline, pe_rope_tables_avx2, pe_rope_tables_avx512};
-    return fns[pe_isa_current()](a, out_dtype, cos, sin);
+    int64_t count;
+    span in[3], out[2];
+    if (__builtin_mul_overflow(a->src.pos_batch, a->seq, &count) ||
+        __builtin_mul_overflow(count, a->rot_dim, &count) ||
+        !dense_span(cos, count, pe_dtype_size(out_dtype), &out[0]) ||
+        !dense_span(sin, count, pe_dtype_size(out_dtype), &out[1]) || !source_spans(a, 0, in) ||
+        !disjoint(out, 2, in, 3))
+        return PE_ERR_ARG;
+    pe_rope_plan plan;
+    int rc = plan_make(a, &plan);
+    if (rc) return rc;
+    rc = f32_current()->tables(a, &plan, out_dtype, cos, sin);
+    plan_free(&plan);
+    return rc;
 }

@@ -37,17 +37,6 @@ static double get(const void *p, pe_dtype dt, int64_t i) {
     return NAN;
 }
 
-/* Relative tolerance of one rounding to dt (and a little for fp32 arithmetic). */
-static double tol(pe_dtype dt) {
-    switch (dt) {
-    case PE_FLOAT64: return 1e-12;
-    case PE_FLOAT32: return 4e-6;
-    case PE_BFLOAT16: return 1.0 / 128;
-    case PE_FLOAT16: return 1.0 / 1024;
-    }
-    return 0;
-}
-
 static int64_t partner(pe_pairing p, int64_t e, int64_t R) {
     if (p == PE_PAIR_HALF) return e < R / 2 ? e + R / 2 : e - R / 2;
     return e ^ 1;
@@ -58,30 +47,71 @@ static double sign_of(pe_pairing p, int64_t e, int64_t R) {
     return (e & 1) ? 1.0 : -1.0;
 }
 
+/* v (exact in the compute precision) stored as dt: the expected value, read back.  The
+ * conversions themselves are checked for correct rounding by math_cases. */
+static double stored(double v, pe_dtype dt, int f64) {
+    switch (dt) {
+    case PE_FLOAT64: return v;
+    case PE_FLOAT32: return (float)v;
+    case PE_BFLOAT16: return pe_bf16_to_f32(f64 ? pe_f64_to_bf16(v) : pe_f32_to_bf16((float)v));
+    case PE_FLOAT16: return pe_f16_to_f32(f64 ? pe_f64_to_f16(v) : pe_f32_to_f16((float)v));
+    }
+    return NAN;
+}
+
+/* x c + sg (xp s), each product and the sum rounded in fp32 or fp64: the kernels' order. */
+static double rot_ref(double x, double c, double sg, double xp, double s, int f64) {
+    if (f64) return x * c + sg * (xp * s);
+    const float a = (float)x * (float)c, b = (float)xp * (float)s;
+    return (double)(a + (float)sg * b);
+}
+
+enum { EXPAND_BATCH = 1, EXPAND_HEADS = 2, EXPAND_TABLE_T = 4 };
+
 typedef struct {
     int64_t B, T, Hq, Hk, D, R, Bc;
     pe_pairing pairing;
     pe_dtype dt, tdt;
     int mrope, interleaved;
-    int gap; /* extra elements between heads: non-contiguous views */
+    int gap;      /* extra elements between heads: non-contiguous views */
+    pe_dtype dk;  /* k's dtype (in and out); q uses dt */
+    int out;      /* output dtype of q and k, or -1: the input's (else mixed, bf16 -> fp32) */
+    int expand;   /* EXPAND_*: stride-0 (expanded) q and k batch or heads, table tokens */
 } rope_case;
 
-/* Runs one case forward and transpose and checks both against the fp64 reference. */
+/* Runs one case forward and transpose; every output element must equal the reference
+ * computed in the kernel's precision and order and rounded once (exact comparison). */
 static void run_case(const rope_case *c, const char *isa) {
     const int64_t A = c->mrope ? 3 : 1;
-    const int64_t sh = c->D + c->gap, st_q = c->Hq * sh, st_k = c->Hk * sh;
-    const size_t es = pe_dtype_size(c->dt), tes = pe_dtype_size(c->tdt);
-    const int64_t nq = c->B * c->T * st_q, nk = c->B * c->T * st_k;
+    const int64_t sh = c->D + c->gap;
+    const int64_t heads[2] = {c->Hq, c->Hk};
+    const pe_dtype din[2] = {c->dt, c->dk};
+    pe_dtype dout[2] = {c->dt, c->dk};
+    if (c->out >= 0) dout[0] = dout[1] = (pe_dtype)c->out;
+    const size_t tes = pe_dtype_size(c->tdt);
+    void *ins[2], *outs[2];
+    int64_t ist[2][3], ost[2][3];
+    for (int j = 0; j < 2; ++j) {
+        const int64_t st = heads[j] * sh;
+        ist[j][0] = (c->expand & EXPAND_BATCH) ? 0 : c->T * st;
+        ist[j][1] = st;
+        ist[j][2] = (c->expand & EXPAND_HEADS) ? 0 : sh;
+        ost[j][0] = c->T * heads[j] * c->D;
+        ost[j][1] = heads[j] * c->D;
+        ost[j][2] = c->D;
+        const int64_t nin = c->B * c->T * st, nout = c->B * c->T * heads[j] * c->D;
+        ins[j] = calloc((size_t)nin + 1, pe_dtype_size(din[j]));
+        outs[j] = calloc((size_t)nout + 1, pe_dtype_size(dout[j]));
+        for (int64_t i = 0; i < nin; ++i) put(ins[j], din[j], i, urand());
+    }
     const int64_t ntab = A * c->Bc * c->T * c->R;
-    void *q = calloc((size_t)nq, es), *k = calloc((size_t)nk, es);
-    void *qo = calloc((size_t)nq, es), *ko = calloc((size_t)nk, es);
     void *cs = malloc((size_t)ntab * tes), *sn = malloc((size_t)ntab * tes);
-    for (int64_t i = 0; i < nq; ++i) put(q, c->dt, i, urand());
-    for (int64_t i = 0; i < nk; ++i) put(k, c->dt, i, urand());
     for (int64_t i = 0; i < ntab; ++i) {
         put(cs, c->tdt, i, urand());
         put(sn, c->tdt, i, urand());
     }
+    const int64_t tst[3] = {c->Bc * c->T * c->R, c->T * c->R,
+                            (c->expand & EXPAND_TABLE_T) ? 0 : c->R};
     uint8_t axis[256];
     int64_t sec[3] = {c->R / 2 - 2 * (c->R / 6), c->R / 6, c->R / 6};
     if (c->mrope) CHECK(pe_mrope_axis_map(c->R / 2, sec, c->interleaved, axis) == PE_OK, "axis map");
@@ -92,57 +122,62 @@ static void run_case(const rope_case *c, const char *isa) {
         a.batch = c->B; a.seq = c->T; a.head_dim = c->D; a.rot_dim = c->R;
         a.pairing = c->pairing; a.transpose = transpose; a.nthreads = 2;
         a.src.cos = cs; a.src.sin = sn; a.src.table_dtype = c->tdt; a.src.table_batch = c->Bc;
-        a.src.table_stride[0] = c->Bc * c->T * c->R;
-        a.src.table_stride[1] = c->T * c->R;
-        a.src.table_stride[2] = c->R;
+        memcpy(a.src.table_stride, tst, sizeof tst);
         a.src.axis_of_slot = c->mrope ? axis : NULL;
         pe_rope_tensor *ts[2] = {&a.q, &a.k};
-        void *ins[2] = {q, k}, *outs[2] = {qo, ko};
-        int64_t heads[2] = {c->Hq, c->Hk}, st[2] = {st_q, st_k};
         for (int j = 0; j < 2; ++j) {
             ts[j]->in = ins[j]; ts[j]->out = outs[j];
-            ts[j]->in_dtype = ts[j]->out_dtype = c->dt;
+            ts[j]->in_dtype = din[j]; ts[j]->out_dtype = dout[j];
             ts[j]->heads = heads[j];
-            ts[j]->in_stride[0] = ts[j]->out_stride[0] = c->T * st[j];
-            ts[j]->in_stride[1] = ts[j]->out_stride[1] = st[j];
-            ts[j]->in_stride[2] = ts[j]->out_stride[2] = sh;
+            memcpy(ts[j]->in_stride, ist[j], sizeof ist[j]);
+            memcpy(ts[j]->out_stride, ost[j], sizeof ost[j]);
         }
         CHECK(pe_rope_apply(&a) == PE_OK, "apply failed");
-        double worst = 0;
-        for (int j = 0; j < 2; ++j)
+        int64_t wrong = 0;
+        double first_got = 0, first_want = 0;
+        for (int j = 0; j < 2; ++j) {
+            const int f64 = din[j] == PE_FLOAT64 || dout[j] == PE_FLOAT64 || c->tdt == PE_FLOAT64;
             for (int64_t b = 0; b < c->B; ++b)
                 for (int64_t t = 0; t < c->T; ++t)
                     for (int64_t h = 0; h < heads[j]; ++h)
                         for (int64_t e = 0; e < c->D; ++e) {
-                            const int64_t base = b * c->T * st[j] + t * st[j] + h * sh;
-                            const double x = get(ins[j], c->dt, base + e);
-                            double ref = x, mag = fabs(x);
+                            const int64_t base = b * ist[j][0] + t * ist[j][1] + h * ist[j][2];
+                            const double x = get(ins[j], din[j], base + e);
+                            double ref = x;
                             if (e < c->R) {
                                 const int64_t p = partner(c->pairing, e, c->R);
                                 const int64_t se = transpose ? p : e; /* sine index */
                                 const int64_t ax = c->mrope ? axis[pe_slot(c->pairing, se, c->R)] : 0;
                                 const int64_t axc = c->mrope ? axis[pe_slot(c->pairing, e, c->R)] : 0;
-                                const int64_t bc = c->Bc == 1 ? 0 : b;
-                                const int64_t tr = ((axc * c->Bc + bc) * c->T + t) * c->R;
-                                const int64_t ts_ = ((ax * c->Bc + bc) * c->T + t) * c->R;
-                                const double cv = get(cs, c->tdt, tr + e);
-                                const double sv = get(sn, c->tdt, ts_ + se);
-                                const double xp = get(ins[j], c->dt, base + p);
+                                const int64_t row = (c->Bc == 1 ? 0 : b) * tst[1] + t * tst[2];
+                                const double cv = get(cs, c->tdt, axc * tst[0] + row + e);
+                                const double sv = get(sn, c->tdt, ax * tst[0] + row + se);
+                                const double xp = get(ins[j], din[j], base + p);
                                 const double sg = transpose ? -sign_of(c->pairing, e, c->R)
                                                             : sign_of(c->pairing, e, c->R);
-                                ref = x * cv + sg * xp * sv;
-                                mag = fabs(x * cv) + fabs(xp * sv);
+                                ref = rot_ref(x, cv, sg, xp, sv, f64);
                             }
-                            const double got = get(outs[j], c->dt, base + e);
-                            const double err = fabs(got - ref) / (mag + 1e-30);
-                            if (err > worst) worst = err;
+                            const double want = stored(ref, dout[j], f64);
+                            const double got = get(outs[j], dout[j],
+                                                   b * ost[j][0] + t * ost[j][1] + h * ost[j][2] + e);
+                            if (got != want && !wrong++) {
+                                first_got = got;
+                                first_want = want;
+                            }
                         }
-        CHECK(worst <= tol(c->dt), "%s B=%ld T=%ld Hq=%ld Hk=%ld D=%ld R=%ld pair=%d dt=%d tdt=%d "
-              "mrope=%d/%d transpose=%d: rel err %.3g", isa, (long)c->B, (long)c->T, (long)c->Hq,
-              (long)c->Hk, (long)c->D, (long)c->R, c->pairing, c->dt, c->tdt, c->mrope,
-              c->interleaved, transpose, worst);
+        }
+        CHECK(wrong == 0, "%s B=%ld T=%ld Hq=%ld Hk=%ld D=%ld R=%ld pair=%d q=%d k=%d out=%d "
+              "tables=%d mrope=%d/%d expand=%d transpose=%d: %ld wrong (first %.9g, want %.9g)",
+              isa, (long)c->B, (long)c->T, (long)c->Hq, (long)c->Hk, (long)c->D, (long)c->R,
+              c->pairing, c->dt, c->dk, c->out, c->tdt, c->mrope, c->interleaved, c->expand,
+              transpose, (long)wrong, first_got, first_want);
     }
-    free(q); free(k); free(qo); free(ko); free(cs); free(sn);
+    for (int j = 0; j < 2; ++j) {
+        free(ins[j]);
+        free(outs[j]);
+    }
+    free(cs);
+    free(sn);
 }
 
 /* Ulp distance of two finite floats of the same sign (or both zero). */
@@ -289,6 +324,16 @@ static void positions_case(int mrope, int interleaved, pe_pairing pairing) {
                 worst = fmax(worst, fmax(fabs(cs[i] - rc), fabs(sn[i] - rs)));
             }
     CHECK(worst < 2e-7, "tables vs libm: %g", worst);
+    /* fp64 and bf16 tables hold the same fp32 values, widened or rounded once */
+    double cs64[2 * 7 * 12], sn64[2 * 7 * 12];
+    uint16_t cs16[2 * 7 * 12], sn16[2 * 7 * 12];
+    CHECK(pe_rope_tables(&a, PE_FLOAT64, cs64, sn64) == PE_OK, "fp64 tables");
+    CHECK(pe_rope_tables(&a, PE_BFLOAT16, cs16, sn16) == PE_OK, "bf16 tables");
+    int64_t differ = 0;
+    for (int64_t i = 0; i < B * T * R; ++i)
+        differ += cs64[i] != cs[i] || sn64[i] != sn[i] || cs16[i] != pe_f32_to_bf16(cs[i]) ||
+                  sn16[i] != pe_f32_to_bf16(sn[i]);
+    CHECK(differ == 0, "fp64/bf16 tables differ from the fp32 ones in %ld values", (long)differ);
     /* fused apply == table apply with those tables */
     float q[2 * 7 * 2 * 16], o1[2 * 7 * 2 * 16], o2[2 * 7 * 2 * 16];
     for (int64_t i = 0; i < B * T * H * D; ++i) q[i] = (float)urand();
@@ -398,7 +443,108 @@ static void bad_args(void) {
     CHECK(pe_mrope_axis_map(4, sec, 0, axis) == PE_ERR_ARG, "sections not summing to R/2");
     int64_t neg[3] = {5, -1, 0};
     CHECK(pe_mrope_axis_map(4, neg, 0, axis) == PE_ERR_ARG, "negative section");
+    /* sums that wrap around in int64: rejected, never undefined behaviour */
+    const int64_t wrap[3] = {INT64_MAX, INT64_MAX, 4}, wrap2[3] = {(int64_t)1 << 62, (int64_t)1 << 62, 4};
+    const int64_t wrap3[3] = {INT64_MAX, 2, INT64_MIN + 3};
+    CHECK(pe_mrope_axis_map(4, wrap, 0, axis) == PE_ERR_ARG, "sections summing past INT64_MAX");
+    CHECK(pe_mrope_axis_map(4, wrap2, 1, axis) == PE_ERR_ARG, "sections of 2^62");
+    CHECK(pe_mrope_axis_map(INT64_MAX, wrap3, 0, axis) == PE_ERR_ARG, "negative section with a wrap");
     CHECK(pe_isa_set((pe_isa)7) == PE_ERR_ARG, "unknown isa");
+}
+
+/* Outputs that overlap an input or another output are rejected; adjacent buffers are fine. */
+static void overlap_cases(void) {
+    enum { T = 4, H = 2, D = 8, N = T * H * D };
+    static float buf[4 * N], cs[T * D], sn[T * D], dcos[T * D], dsin[T * D];
+    for (int i = 0; i < 4 * N; ++i) buf[i] = (float)urand();
+    for (int i = 0; i < T * D; ++i) { cs[i] = (float)urand(); sn[i] = (float)urand(); }
+    const pe_rope_tensor none = {.heads = 0};
+    pe_rope_args a = {
+        .batch = 1, .seq = T, .head_dim = D, .rot_dim = D, .pairing = PE_PAIR_HALF, .nthreads = 1,
+        .src = {.cos = cs, .sin = sn, .table_dtype = PE_FLOAT32, .table_batch = 1,
+                .table_stride = {0, T * D, D}},
+        .q = {.in = buf, .out = buf + N, .in_dtype = PE_FLOAT32, .out_dtype = PE_FLOAT32,
+              .heads = H, .in_stride = {N, H * D, D}, .out_stride = {N, H * D, D}},
+        .k = none,
+    };
+    CHECK(pe_rope_apply(&a) == PE_OK, "output right after the input");
+    a.q.out = buf;
+    CHECK(pe_rope_apply(&a) == PE_ERR_ARG, "in place");
+    a.q.out = buf + N - 1;
+    CHECK(pe_rope_apply(&a) == PE_ERR_ARG, "output over the input's last element");
+    a.q.out = buf + N;
+    a.k = a.q;
+    a.k.in = buf + 2 * N;
+    a.k.out = buf + N + D;
+    CHECK(pe_rope_apply(&a) == PE_ERR_ARG, "k's output over q's output");
+    a.k.out = buf + 3 * N;
+    CHECK(pe_rope_apply(&a) == PE_OK, "four disjoint tensors");
+    a.k.out = buf; /* over q's input */
+    CHECK(pe_rope_apply(&a) == PE_ERR_ARG, "k's output over q's input");
+    a.k.out = buf + 3 * N;
+    a.q.out = sn + 4;
+    a.q.heads = 1;
+    a.q.out_stride[0] = a.q.out_stride[1] = 1;
+    CHECK(pe_rope_apply(&a) == PE_ERR_ARG, "output over the sine table");
+    a.q = a.k;
+    a.q.out = buf + N;
+    a.q.in = buf;
+    a.q.in_stride[0] = INT64_MAX / 2;
+    a.batch = 3;
+    CHECK(pe_rope_apply(&a) == PE_ERR_ARG, "strides whose byte offsets overflow");
+    a.batch = 1;
+    a.q.in_stride[0] = N;
+
+    int64_t pos[T] = {0, 1, 2, 3};
+    float inv[D / 2] = {1.0f, 0.5f, 0.25f, 0.125f};
+    pe_rope_args f = a;
+    memset(&f.src, 0, sizeof f.src);
+    f.src.pos = pos; f.src.pos_batch = 1; f.src.pos_stride[2] = 1;
+    f.src.inv_freq = inv; f.src.scaling = 1.0f;
+    CHECK(pe_rope_apply(&f) == PE_OK, "fused, disjoint");
+    f.k.out = (void *)inv;
+    CHECK(pe_rope_apply(&f) == PE_ERR_ARG, "output over inv_freq");
+    CHECK(pe_rope_tables(&f, PE_FLOAT32, dcos, dsin) == PE_OK, "tables, disjoint");
+    CHECK(pe_rope_tables(&f, PE_FLOAT32, dcos, dcos) == PE_ERR_ARG, "cos and sin tables overlap");
+    CHECK(pe_rope_tables(&f, PE_FLOAT64, pos, dsin) == PE_ERR_ARG, "table over the positions");
+
+    const float *g = buf + 2 * N;
+    CHECK(pe_rope_table_grad(&a, g, a.q.in_stride, g, a.k.in_stride, PE_FLOAT32, dcos, dsin) == PE_OK,
+          "table grad, disjoint");
+    CHECK(pe_rope_table_grad(&a, g, a.q.in_stride, g, a.k.in_stride, PE_FLOAT32, (void *)g, dsin) ==
+              PE_ERR_ARG,
+          "table gradient over grad_q");
+    CHECK(pe_rope_table_grad(&a, g, a.q.in_stride, g, a.k.in_stride, PE_FLOAT32, dcos, buf + 1) ==
+              PE_ERR_ARG,
+          "table gradient over q");
+}
+
+/* q's result does not depend on k's dtype: q fp32 (and bf16) with k fp32, then k fp64. */
+static void isolation_case(pe_dtype qdt) {
+    const int64_t B = 1, T = 9, Hq = 3, Hk = 2, D = 32, R = 32, nq = B * T * Hq * D, nk = B * T * Hk * D;
+    float cs[9 * 32], sn[9 * 32];
+    for (int64_t i = 0; i < T * R; ++i) { cs[i] = (float)urand(); sn[i] = (float)urand(); }
+    void *q = malloc((size_t)nq * 4), *qo1 = calloc((size_t)nq, 4), *qo2 = calloc((size_t)nq, 4);
+    double *k = malloc((size_t)nk * 8), *ko = malloc((size_t)nk * 8);
+    float *kf = malloc((size_t)nk * 4), *kfo = malloc((size_t)nk * 4);
+    for (int64_t i = 0; i < nq; ++i) put(q, qdt, i, urand());
+    for (int64_t i = 0; i < nk; ++i) kf[i] = (float)(k[i] = urand());
+    pe_rope_args a = {
+        .batch = B, .seq = T, .head_dim = D, .rot_dim = R, .pairing = PE_PAIR_HALF, .nthreads = 1,
+        .src = {.cos = cs, .sin = sn, .table_dtype = PE_FLOAT32, .table_batch = 1,
+                .table_stride = {0, T * R, R}},
+        .q = {.in = q, .out = qo1, .in_dtype = qdt, .out_dtype = qdt, .heads = Hq,
+              .in_stride = {T * Hq * D, Hq * D, D}, .out_stride = {T * Hq * D, Hq * D, D}},
+        .k = {.in = kf, .out = kfo, .in_dtype = PE_FLOAT32, .out_dtype = PE_FLOAT32, .heads = Hk,
+              .in_stride = {T * Hk * D, Hk * D, D}, .out_stride = {T * Hk * D, Hk * D, D}},
+    };
+    CHECK(pe_rope_apply(&a) == PE_OK, "isolation: k fp32");
+    a.q.out = qo2;
+    a.k.in = k; a.k.out = ko; a.k.in_dtype = a.k.out_dtype = PE_FLOAT64;
+    CHECK(pe_rope_apply(&a) == PE_OK, "isolation: k fp64");
+    CHECK(memcmp(qo1, qo2, (size_t)nq * pe_dtype_size(qdt)) == 0,
+          "q (dtype %d) changes when k is fp64", qdt);
+    free(q); free(qo1); free(qo2); free(k); free(ko); free(kf); free(kfo);
 }
 
 int main(void) {
@@ -408,18 +554,39 @@ int main(void) {
         const char *name = pe_isa_name((pe_isa)isa);
         for (int d = 0; d < 4; ++d)
             for (int p = 0; p < 2; ++p) {
-                rope_case c = {2, 5, 4, 2, 64, 64, 2, (pe_pairing)p, dts[d], dts[d], 0, 0, 0};
+                rope_case c = {.B = 2, .T = 5, .Hq = 4, .Hk = 2, .D = 64, .R = 64, .Bc = 2,
+                               .pairing = (pe_pairing)p, .dt = dts[d], .tdt = dts[d],
+                               .dk = dts[d], .out = -1};
                 run_case(&c, name);
-                c.R = 24; c.Bc = 1; c.gap = 3; c.Hk = 1; c.T = 1; /* partial, MQA, views */
+                c.expand = EXPAND_BATCH | EXPAND_TABLE_T; /* expanded q, k and cos/sin */
+                run_case(&c, name);
+                c.expand = EXPAND_HEADS;
+                c.D = c.R = 80; /* one head row read by every head; vector row tails */
+                run_case(&c, name);
+                c.expand = 0;
+                c.R = 24; c.D = 64; c.Bc = 1; c.gap = 3; c.Hk = 1; c.T = 1; /* partial, MQA, views */
                 run_case(&c, name);
                 c.R = 36; c.D = 40; c.T = 33; c.tdt = PE_FLOAT32; c.mrope = 1; /* MRoPE, mixed */
                 run_case(&c, name);
                 c.interleaved = 1; c.D = 38; c.R = 38; c.B = 1; c.Bc = 1; /* odd-sized rows */
                 run_case(&c, name);
+                /* per-tensor precision: k fp64 next to q; fp64 tables; mixed in/out dtypes */
+                rope_case m = {.B = 2, .T = 7, .Hq = 3, .Hk = 2, .D = 48, .R = 32, .Bc = 1,
+                               .pairing = (pe_pairing)p, .dt = dts[d], .tdt = PE_FLOAT32,
+                               .dk = PE_FLOAT64, .out = -1};
+                run_case(&m, name);
+                m.tdt = PE_FLOAT64; m.dk = dts[d];
+                run_case(&m, name);
+                m.tdt = PE_FLOAT32; m.out = PE_FLOAT32;
+                run_case(&m, name);
             }
         /* Larger problem so the threaded path runs. */
-        rope_case big = {1, 300, 8, 2, 128, 128, 1, PE_PAIR_HALF, PE_BFLOAT16, PE_BFLOAT16, 1, 0, 0};
+        rope_case big = {.B = 1, .T = 300, .Hq = 8, .Hk = 2, .D = 128, .R = 128, .Bc = 1,
+                         .pairing = PE_PAIR_HALF, .dt = PE_BFLOAT16, .tdt = PE_BFLOAT16,
+                         .mrope = 1, .dk = PE_BFLOAT16, .out = -1};
         run_case(&big, name);
+        isolation_case(PE_FLOAT32);
+        isolation_case(PE_BFLOAT16);
         adjoint_case(PE_PAIR_HALF, 16, 16);
         adjoint_case(PE_PAIR_HALF, 20, 12);
         adjoint_case(PE_PAIR_ADJACENT, 16, 10);
@@ -432,6 +599,7 @@ int main(void) {
     pe_isa_set(pe_isa_best());
     empty_cases();
     bad_args();
+    overlap_cases();
     math_cases();
     return check_report("test_rope");
 }

@@ -1,0 +1,16 @@
+/* The fp32 RoPE core compiled for the baseline instruction set of the target (any x86-64; NEON on aarch64). */
+#include "rope_f32.h"
+
+int pe_rope_apply_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p) {
+    return rope_f32_apply(a, p);
+}
+
+int pe_rope_table_grad_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p,
+                                 const pe_rope_grads *g) {
+    return rope_f32_table_grad(a, p, g);
+}
+
+int pe_rope_tables_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p, pe_dtype out_dtype,
+                             void *cos, void *sin) {
+    return rope_f32_tables(a, p, out_dtype, cos, sin);
+}

@@ -1,0 +1,575 @@
+/*
+ * The fp32 RoPE core: forward / transpose, table gradients and tables from positions, for
+ * 16-bit and fp32 tensors with fp32 tables or positions.  Everything here is static and
+ * inlined into the three entry points of each rope_<isa>.c, which compile this file with
+ * their instruction set: the compiler's target macros (__AVX512F__, __AVX2__) pick the
+ * vector rows below, and the baseline build keeps the scalar code (the auto-vectorizer
+ * handles the simple loops).  Per-element arithmetic comes from rope_math.h; no fused
+ * multiply-add anywhere (-ffp-contract=off, explicit multiply then add).
+ */
+#ifndef POSENC_ROPE_F32_H
+#define POSENC_ROPE_F32_H
+
+#include <stdlib.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "internal.h"
+
+#define PE_INLINE static inline __attribute__((always_inline))
+
+/*
+ * Fast rows for the common case: half pairing, same dtype in and out, fp32 compute.  One
+ * pass over all heads of a token reads both halves of each row, rotates, and stores with
+ * the conversion inline; nothing goes through a scratch buffer.  The vector helpers below
+ * take the dtype as an argument and are always inlined with a constant, so each dtype gets
+ * its own straight-line loop.  The vectorizer handles plain fp32 well but not the bf16
+ * rounding or F16C, hence explicit intrinsics.
+ */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PE_VW 16
+typedef __m512 pe_vf;
+PE_INLINE pe_vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+PE_INLINE pe_vf vf_rot(pe_vf a, pe_vf ca, pe_vf b, pe_vf sb) {
+    return _mm512_add_ps(_mm512_mul_ps(a, ca), _mm512_mul_ps(b, sb));
+}
+PE_INLINE pe_vf vx_load(const char *p, pe_dtype dt) {
+    if (dt == PE_FLOAT32) return _mm512_loadu_ps((const float *)p);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (dt == PE_FLOAT16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+PE_INLINE void vx_store16(char *p, __m256i v, int nt) {
+    if (nt) _mm256_stream_si256((__m256i *)p, v);
+    else _mm256_storeu_si256((__m256i *)p, v);
+}
+/* nt: non-temporal (streaming) store; p must then be aligned to the vector size */
+PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt, int nt) {
+    if (dt == PE_FLOAT32) {
+        if (nt) _mm512_stream_ps((float *)p, v);
+        else _mm512_storeu_ps((float *)p, v);
+    } else if (dt == PE_FLOAT16) {
+        vx_store16(p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT), nt);
+    } else { /* bf16: round to nearest even on the bits; NaN stays a (quiet) NaN */
+        const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+        const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+        __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+        r = _mm512_srli_epi32(r, 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                  _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+        vx_store16(p, _mm512_cvtepi32_epi16(r), nt);
+    }
+}
+/* The first n < 16 lanes, for row tails (head_dim 80: 40 = 2 x 16 + 8). */
+#define PE_VTAIL 1
+PE_INLINE pe_vf vf_load_n(const float *p, int64_t n) {
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
+PE_INLINE pe_vf vx_load_n(const char *p, pe_dtype dt, int64_t n) {
+    const __mmask16 m = (__mmask16)((1u << n) - 1);
+    if (dt == PE_FLOAT32) return _mm512_maskz_loadu_ps(m, (const float *)p);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    if (dt == PE_FLOAT16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+PE_INLINE void vx_store_n(char *p, pe_vf v, pe_dtype dt, int64_t n) {
+    const __mmask16 m = (__mmask16)((1u << n) - 1);
+    if (dt == PE_FLOAT32) {
+        _mm512_mask_storeu_ps((float *)p, m, v);
+        return;
+    }
+    char tmp[32];
+    vx_store(tmp, v, dt, 0);
+    _mm256_mask_storeu_epi16(p, m, _mm256_loadu_si256((const __m256i *)tmp));
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+#define PE_VW 8
+typedef __m256 pe_vf;
+PE_INLINE pe_vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+PE_INLINE pe_vf vf_rot(pe_vf a, pe_vf ca, pe_vf b, pe_vf sb) {
+    return _mm256_add_ps(_mm256_mul_ps(a, ca), _mm256_mul_ps(b, sb));
+}
+PE_INLINE pe_vf vx_load(const char *p, pe_dtype dt) {
+    if (dt == PE_FLOAT32) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (dt == PE_FLOAT16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+PE_INLINE void vx_store16(char *p, __m128i v, int nt) {
+    if (nt) _mm_stream_si128((__m128i *)p, v);
+    else _mm_storeu_si128((__m128i *)p, v);
+}
+PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt, int nt) {
+    if (dt == PE_FLOAT32) {
+        if (nt) _mm256_stream_ps((float *)p, v);
+        else _mm256_storeu_ps((float *)p, v);
+    } else if (dt == PE_FLOAT16) {
+        vx_store16(p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT), nt);
+    } else { /* bf16, as above; packus keeps the 16-bit results, permute joins the lanes */
+        const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
+        const __m256i odd = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+        __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+        r = _mm256_srli_epi32(r, 16);
+        r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)),
+                               _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+        r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+        vx_store16(p, _mm256_castsi256_si128(r), nt);
+    }
+}
+#endif
+
+PE_INLINE float sx_load(const char *p, pe_dtype dt) {
+    if (dt == PE_FLOAT32) {
+        float f;
+        memcpy(&f, p, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return dt == PE_FLOAT16 ? pe_f16_to_f32(h) : pe_bf16_to_f32(h);
+}
+
+PE_INLINE void sx_store(char *p, float v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) {
+        memcpy(p, &v, 4);
+        return;
+    }
+    const uint16_t h = dt == PE_FLOAT16 ? pe_f32_to_f16(v) : pe_f32_to_bf16(v);
+    memcpy(p, &h, 2);
+}
+
+/* out[e] = x[e] c[e] + x[e+h] ss[e],  out[e+h] = x[e+h] c[e+h] + x[e] ss[e+h] */
+PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const float *restrict c,
+                            const float *restrict ss, int64_t h, pe_dtype dt, int nt) {
+    const int64_t es = dt == PE_FLOAT32 ? 4 : 2, hb = h * es;
+    int64_t e = 0;
+#ifdef PE_VW
+    for (; e + PE_VW <= h; e += PE_VW) {
+        const pe_vf x0 = vx_load(x + e * es, dt), x1 = vx_load(x + e * es + hb, dt);
+        vx_store(o + e * es, vf_rot(x0, vf_load(c + e), x1, vf_load(ss + e)), dt, nt);
+        vx_store(o + e * es + hb, vf_rot(x1, vf_load(c + e + h), x0, vf_load(ss + e + h)), dt, nt);
+    }
+#endif
+#ifdef PE_VTAIL
+    if (e < h) {
+        const int64_t n = h - e;
+        const pe_vf x0 = vx_load_n(x + e * es, dt, n), x1 = vx_load_n(x + e * es + hb, dt, n);
+        vx_store_n(o + e * es, vf_rot(x0, vf_load_n(c + e, n), x1, vf_load_n(ss + e, n)), dt, n);
+        vx_store_n(o + e * es + hb,
+                   vf_rot(x1, vf_load_n(c + e + h, n), x0, vf_load_n(ss + e + h, n)), dt, n);
+        return;
+    }
+#endif
+    for (; e < h; ++e) {
+        const float x0 = sx_load(x + e * es, dt), x1 = sx_load(x + e * es + hb, dt);
+        sx_store(o + e * es, pe_rot_f32(x0, c[e], x1, ss[e]), dt);
+        sx_store(o + e * es + hb, pe_rot_f32(x1, c[e + h], x0, ss[e + h]), dt);
+    }
+}
+
+/*
+ * Streaming (non-temporal) stores skip reading the output lines before writing them, which
+ * a large output would otherwise pay for in memory traffic; every vector store must then be
+ * aligned, so rows whose starts or halves are not 64-byte aligned use ordinary stores.
+ */
+PE_INLINE void rot_half_rows(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
+                             const float *c, const float *ss, int64_t h, pe_dtype dt, int stream) {
+    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
+    const int aligned = (uintptr_t)o % 64 == 0 && (os * es) % 64 == 0 && (h * es) % 64 == 0;
+    if (stream && aligned) {
+        for (int64_t hd = 0; hd < nh; ++hd)
+            rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt, 1);
+    } else {
+        for (int64_t hd = 0; hd < nh; ++hd)
+            rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt, 0);
+    }
+}
+
+/* n values of a 16-bit or fp32 dtype as fp32, a vector at a time (short MRoPE runs too). */
+PE_INLINE void to_f32_row(float *restrict dst, const char *restrict src, int64_t n, pe_dtype dt) {
+    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
+    int64_t i = 0;
+#ifdef PE_VW
+    for (; i + PE_VW <= n; i += PE_VW)
+        vx_store((char *)(dst + i), vx_load(src + i * es, dt), PE_FLOAT32, 0);
+#endif
+    for (; i < n; ++i) dst[i] = sx_load(src + i * es, dt);
+}
+
+/* Rotates the nh heads of one token (head strides xs, os in elements) if the fast rows
+ * cover the dtype; returns 1 if so.  head_dim 128 (h = 64) gets a fully unrolled copy. */
+PE_INLINE int rot_half_heads(const void *in, int64_t xs, void *out, int64_t os, int64_t nh,
+                          pe_dtype dt, const float *c, const float *ss, int64_t R, int stream) {
+    const char *x = (const char *)in;
+    char *o = (char *)out;
+    const int64_t h = R / 2;
+    switch (dt) {
+    case PE_FLOAT32:
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT32, stream);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT32, stream);
+        return 1;
+    case PE_BFLOAT16:
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_BFLOAT16, stream);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16, stream);
+        return 1;
+    case PE_FLOAT16:
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT16, stream);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT16, stream);
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* Orders this thread's streaming stores before the call returns. */
+PE_INLINE void store_fence(void) {
+#ifdef PE_VW
+    _mm_sfence();
+#endif
+}
+
+
+/* ---- fp32 core ---------------------------------------------------------------------- */
+
+/* n values of dtype dt (fp32 or 16-bit) as fp32. */
+PE_INLINE void load_row(float *restrict dst, const void *restrict src, pe_dtype dt, int64_t n) {
+    const char *s = (const char *)src;
+    switch (dt) {
+    case PE_FLOAT32: to_f32_row(dst, s, n, PE_FLOAT32); break;
+    case PE_BFLOAT16: to_f32_row(dst, s, n, PE_BFLOAT16); break;
+    default: to_f32_row(dst, s, n, PE_FLOAT16); break;
+    }
+}
+
+/* n fp32 values stored as dtype dt, one rounding each (fp64: the tables from positions). */
+PE_INLINE void store_row(void *restrict dst, const float *restrict src, pe_dtype dt, int64_t n) {
+    char *d = (char *)dst;
+    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
+    switch (dt) {
+    case PE_FLOAT64:
+        for (int64_t i = 0; i < n; ++i) {
+            const double v = src[i];
+            memcpy(d + i * 8, &v, 8);
+        }
+        break;
+    case PE_FLOAT32: for (int64_t i = 0; i < n; ++i) sx_store(d + i * es, src[i], PE_FLOAT32); break;
+    case PE_BFLOAT16: for (int64_t i = 0; i < n; ++i) sx_store(d + i * es, src[i], PE_BFLOAT16); break;
+    default: for (int64_t i = 0; i < n; ++i) sx_store(d + i * es, src[i], PE_FLOAT16); break;
+    }
+}
+
+/*
+ * out[e] = x[e] * c[e] + x[p(e)] * ss[e] over the R rotary channels, where ss already holds
+ * the signed sine of the forward or of the transpose.
+ */
+PE_INLINE void rotate_row(const float *restrict x, float *restrict o, const float *restrict c,
+                              const float *restrict ss, int64_t R, pe_pairing pairing) {
+    if (pairing == PE_PAIR_HALF) {
+        const int64_t h = R / 2;
+        for (int64_t e = 0; e < h; ++e) o[e] = pe_rot_f32(x[e], c[e], x[e + h], ss[e]);
+        for (int64_t e = h; e < R; ++e) o[e] = pe_rot_f32(x[e], c[e], x[e - h], ss[e]);
+    } else {
+        for (int64_t e = 0; e < R; e += 2) {
+            o[e] = pe_rot_f32(x[e], c[e], x[e + 1], ss[e]);
+            o[e + 1] = pe_rot_f32(x[e + 1], c[e + 1], x[e], ss[e + 1]);
+        }
+    }
+}
+
+/*
+ * Signed sine for the row: forward ss[e] = sign(e) s[e]; transpose ss[e] = sign(p(e)) s[p(e)].
+ * s is overwritten.
+ */
+PE_INLINE void sign_sine(float *restrict s, float *restrict ss, int64_t R,
+                                 pe_pairing pairing, int transpose) {
+    if (pairing == PE_PAIR_HALF) {
+        const int64_t h = R / 2;
+        if (!transpose) {
+            for (int64_t e = 0; e < h; ++e) ss[e] = -s[e];
+            for (int64_t e = h; e < R; ++e) ss[e] = s[e];
+        } else {
+            for (int64_t e = 0; e < h; ++e) ss[e] = s[e + h];
+            for (int64_t e = h; e < R; ++e) ss[e] = -s[e - h];
+        }
+    } else {
+        for (int64_t e = 0; e < R; e += 2) {
+            float s0 = s[e], s1 = s[e + 1];
+            ss[e] = transpose ? s1 : -s0;
+            ss[e + 1] = transpose ? -s0 : s1;
+        }
+    }
+}
+
+/* cos and unsigned sin of token (b, t) into c[R], s[R]. */
+PE_INLINE void token_tables(const pe_rope_args *a, const pe_rope_plan *plan, int64_t b, int64_t t,
+                             float *restrict c, float *restrict s, float *restrict rows,
+                             float *restrict scratch) {
+    const pe_rope_source *src = &a->src;
+    const int64_t R = a->rot_dim;
+    if (src->pos) {
+        const int64_t nslot = R / 2;
+        float *cs = scratch, *sn = scratch + nslot;
+        pe_rope_slot_sincos(a, plan, b, t, cs, sn);
+        if (a->pairing == PE_PAIR_HALF) {
+            for (int64_t i = 0; i < nslot; ++i) {
+                c[i] = c[i + nslot] = cs[i];
+                s[i] = s[i + nslot] = sn[i];
+            }
+        } else {
+            for (int64_t i = 0; i < nslot; ++i) {
+                c[2 * i] = c[2 * i + 1] = cs[i];
+                s[2 * i] = s[2 * i + 1] = sn[i];
+            }
+        }
+        return;
+    }
+    const size_t es = pe_dtype_size(src->table_dtype);
+    const int64_t off = (src->table_batch == 1 ? 0 : b) * src->table_stride[1] +
+                        t * src->table_stride[2];
+    const char *cb = (const char *)src->cos + off * (int64_t)es;
+    const char *sb = (const char *)src->sin + off * (int64_t)es;
+    if (plan->axes == 1) {
+        load_row(c, cb, src->table_dtype, R);
+        load_row(s, sb, src->table_dtype, R);
+        return;
+    }
+    const int64_t axis_bytes = src->table_stride[0] * (int64_t)es;
+    if (plan->nruns <= 8) {
+        /* MRoPE sections: a few runs of channels that share an axis, one load each */
+        for (int64_t i = 0; i < plan->nruns; ++i) {
+            const int64_t e0 = plan->run_start[i], n = plan->run_start[i + 1] - e0;
+            const int64_t o = plan->chan_axis[e0] * axis_bytes + e0 * (int64_t)es;
+            load_row(c + e0, cb + o, src->table_dtype, n);
+            load_row(s + e0, sb + o, src->table_dtype, n);
+        }
+        return;
+    }
+    /* interleaved MRoPE: load the rows of all axes, then channel e takes its axis' value */
+    for (int pass = 0; pass < 2; ++pass) {
+        const char *base = pass ? sb : cb;
+        float *dst = pass ? s : c;
+        for (int64_t ax = 0; ax < plan->axes; ++ax)
+            load_row(rows + ax * R, base + ax * axis_bytes, src->table_dtype, R);
+        for (int64_t e = 0; e < R; ++e) dst[e] = rows[plan->chan_axis[e] * R + e];
+    }
+}
+
+/* Rotate one row through fp32 scratch rows: any 16-bit or fp32 dtype in and out. */
+PE_INLINE void rotate_general(const pe_rope_tensor *x, const void *in, void *out,
+                               const float *restrict c, const float *restrict ss,
+                               float *restrict xbuf, float *restrict obuf, int64_t R,
+                               pe_pairing pairing) {
+    const float *xr = (const float *)in;
+    if (x->in_dtype != PE_FLOAT32) {
+        load_row(xbuf, in, x->in_dtype, R);
+        xr = xbuf;
+    }
+    const int native_out = x->out_dtype == PE_FLOAT32;
+    float *orow = native_out ? (float *)out : obuf;
+    rotate_row(xr, orow, c, ss, R, pairing);
+    if (!native_out) store_row(out, obuf, x->out_dtype, R);
+}
+
+/* Rotate heads h0 .. h1-1 of one tensor for token (b, t). */
+PE_INLINE void token_heads(const pe_rope_args *a, const pe_rope_tensor *x, int64_t b, int64_t t,
+                            int64_t h0, int64_t h1, const float *restrict c,
+                            const float *restrict ss, float *restrict xbuf, float *restrict obuf,
+                            int stream) {
+    if (h1 <= h0) return;
+    const int64_t R = a->rot_dim, D = a->head_dim;
+    const size_t ies = pe_dtype_size(x->in_dtype), oes = pe_dtype_size(x->out_dtype);
+    const int same = x->in_dtype == x->out_dtype;
+    const char *ib = (const char *)x->in +
+                     (b * x->in_stride[0] + t * x->in_stride[1] + h0 * x->in_stride[2]) * (int64_t)ies;
+    char *ob = (char *)x->out +
+               (b * x->out_stride[0] + t * x->out_stride[1] + h0 * x->out_stride[2]) * (int64_t)oes;
+    const int done = 1 && same && a->pairing == PE_PAIR_HALF &&
+                     rot_half_heads(ib, x->in_stride[2], ob, x->out_stride[2], h1 - h0,
+                                    x->in_dtype, (const float *)c, (const float *)ss, R, stream);
+    if (done && D == R) return;
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+        const void *in = ib + h * x->in_stride[2] * (int64_t)ies;
+        void *out = ob + h * x->out_stride[2] * (int64_t)oes;
+        if (!done) rotate_general(x, in, out, c, ss, xbuf, obuf, R, a->pairing);
+        if (D > R) { /* pass-through channels */
+            if (same) {
+                memcpy((char *)out + R * (int64_t)oes, (const char *)in + R * (int64_t)ies,
+                       (size_t)(D - R) * oes);
+            } else {
+                load_row(xbuf, (const char *)in + R * (int64_t)ies, x->in_dtype, D - R);
+                store_row((char *)out + R * (int64_t)oes, xbuf, x->out_dtype, D - R);
+            }
+        }
+    }
+}
+
+/*
+ * A tile of n consecutive tokens (flat index i0 = b*T + t) when the heads are the outer
+ * dimension in memory ((B, H, T, D) tensors, e.g. gradients coming back from attention):
+ * the tokens' tables are prepared once, then each head's rows of the tile, which are
+ * adjacent in memory, are rotated in order.
+ */
+PE_INLINE void tile_heads_outer(const pe_rope_args *a, const pe_rope_plan *plan, int64_t i0,
+                                 int64_t n, float *restrict c, float *restrict ss,
+                                 float *restrict s, float *restrict xb, float *restrict ob,
+                                 float *restrict rows, float *restrict scratch) {
+    const int64_t T = a->seq, R = a->rot_dim;
+    for (int64_t j = 0; j < n; ++j) {
+        token_tables(a, plan, (i0 + j) / T, (i0 + j) % T, c + j * R, s, rows, scratch);
+        sign_sine(s, ss + j * R, R, a->pairing, a->transpose);
+    }
+    const pe_rope_tensor *xs[2] = {&a->q, &a->k};
+    for (int w = 0; w < 2; ++w)
+        for (int64_t h = 0; h < xs[w]->heads; ++h)
+            for (int64_t j = 0; j < n; ++j)
+                token_heads(a, xs[w], (i0 + j) / T, (i0 + j) % T, h, h + 1, c + j * R,
+                                ss + j * R, xb, ob, plan->stream);
+}
+
+PE_INLINE int rope_f32_apply(const pe_rope_args *a, const pe_rope_plan *plan) {
+    const int64_t B = a->batch, T = a->seq, D = a->head_dim, R = a->rot_dim;
+    const int64_t ntok = B * T;
+    const int64_t work = ntok * (a->q.heads + a->k.heads) * D;
+    const int nt = (a->nthreads > 1 && work >= PE_SERIAL_ELEMENTS) ? a->nthreads : 1;
+    /* Heads outer in memory: rotate tiles of tokens head by head (rows stay adjacent). */
+    const pe_rope_tensor *lead = a->q.heads ? &a->q : &a->k;
+    const int heads_outer = lead->heads > 1 && lead->in_stride[2] > lead->in_stride[1];
+    const int64_t tile = heads_outer ? PE_TOKEN_TILE : 1, ntile = (ntok + tile - 1) / tile;
+    const int64_t chunk = pe_chunk(ntile, nt);
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        /* c, ss (tile x R each), s (R), x and out rows (D each), MRoPE axis rows (3 R);
+         * the slots' cos and sin on the fused path */
+        float *buf = (float *)malloc((size_t)(2 * tile * R + 4 * R + 2 * D) * sizeof(float));
+        float *scratch = (float *)malloc((size_t)(2 * (R / 2) + 1) * sizeof(float));
+        if (!buf || !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* Dynamic chunks: on a busy machine a late thread must not hold up the other. */
+#pragma omp for schedule(dynamic, chunk)
+        for (int64_t i = 0; i < ntile; ++i) {
+            if (!buf || !scratch) continue;
+            float *c = buf, *ss = buf + tile * R, *s = ss + tile * R, *xb = s + R, *ob = xb + D;
+            float *rows = ob + D;
+            if (heads_outer) {
+                const int64_t i0 = i * tile, n = ntok - i0 < tile ? ntok - i0 : tile;
+                tile_heads_outer(a, plan, i0, n, c, ss, s, xb, ob, rows, scratch);
+                continue;
+            }
+            const int64_t b = i / T, t = i % T;
+            token_tables(a, plan, b, t, c, s, rows, scratch);
+            sign_sine(s, ss, R, a->pairing, a->transpose);
+            token_heads(a, &a->q, b, t, 0, a->q.heads, c, ss, xb, ob, plan->stream);
+            token_heads(a, &a->k, b, t, 0, a->k.heads, c, ss, xb, ob, plan->stream);
+        }
+        store_fence();
+        free(buf);
+        free(scratch);
+    }
+    return failed ? PE_ERR_NOMEM : PE_OK;
+}
+
+/* Accumulate g[e] x[e] and g[e] sign(e) x[p(e)] of every head of one tensor at (b, t). */
+PE_INLINE void accumulate_heads(const pe_rope_args *a, const pe_rope_tensor *x, const void *g,
+                                 const int64_t gs[3], pe_dtype gdt, int64_t b, int64_t t,
+                                 float *restrict acc_c, float *restrict acc_s,
+                                 float *restrict xb, float *restrict gb) {
+    const int64_t R = a->rot_dim, h2 = R / 2;
+    const size_t xes = pe_dtype_size(x->in_dtype), ges = pe_dtype_size(gdt);
+    for (int64_t h = 0; h < x->heads; ++h) {
+        const char *xp = (const char *)x->in +
+                         (b * x->in_stride[0] + t * x->in_stride[1] + h * x->in_stride[2]) * (int64_t)xes;
+        const char *gp = (const char *)g + (b * gs[0] + t * gs[1] + h * gs[2]) * (int64_t)ges;
+        load_row(xb, xp, x->in_dtype, R);
+        load_row(gb, gp, gdt, R);
+        for (int64_t e = 0; e < R; ++e) acc_c[e] += gb[e] * xb[e];
+        if (a->pairing == PE_PAIR_HALF) {
+            for (int64_t e = 0; e < h2; ++e) acc_s[e] -= gb[e] * xb[e + h2];
+            for (int64_t e = h2; e < R; ++e) acc_s[e] += gb[e] * xb[e - h2];
+        } else {
+            for (int64_t e = 0; e < R; e += 2) {
+                acc_s[e] -= gb[e] * xb[e + 1];
+                acc_s[e + 1] += gb[e + 1] * xb[e];
+            }
+        }
+    }
+}
+
+PE_INLINE int rope_f32_table_grad(const pe_rope_args *a, const pe_rope_plan *plan,
+                                   const pe_rope_grads *g) {
+    const pe_rope_source *src = &a->src;
+    const void *gq = g->grad_q, *gk = g->grad_k;
+    const int64_t *gqs = g->grad_q_stride, *gks = g->grad_k_stride;
+    const pe_dtype gdt = g->grad_dtype;
+    void *dcos = g->dcos, *dsin = g->dsin;
+    const int64_t B = a->batch, T = a->seq, R = a->rot_dim, D = a->head_dim;
+    const int64_t Bc = src->table_batch, A = plan->axes;
+    const int64_t nrow = Bc * T;
+    const size_t oes = pe_dtype_size(src->table_dtype);
+    const int64_t work = B * T * (a->q.heads + a->k.heads) * D;
+    const int nt = (a->nthreads > 1 && work >= PE_SERIAL_ELEMENTS) ? a->nthreads : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *buf = (float *)malloc((size_t)(5 * R) * sizeof(float));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < nrow; ++i) {
+            if (!buf) continue;
+            const int64_t bc = i / T, t = i % T;
+            float *acc_c = buf, *acc_s = buf + R, *xb = buf + 2 * R, *gb = buf + 3 * R, *ob = buf + 4 * R;
+            for (int64_t e = 0; e < R; ++e) acc_c[e] = acc_s[e] = 0;
+            const int64_t b0 = Bc == 1 ? 0 : bc, b1 = Bc == 1 ? B : bc + 1;
+            for (int64_t b = b0; b < b1; ++b) {
+                if (a->q.heads) accumulate_heads(a, &a->q, gq, gqs, gdt, b, t, acc_c, acc_s, xb, gb);
+                if (a->k.heads) accumulate_heads(a, &a->k, gk, gks, gdt, b, t, acc_c, acc_s, xb, gb);
+            }
+            for (int64_t ax = 0; ax < A; ++ax) {
+                const int64_t off = ((ax * Bc + bc) * T + t) * R * (int64_t)oes;
+                for (int64_t pass = 0; pass < 2; ++pass) {
+                    const float *acc = pass ? acc_s : acc_c;
+                    for (int64_t e = 0; e < R; ++e)
+                        ob[e] = (A == 1 || plan->chan_axis[e] == ax) ? acc[e] : 0.0f;
+                    store_row((char *)(pass ? dsin : dcos) + off, ob, src->table_dtype, R);
+                }
+            }
+        }
+        free(buf);
+    }
+    return failed ? PE_ERR_NOMEM : PE_OK;
+}
+
+/* Tables (B, T, R) from the positions source: fp32 angles and sin/cos, one rounding. */
+PE_INLINE int rope_f32_tables(const pe_rope_args *a, const pe_rope_plan *plan, pe_dtype out_dtype,
+                              void *cos, void *sin) {
+    const int64_t T = a->seq, R = a->rot_dim, nrow = a->src.pos_batch * T;
+    const size_t oes = pe_dtype_size(out_dtype);
+    const int nt = (a->nthreads > 1 && nrow * R >= PE_SERIAL_ELEMENTS) ? a->nthreads : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *buf = (float *)malloc((size_t)(2 * R + 2 * (R / 2) + 1) * sizeof(float));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < nrow; ++i) {
+            if (!buf) continue;
+            token_tables(a, plan, i / T, i % T, buf, buf + R, NULL, buf + 2 * R);
+            store_row((char *)cos + i * R * (int64_t)oes, buf, out_dtype, R);
+            store_row((char *)sin + i * R * (int64_t)oes, buf + R, out_dtype, R);
+        }
+        free(buf);
+    }
+    return failed ? PE_ERR_NOMEM : PE_OK;
+}
+
+#endif /* POSENC_ROPE_F32_H */
