@@ -77,28 +77,33 @@ const char *pe_cuda_last_error(void) { return cudaGetErrorString(last_error); }
 int pe_cuda_rope_apply(const pe_rope_args *a, cudaStream_t stream) {
     const Work w = check_apply(a);
     if (w != Work::Run) return status(w);
-    const RopeP p = rope_params(a);
     const unsigned grid = grid_for(a->batch * a->seq);
-    with_apply_variant(a, [&](auto r, auto tx, auto v) {
-        using R = typename decltype(r)::type;
-        using T = typename decltype(tx)::type;
-        const size_t shm = 2 * static_cast<size_t>(p.R) * sizeof(R);
-        rope_apply_kernel<R, T, decltype(v)::value><<<grid, kApplyThreads, shm, stream>>>(p);
-    });
-    return launched();
+    pe_rope_args pass[2];
+    for (int i = 0, n = apply_passes(a, pass); i < n; ++i) {
+        const RopeP p = rope_params(&pass[i]);
+        with_apply_variant(&pass[i], [&](auto r, auto tx, auto v) {
+            using R = typename decltype(r)::type;
+            using T = typename decltype(tx)::type;
+            const size_t shm = 2 * static_cast<size_t>(p.R) * sizeof(R);
+            rope_apply_kernel<R, T, decltype(v)::value><<<grid, kApplyThreads, shm, stream>>>(p);
+        });
+        if (const int rc = launched()) return rc;
+    }
+    return PE_OK;
 }
 
 int pe_cuda_rope_table_grad(const pe_rope_args *a, const void *grad_q,
                             const int64_t grad_q_stride[3], const void *grad_k,
                             const int64_t grad_k_stride[3], pe_dtype grad_dtype, void *dcos,
                             void *dsin, cudaStream_t stream) {
-    const Work w = check_table_grad(a, grad_q, grad_k, grad_dtype, dcos, dsin);
+    const Work w = check_table_grad(a, grad_q, grad_q_stride, grad_k, grad_k_stride, grad_dtype,
+                                    dcos, dsin);
     if (w != Work::Run) return status(w);
     const GradP gp = grad_params(a, grad_q, grad_q_stride, grad_k, grad_k_stride, grad_dtype,
                                  dcos, dsin);
     const unsigned grid = grid_for(a->src.table_batch * a->seq);
     const unsigned threads = a->rot_dim >= 256 ? 256u : static_cast<unsigned>((a->rot_dim + 31) / 32 * 32);
-    if (wants_f64(a, grad_dtype)) rope_table_grad_kernel<double><<<grid, threads, 0, stream>>>(gp);
+    if (table_grad_f64(a, grad_dtype)) rope_table_grad_kernel<double><<<grid, threads, 0, stream>>>(gp);
     else rope_table_grad_kernel<float><<<grid, threads, 0, stream>>>(gp);
     return launched();
 }

@@ -50,26 +50,29 @@ int status(Work w) { return w == Work::BadArg ? PE_ERR_ARG : PE_OK; }
 int emu_rope_apply(const pe_rope_args *a) {
     const Work w = check_apply(a);
     if (w != Work::Run) return status(w);
-    const RopeP p = rope_params(a);
-    with_apply_variant(a, [&](auto r, auto tx, auto v) {
-        using R = typename decltype(r)::type;
-        using T = typename decltype(tx)::type;
-        vector_runs += decltype(v)::value > 1;
-        emulate_apply<R, T, decltype(v)::value>(p);
-    });
+    pe_rope_args pass[2];
+    for (int i = 0, n = apply_passes(a, pass); i < n; ++i) {
+        const RopeP p = rope_params(&pass[i]);
+        with_apply_variant(&pass[i], [&](auto r, auto tx, auto v) {
+            using R = typename decltype(r)::type;
+            using T = typename decltype(tx)::type;
+            vector_runs += decltype(v)::value > 1;
+            emulate_apply<R, T, decltype(v)::value>(p);
+        });
+    }
     return PE_OK;
 }
 
 int emu_rope_table_grad(const pe_rope_args *a, const void *gq, const int64_t gqs[3],
                         const void *gk, const int64_t gks[3], pe_dtype gdt, void *dcos, void *dsin) {
-    const Work w = check_table_grad(a, gq, gk, gdt, dcos, dsin);
+    const Work w = check_table_grad(a, gq, gqs, gk, gks, gdt, dcos, dsin);
     if (w != Work::Run) return status(w);
     const GradP gp = grad_params(a, gq, gqs, gk, gks, gdt, dcos, dsin);
     const int64_t nrow = a->src.table_batch * a->seq;
     for (int64_t blk = 0; blk < kGrid; ++blk)
         for (int64_t row = blk; row < nrow; row += kGrid)
             for (int64_t i = 0; i < kThreads; ++i) {
-                if (wants_f64(a, gdt)) table_grad_row<double>(gp, row, {i, kThreads});
+                if (table_grad_f64(a, gdt)) table_grad_row<double>(gp, row, {i, kThreads});
                 else table_grad_row<float>(gp, row, {i, kThreads});
             }
     return PE_OK;
@@ -174,6 +177,7 @@ struct Case {
     int64_t B, T, Hq, Hk, D, R;
     bool heads_outer;
     pe_dtype x_dt, out_dt, table_dt;
+    pe_dtype k_dt, k_out_dt; // k's dtypes (q's: x_dt, out_dt)
     Source src;
     pe_pairing pairing;
     int transpose;
@@ -183,8 +187,9 @@ struct Case {
 std::string name(const Case &c) {
     char buf[256];
     std::snprintf(buf, sizeof buf,
-                  "ROPE(x=%s,out=%s,tab=%s,B=%lld,T=%lld,H=%lld/%lld,D=%lld,R=%lld,%s,%s,%s,%s,shift=%lld)",
-                  dtype_name(c.x_dt), dtype_name(c.out_dt), dtype_name(c.table_dt), (long long)c.B,
+                  "ROPE(q=%s->%s,k=%s->%s,tab=%s,B=%lld,T=%lld,H=%lld/%lld,D=%lld,R=%lld,%s,%s,%s,%s,shift=%lld)",
+                  dtype_name(c.x_dt), dtype_name(c.out_dt), dtype_name(c.k_dt), dtype_name(c.k_out_dt),
+                  dtype_name(c.table_dt), (long long)c.B,
                   (long long)c.T, (long long)c.Hq, (long long)c.Hk, (long long)c.D, (long long)c.R,
                   c.heads_outer ? "bhtd" : "bthd", source_name[c.src],
                   c.pairing == PE_PAIR_HALF ? "half" : "adjacent", c.transpose ? "transpose" : "forward",
@@ -244,7 +249,7 @@ void make_source(const Case &c, pe_rope_source &src, SourceData &d) {
 
 void run_apply(const Case &c) {
     Tensor q = make_tensor(c.B, c.T, c.Hq, c.D, c.heads_outer, c.x_dt, c.out_dt, c.shift);
-    Tensor k = make_tensor(c.B, c.T, c.Hk, c.D, c.heads_outer, c.x_dt, c.out_dt, 0);
+    Tensor k = make_tensor(c.B, c.T, c.Hk, c.D, c.heads_outer, c.k_dt, c.k_out_dt, 0);
     SourceData sd;
     pe_rope_args a{};
     a.batch = c.B;
@@ -272,7 +277,8 @@ void run_apply(const Case &c) {
     const size_t tbytes = static_cast<size_t>(rows) * dtype_size(c.table_dt);
     std::vector<char> dc_cpu(tbytes, '\x11'), ds_cpu(tbytes, '\x22'), dc_emu = dc_cpu, ds_emu = ds_cpu;
     const void *gq = q.out_cpu.data() + q.shift * dtype_size(c.out_dt);
-    const void *gk = k.out_cpu.data();
+    std::vector<char> gk_buf = random_buffer(c.B * c.T * c.Hk * c.D, c.out_dt); // grad dtype is q's
+    const void *gk = gk_buf.data();
     const int rg_cpu = pe_rope_table_grad(&a, gq, q.stride, k.heads ? gk : nullptr, k.stride,
                                           c.out_dt, dc_cpu.data(), ds_cpu.data());
     const int rg_emu = emu_rope_table_grad(&e, gq, q.stride, k.heads ? gk : nullptr, k.stride,
@@ -328,6 +334,18 @@ void run_checks() {
         {"bad dtype", [](pe_rope_args &a, uint8_t *) { a.q.in_dtype = static_cast<pe_dtype>(9); }},
         {"negative heads", [](pe_rope_args &a, uint8_t *) { a.q.heads = -1; }},
         {"empty batch", [](pe_rope_args &a, uint8_t *) { a.batch = 0; }},
+        {"in place (out = in)", [](pe_rope_args &a, uint8_t *) { a.q.out = const_cast<void *>(a.q.in); }},
+        {"out overlaps the cos table",
+         [](pe_rope_args &a, uint8_t *) { a.q.out = const_cast<void *>(a.src.cos); }},
+        {"stride overflows int64", [](pe_rope_args &a, uint8_t *) {
+             a.batch = 2;
+             a.src.table_batch = 1;
+             a.q.in_stride[0] = INT64_MAX / 2;
+         }},
+        {"B T H D overflows int64", [](pe_rope_args &a, uint8_t *) {
+             a.batch = INT64_MAX / 2;
+             a.seq = 4;
+         }},
         {"positions without inv_freq", [](pe_rope_args &a, uint8_t *) {
              static const int64_t pos[1] = {0};
              a.src.pos = pos;
@@ -337,7 +355,10 @@ void run_checks() {
     for (const Bad &b : bad) {
         pe_rope_args a = base;
         b.edit(a, bad_axis);
-        expect(pe_rope_apply(&a) == emu_rope_apply(&a), std::string("CHECK apply: ") + b.what);
+        const bool valid = !std::strcmp(b.what, "ok") || !std::strcmp(b.what, "empty batch");
+        const int cpu = pe_rope_apply(&a);
+        expect(cpu == (valid ? PE_OK : PE_ERR_ARG) && cpu == emu_rope_apply(&a),
+               std::string("CHECK apply: ") + b.what);
     }
     std::vector<float> big(4096 * 2, 0.0f), big_o(4096 * 2);
     pe_rope_args w = base;
@@ -362,18 +383,29 @@ int main() {
                 for (int transpose = 0; transpose < 2; ++transpose)
                     for (int layout = 0; layout < 2; ++layout)
                         for (const Heads &h : heads)
-                            for (int variant = 0; variant < 6; ++variant) {
+                            for (int variant = 0; variant < 8; ++variant) {
                                 Case c{};
                                 c.B = 2, c.T = 5, c.Hq = h.q, c.Hk = h.k, c.D = dm.D, c.R = dm.R;
                                 c.heads_outer = layout == 1;
                                 c.src = static_cast<Source>(src);
                                 c.pairing = static_cast<pe_pairing>(pairing);
                                 c.transpose = transpose;
-                                // four uniform dtypes, then two mixes: bf16 in / fp32 out with
+                                // four uniform dtypes, then mixes: bf16 in / fp32 out with
                                 // fp32 tables, and fp16 x with fp64 tables (the fp64 core)
                                 c.x_dt = c.out_dt = c.table_dt = dts[variant % 4];
                                 if (variant == 4) c.x_dt = PE_BFLOAT16, c.out_dt = c.table_dt = PE_FLOAT32;
                                 if (variant == 5) c.x_dt = c.out_dt = PE_FLOAT16, c.table_dt = PE_FLOAT64;
+                                c.k_dt = c.x_dt, c.k_out_dt = c.out_dt;
+                                // q and k in different precisions (two passes), and in
+                                // different dtypes of one precision
+                                if (variant == 6) {
+                                    c.x_dt = c.out_dt = PE_FLOAT64, c.table_dt = PE_FLOAT32;
+                                    c.k_dt = c.k_out_dt = PE_BFLOAT16;
+                                }
+                                if (variant == 7) {
+                                    c.x_dt = PE_BFLOAT16, c.out_dt = c.table_dt = PE_FLOAT32;
+                                    c.k_dt = c.k_out_dt = PE_FLOAT16;
+                                }
                                 if (variant < 4 && c.x_dt != PE_FLOAT64 && c.table_dt == c.x_dt &&
                                     transpose == 0 && layout == 0)
                                     c.table_dt = PE_FLOAT32; // HF passes fp32 tables with bf16 q too
