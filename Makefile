@@ -5,10 +5,18 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 HF4    := $(VENV)/hf4
 STAMP  := $(VENV)/.installed
+# The wheel `make wheel` builds (abi3, against .venv's torch; WHEEL is a shell glob that
+# matches it alone) and the environment that runs it under another torch release.
+WHEEL_DIR := dist
+WHEEL     := $(WHEEL_DIR)/posenc_torch-*-abi3-*.whl
+COMPAT    := .venv-compat
+CPY       := $(COMPAT)/bin/python
+COMPAT_STAMP := $(COMPAT)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 PYTEST := $(abspath $(VPY)) -m pytest -q -p no:cacheprovider
 
-.PHONY: all venv build test pytest pytest-hf4 ctest sanitize cuda-compile gpu-check bench bench-full notebooks clean
+.PHONY: all venv wheel build test pytest pytest-hf4 compat abi-audit ctest sanitize cuda-compile \
+	gpu-check bench bench-full notebooks clean
 
 all: build
 
@@ -20,20 +28,48 @@ $(STAMP): requirements-dev.txt requirements-hf4.txt
 
 venv: $(STAMP)
 
-# Non-editable install through a persistent build dir: incremental, no build isolation
-# (isolation would fetch another torch and link against it).
-build: $(STAMP)
-	$(VPY) -m pip install -q --no-build-isolation --no-deps . -Cbuild-dir=build
+# One abi3 wheel for CPython >= 3.11 and torch >= 2.11, built through a persistent build
+# dir: incremental, no build isolation (isolation would fetch another torch to build with).
+wheel: $(STAMP)
+	rm -f $(WHEEL_DIR)/posenc_torch-*.whl
+	$(VPY) -m pip wheel -q --no-build-isolation --no-deps . -w $(WHEEL_DIR) -Cbuild-dir=build
+	ls $(WHEEL)
+
+# The tests run that wheel, installed as users install it (not an editable build).
+build: wheel
+	$(VPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
 
 # Everything: C tests, the same under ASan + UBSan, Python tests on transformers 5.x and
-# the transformers-4.x tests against the 4.57.6 overlay.
-test: build ctest sanitize cuda-compile pytest pytest-hf4
+# the transformers-4.x tests against the 4.57.6 overlay, then the same wheel's ABI audit
+# and op tests under another torch release; the CUDA sources compiled (cuda-compile).
+test: build ctest sanitize cuda-compile pytest pytest-hf4 abi-audit compat
 
 pytest: build
 	cd tests && $(PYTEST) .
 
 pytest-hf4: build
 	cd tests && PYTHONPATH=$(abspath $(HF4)) POSENC_EXPECT_TRANSFORMERS=4 $(PYTEST) -m "transformers4 or any_transformers" .
+
+$(COMPAT_STAMP): requirements-compat.txt
+	$(PYTHON) -m venv $(COMPAT)
+	$(CPY) -m pip install -q -r requirements-compat.txt
+	touch $@
+
+# The wheel built against .venv's torch, installed without dependencies (it must not
+# replace torch) beside torch 2.14.1, and the op tests run there: parity, gradcheck,
+# opcheck, torch.compile.
+compat: wheel $(COMPAT_STAMP)
+	$(CPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
+	$(CPY) -c "import torch, posenc_torch; print('posenc_torch under torch', torch.__version__)"
+	cd tests && $(abspath $(CPY)) -m pytest -q -p no:cacheprovider -m "not transformers4" \
+		test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py
+
+# The extension must use only the LibTorch stable ABI and the limited Python API (exit 1
+# otherwise); tests/test_shim.py (in `compat`) also holds its minimum torch to 2.11.
+abi-audit: wheel $(COMPAT_STAMP)
+	rm -rf build/wheel-audit
+	$(CPY) -m zipfile -e $(WHEEL) build/wheel-audit
+	$(COMPAT)/bin/torch-abi-audit --check both -v build/wheel-audit/posenc_torch
 
 ctest: $(STAMP)
 	$(VENV)/bin/meson setup builddir-c -Dpython_extension=false --reconfigure >/dev/null
@@ -67,4 +103,4 @@ notebooks: build
 	$(VPY) notebooks/execute.py
 
 clean:
-	rm -rf build builddir-c builddir-asan builddir-cuda builddir-gpu
+	rm -rf build builddir-c builddir-asan builddir-cuda builddir-gpu $(WHEEL_DIR)

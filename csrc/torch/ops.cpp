@@ -86,12 +86,15 @@ int run_sinusoidal([[maybe_unused]] const Tensor& on, int64_t n, int64_t dim, do
 
 // ---- Checks shared by the ops.
 
-void check_cpu(const Tensor& t, const char* name) {
+void check_cpu(const Meta& m, const Tensor& t, const char* name) {
 #ifdef POSENC_WITH_CUDA
-    if (t.is_cuda()) return;  // only the CUDA entry points pass CUDA tensors (cuda_inputs)
+    // only the CUDA entry points pass CUDA tensors (cuda_inputs)
+    if (m.device_type == aoti_torch_device_type_cuda()) return;
 #endif
-    PE_CHECK(t.is_cpu(), name, " must be a CPU tensor, got device ", DeviceName{t});
+    PE_CHECK(m.is_cpu(), name, " must be a CPU tensor, got device ", DeviceName{t});
 }
+
+void check_cpu(const Tensor& t, const char* name) { check_cpu(Meta(t), t, name); }
 
 void check_status(int rc, const char* op) {
     PE_CHECK(rc != PE_ERR_NOMEM, op, ": out of memory for scratch buffers");
@@ -101,19 +104,18 @@ void check_status(int rc, const char* op) {
     PE_CHECK(rc == PE_OK, op, ": the kernel rejected its arguments (status ", rc, ")");
 }
 
-void fill_strides(int64_t dst[3], const Tensor& t) {  // t is (B, T, H, D)
-    const IntList s = t.strides();
-    for (int i = 0; i < 3; ++i) dst[i] = s[i];
+void fill_strides(int64_t dst[3], const Meta& m) {  // m is (B, T, H, D)
+    for (int i = 0; i < 3; ++i) dst[i] = m.strides[i];
 }
 
 // Validates q, k (B, T, H, D) and returns the rotary problem without its angle source.
-pe_rope_args problem(const Tensor& q, const Tensor& k, int64_t rot_dim, int64_t pairing,
-                     bool transpose) {
-    PE_CHECK(q.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", q.dim(), "-D");
-    PE_CHECK(k.dim() == 4, "k must be 4-D (batch, seq, heads, head_dim), got ", k.dim(), "-D");
-    check_cpu(q, "q");
-    check_cpu(k, "k");
-    const IntList qs = q.sizes(), ks = k.sizes();
+pe_rope_args problem(const Tensor& q, const Meta& qm, const Tensor& k, const Meta& km,
+                     int64_t rot_dim, int64_t pairing, bool transpose) {
+    PE_CHECK(qm.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", qm.dim(), "-D");
+    PE_CHECK(km.dim() == 4, "k must be 4-D (batch, seq, heads, head_dim), got ", km.dim(), "-D");
+    check_cpu(qm, q, "q");
+    check_cpu(km, k, "k");
+    const IntList qs = qm.sizes, ks = km.sizes;
     PE_CHECK(ks[0] == qs[0], "k batch size ", ks[0], " must equal q batch size ", qs[0]);
     PE_CHECK(ks[1] == qs[1], "k sequence length ", ks[1], " must equal q sequence length ",
              qs[1]);
@@ -135,14 +137,16 @@ pe_rope_args problem(const Tensor& q, const Tensor& k, int64_t rot_dim, int64_t 
     return a;
 }
 
-void bind(pe_rope_tensor& dst, const Tensor& in, const Tensor& out, const char* name) {
+// One rotated tensor: input `in` (already channel-dense, described by im) into `out`.
+void bind(pe_rope_tensor& dst, const Tensor& in, const Meta& im, const Tensor& out,
+          const Meta& om, const char* name) {
     dst.in = in.const_data_ptr();
     dst.out = out.mutable_data_ptr();
-    dst.in_dtype = to_pe_dtype(in, name);
-    dst.out_dtype = to_pe_dtype(out, name);
-    dst.heads = in.size(2);
-    fill_strides(dst.in_stride, in);
-    fill_strides(dst.out_stride, out);
+    dst.in_dtype = to_pe_dtype(im.dtype, name);
+    dst.out_dtype = to_pe_dtype(om.dtype, name);
+    dst.heads = im.sizes[2];
+    fill_strides(dst.in_stride, im);
+    fill_strides(dst.out_stride, om);
 }
 
 // Section list -> per-slot axis map (empty sections: plain RoPE, no map).  Every entry is
@@ -169,39 +173,48 @@ std::vector<uint8_t> axis_map(IntList sections, bool interleaved, int64_t rot_di
 }
 
 // cos/sin checks shared by the table ops; returns the table batch.
-int64_t check_tables(const Tensor& cos, const Tensor& sin, int64_t B, int64_t T, bool mrope) {
-    check_cpu(cos, "cos");
-    check_cpu(sin, "sin");
-    PE_CHECK(same(sin.sizes(), cos.sizes()), "sin shape ", shape(sin), " must equal cos shape ",
-             shape(cos));
-    PE_CHECK(sin.scalar_type() == cos.scalar_type(), "sin dtype ", sin.scalar_type(),
-             " must equal cos dtype ", cos.scalar_type());
+int64_t check_tables(const Tensor& cos, const Meta& cm, const Tensor& sin, const Meta& sm,
+                     int64_t B, int64_t T, bool mrope) {
+    check_cpu(cm, cos, "cos");
+    check_cpu(sm, sin, "sin");
+    PE_CHECK(same(sm.sizes, cm.sizes), "sin shape ", Shape{sm.sizes}, " must equal cos shape ",
+             Shape{cm.sizes});
+    PE_CHECK(sm.dtype == cm.dtype, "sin dtype ", scalar_type(sm.dtype), " must equal cos dtype ",
+             scalar_type(cm.dtype));
     const int64_t want = mrope ? 4 : 3;
-    PE_CHECK(cos.dim() == want, "cos must be ", want, "-D ",
+    PE_CHECK(cm.dim() == want, "cos must be ", want, "-D ",
              mrope ? "(3, batch, seq, rot_dim)" : "(batch, seq, rot_dim)", ", got shape ",
-             shape(cos));
+             Shape{cm.sizes});
     if (mrope)
-        PE_CHECK(cos.size(0) == 3, "cos for MRoPE must have 3 axes (T, H, W) in dim 0, got ",
-                 cos.size(0));
-    const int64_t Bc = cos.size(-3);
+        PE_CHECK(cm.size(0) == 3, "cos for MRoPE must have 3 axes (T, H, W) in dim 0, got ",
+                 cm.size(0));
+    const int64_t Bc = cm.size(-3);
     PE_CHECK(Bc == 1 || Bc == B, "cos batch size ", Bc, " must be 1 or the batch size ", B);
-    PE_CHECK(cos.size(-2) == T, "cos sequence length ", cos.size(-2),
+    PE_CHECK(cm.size(-2) == T, "cos sequence length ", cm.size(-2),
              " must equal the sequence length of q ", T);
     return Bc;
 }
 
-void set_table_source(pe_rope_source& src, const Tensor& cos, const Tensor& sin, int64_t Bc,
-                      const std::vector<uint8_t>& map) {
+void set_table_source(pe_rope_source& src, const Tensor& cos, const Meta& cm, const Tensor& sin,
+                      int64_t Bc, const std::vector<uint8_t>& map) {
     src.cos = cos.const_data_ptr();
     src.sin = sin.const_data_ptr();
-    src.table_dtype = to_pe_dtype(cos, "cos");
+    src.table_dtype = to_pe_dtype(cm.dtype, "cos");
     src.table_batch = Bc;
-    const bool mrope = cos.dim() == 4;
-    src.table_stride[0] = mrope ? cos.stride(0) : 0;
-    src.table_stride[1] = cos.stride(-3);
-    src.table_stride[2] = cos.stride(-2);
+    src.table_stride[0] = cm.dim() == 4 ? cm.stride(0) : 0;
+    src.table_stride[1] = cm.stride(-3);
+    src.table_stride[2] = cm.stride(-2);
     src.axis_of_slot = map.empty() ? nullptr : map.data();
 }
+
+// A tensor made channel-dense (copied only when needed), with its metadata.
+struct Dense {
+    Tensor t;
+    Meta m;
+    Dense(const Tensor& in, const Meta& im)
+        : t(channel_contiguous(in, im)), m(im.channel_dense() ? im : Meta(t)) {}
+    explicit Dense(const Tensor& in) : Dense(in, Meta(in)) {}
+};
 
 // ---- Rotations.
 
@@ -209,67 +222,72 @@ TensorPair rope_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& cos_in
                     const Tensor& sin_in, IntList mrope_section, bool interleaved,
                     int64_t pairing, bool transpose, std::optional<ScalarType> q_dtype,
                     std::optional<ScalarType> k_dtype) {
-    PE_CHECK(cos_in.dim() >= 1, "cos must have a rotary dimension");
-    pe_rope_args a = problem(q_in, k_in, cos_in.size(-1), pairing, transpose);
+    const Meta qm(q_in), km(k_in), cm(cos_in), sm(sin_in);
+    PE_CHECK(cm.dim() >= 1, "cos must have a rotary dimension");
+    pe_rope_args a = problem(q_in, qm, k_in, km, cm.size(-1), pairing, transpose);
     const bool mrope = !mrope_section.empty();
-    const int64_t Bc = check_tables(cos_in, sin_in, a.batch, a.seq, mrope);
-    const ScalarType qt = q_in.scalar_type(), kt = k_in.scalar_type();
-    const ScalarType ct = cos_in.scalar_type();
-    to_pe_dtype(qt, "q");
-    to_pe_dtype(kt, "k");
-    to_pe_dtype(ct, "cos");
+    const int64_t Bc = check_tables(cos_in, cm, sin_in, sm, a.batch, a.seq, mrope);
+    to_pe_dtype(qm.dtype, "q");
+    to_pe_dtype(km.dtype, "k");
+    to_pe_dtype(cm.dtype, "cos");
     const auto map = axis_map(mrope_section, interleaved, a.rot_dim);
 
-    Tensor q = channel_contiguous(q_in), k = channel_contiguous(k_in);
-    Tensor cos = channel_contiguous(cos_in), sin = channel_contiguous(sin_in);
-    if (!same(sin.strides(), cos.strides()))
-        sin = torch::stable::contiguous(sin), cos = torch::stable::contiguous(cos);
-    Tensor q_out = output_like(q_in, q_dtype.value_or(result_type(qt, ct)));
-    Tensor k_out = output_like(k_in, k_dtype.value_or(result_type(kt, ct)));
-    to_pe_dtype(q_out, "q_dtype");
-    to_pe_dtype(k_out, "k_dtype");
+    const Dense q(q_in, qm), k(k_in, km);
+    Dense cos(cos_in, cm), sin(sin_in, sm);
+    if (!same(sin.m.strides, cos.m.strides)) {
+        cos = Dense(torch::stable::contiguous(cos.t));
+        sin = Dense(torch::stable::contiguous(sin.t));
+    }
+    const int32_t qd = q_dtype ? dtype_code(*q_dtype) : result_type(qm.dtype, cm.dtype);
+    const int32_t kd = k_dtype ? dtype_code(*k_dtype) : result_type(km.dtype, cm.dtype);
+    to_pe_dtype(qd, "q_dtype");
+    to_pe_dtype(kd, "k_dtype");
+    const Output q_out = output_like(q_in, qm, qd);
+    const Output k_out = output_like(k_in, km, kd);
 
-    set_table_source(a.src, cos, sin, Bc, map);
-    bind(a.q, q, q_out, "q");
-    bind(a.k, k, k_out, "k");
+    set_table_source(a.src, cos.t, cos.m, sin.t, Bc, map);
+    bind(a.q, q.t, q.m, q_out.t, q_out.m, "q");
+    bind(a.k, k.t, k.m, k_out.t, k_out.m, "k");
     check_status(run_rope_apply(q_in, a), "posenc::rope");
-    return {q_out, k_out};
+    return {q_out.t, k_out.t};
 }
 
 TensorPair rope_table_grad_cpu(const Tensor& grad_q_in, const Tensor& grad_k_in,
                                const Tensor& q_in, const Tensor& k_in, const Tensor& cos,
                                IntList mrope_section, bool interleaved, int64_t pairing) {
-    PE_CHECK(cos.dim() >= 1, "cos must have a rotary dimension");
-    pe_rope_args a = problem(q_in, k_in, cos.size(-1), pairing, false);
+    const Meta qm(q_in), km(k_in), cm(cos), gqm(grad_q_in), gkm(grad_k_in);
+    PE_CHECK(cm.dim() >= 1, "cos must have a rotary dimension");
+    pe_rope_args a = problem(q_in, qm, k_in, km, cm.size(-1), pairing, false);
     const bool mrope = !mrope_section.empty();
-    const int64_t Bc = check_tables(cos, cos, a.batch, a.seq, mrope);
-    PE_CHECK(same(grad_q_in.sizes(), q_in.sizes()), "grad_q shape ", shape(grad_q_in),
-             " must equal q shape ", shape(q_in));
-    PE_CHECK(same(grad_k_in.sizes(), k_in.sizes()), "grad_k shape ", shape(grad_k_in),
-             " must equal k shape ", shape(k_in));
-    check_cpu(grad_q_in, "grad_q");
-    check_cpu(grad_k_in, "grad_k");
-    const pe_dtype gdt = to_pe_dtype(grad_q_in, "grad_q");
-    to_pe_dtype(grad_k_in, "grad_k");
+    const int64_t Bc = check_tables(cos, cm, cos, cm, a.batch, a.seq, mrope);
+    PE_CHECK(same(gqm.sizes, qm.sizes), "grad_q shape ", Shape{gqm.sizes},
+             " must equal q shape ", Shape{qm.sizes});
+    PE_CHECK(same(gkm.sizes, km.sizes), "grad_k shape ", Shape{gkm.sizes},
+             " must equal k shape ", Shape{km.sizes});
+    check_cpu(gqm, grad_q_in, "grad_q");
+    check_cpu(gkm, grad_k_in, "grad_k");
+    const pe_dtype gdt = to_pe_dtype(gqm.dtype, "grad_q");
+    to_pe_dtype(gkm.dtype, "grad_k");
     const auto map = axis_map(mrope_section, interleaved, a.rot_dim);
 
-    Tensor q = channel_contiguous(q_in), k = channel_contiguous(k_in);
-    Tensor gq = channel_contiguous(grad_q_in);
-    Tensor gk = channel_contiguous(converted(grad_k_in, grad_q_in.scalar_type()));
-    Tensor dcos = empty(cos.sizes(), cos.scalar_type(), cos);
-    Tensor dsin = empty(cos.sizes(), cos.scalar_type(), cos);
+    const Dense q(q_in, qm), k(k_in, km), gq(grad_q_in, gqm);
+    const Dense gk = gkm.dtype == gqm.dtype
+                         ? Dense(grad_k_in, gkm)
+                         : Dense(torch::stable::to(grad_k_in, scalar_type(gqm.dtype)));
+    Tensor dcos = empty(cm.sizes, cm.dtype, cm);
+    Tensor dsin = empty(cm.sizes, cm.dtype, cm);
 
-    a.src.table_dtype = to_pe_dtype(cos, "cos");
+    a.src.table_dtype = to_pe_dtype(cm.dtype, "cos");
     a.src.table_batch = Bc;
     a.src.cos = a.src.sin = dcos.const_data_ptr();  // shape only; the kernel writes dcos/dsin
     a.src.axis_of_slot = map.empty() ? nullptr : map.data();
-    bind(a.q, q, q, "q");
-    bind(a.k, k, k, "k");
+    bind(a.q, q.t, q.m, q.t, q.m, "q");
+    bind(a.k, k.t, k.m, k.t, k.m, "k");
     int64_t gqs[3], gks[3];
-    fill_strides(gqs, gq);
-    fill_strides(gks, gk);
-    check_status(run_rope_table_grad(q_in, a, gq.const_data_ptr(), gqs, gk.const_data_ptr(), gks,
-                                     gdt, dcos.mutable_data_ptr(), dsin.mutable_data_ptr()),
+    fill_strides(gqs, gq.m);
+    fill_strides(gks, gk.m);
+    check_status(run_rope_table_grad(q_in, a, gq.t.const_data_ptr(), gqs, gk.t.const_data_ptr(),
+                                     gks, gdt, dcos.mutable_data_ptr(), dsin.mutable_data_ptr()),
                  "posenc::rope_table_grad");
     return {dcos, dsin};
 }
@@ -283,43 +301,44 @@ struct PositionSource {
 PositionSource position_source(pe_rope_source& src, const Tensor& position_ids,
                                const Tensor& inv_freq, IntList mrope_section, bool interleaved,
                                double scaling, int64_t B, int64_t T) {
-    check_cpu(position_ids, "position_ids");
-    check_cpu(inv_freq, "inv_freq");
-    const ScalarType pt = position_ids.scalar_type();
-    PE_CHECK(pt == ScalarType::Long || pt == ScalarType::Int,
-             "position_ids must be int64 or int32, got ", pt);
-    const int64_t pdim = position_ids.dim();
+    const Meta pm(position_ids), fm(inv_freq);
+    check_cpu(pm, position_ids, "position_ids");
+    check_cpu(fm, inv_freq, "inv_freq");
+    const DtypeCodes& codes = dtype_codes();
+    PE_CHECK(pm.dtype == codes.i64 || pm.dtype == codes.i32,
+             "position_ids must be int64 or int32, got ", scalar_type(pm.dtype));
+    const int64_t pdim = pm.dim();
     PE_CHECK(pdim == 2 || pdim == 3,
-             "position_ids must be (batch, seq) or (3, batch, seq), got shape ",
-             shape(position_ids));
+             "position_ids must be (batch, seq) or (3, batch, seq), got shape ", Shape{pm.sizes});
     if (pdim == 3)
-        PE_CHECK(position_ids.size(0) == 3,
+        PE_CHECK(pm.size(0) == 3,
                  "3-D position_ids must have 3 rows (T, H, W) in dim 0, got shape ",
-                 shape(position_ids));
-    PE_CHECK(pdim == 2 || !mrope_section.empty(), "position_ids of shape ", shape(position_ids),
+                 Shape{pm.sizes});
+    PE_CHECK(pdim == 2 || !mrope_section.empty(), "position_ids of shape ", Shape{pm.sizes},
              " (3 axes) need mrope_section to pick an axis per frequency");
-    PE_CHECK(inv_freq.dim() == 1 && inv_freq.size(0) >= 1,
-             "inv_freq must be 1-D with at least one frequency, got shape ", shape(inv_freq));
-    PE_CHECK(is_floating(inv_freq.scalar_type()), "inv_freq must be floating point, got ",
-             inv_freq.scalar_type());
-    const int64_t Bp = position_ids.size(-2);
+    PE_CHECK(fm.dim() == 1 && fm.size(0) >= 1,
+             "inv_freq must be 1-D with at least one frequency, got shape ", Shape{fm.sizes});
+    PE_CHECK(fm.dtype == codes.f32 || is_floating(scalar_type(fm.dtype)),
+             "inv_freq must be floating point, got ", scalar_type(fm.dtype));
+    const int64_t Bp = pm.size(-2);
     PE_CHECK(B < 0 || Bp == 1 || Bp == B, "position_ids batch size ", Bp,
              " must be 1 or the batch size ", B);
-    PE_CHECK(T < 0 || position_ids.size(-1) == T, "position_ids sequence length ",
-             position_ids.size(-1), " must equal the sequence length of q ", T);
-    const int64_t R = 2 * inv_freq.size(0);
-    Tensor f = converted(inv_freq, ScalarType::Float);
-    if (!f.is_contiguous()) f = torch::stable::contiguous(f);
-    PositionSource ps{converted(position_ids, ScalarType::Long), f,
-                      axis_map(mrope_section, interleaved, R)};
+    PE_CHECK(T < 0 || pm.size(-1) == T, "position_ids sequence length ", pm.size(-1),
+             " must equal the sequence length of q ", T);
+    const int64_t R = 2 * fm.size(0);
+    Tensor f = fm.dtype == codes.f32 ? inv_freq : torch::stable::to(inv_freq, ScalarType::Float);
+    if (fm.size(0) > 1 && f.stride(0) != 1) f = torch::stable::contiguous(f);
+    const bool long_ids = pm.dtype == codes.i64;
+    PositionSource ps{long_ids ? position_ids : torch::stable::to(position_ids, ScalarType::Long),
+                      f, axis_map(mrope_section, interleaved, R)};
+    const Meta lm = long_ids ? pm : Meta(ps.pos);
     const bool three = pdim == 3;
-    const IntList ps_strides = ps.pos.strides();
-    src.pos = ps.pos.const_data_ptr<int64_t>();
+    src.pos = static_cast<const int64_t*>(ps.pos.const_data_ptr());
     src.pos_batch = Bp;
-    src.pos_stride[0] = three ? ps_strides[0] : 0;
-    src.pos_stride[1] = ps_strides[pdim - 2];
-    src.pos_stride[2] = ps_strides[pdim - 1];
-    src.inv_freq = ps.inv_freq.const_data_ptr<float>();
+    src.pos_stride[0] = three ? lm.stride(0) : 0;
+    src.pos_stride[1] = lm.stride(-2);
+    src.pos_stride[2] = lm.stride(-1);
+    src.inv_freq = static_cast<const float*>(ps.inv_freq.const_data_ptr());
     src.scaling = static_cast<float>(scaling);
     // 2-D ids: all three axes are the same row, so the axis map changes nothing.
     src.axis_of_slot = (three && !ps.map.empty()) ? ps.map.data() : nullptr;
@@ -329,20 +348,21 @@ PositionSource position_source(pe_rope_source& src, const Tensor& position_ids,
 TensorPair rope_fused_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& position_ids,
                           const Tensor& inv_freq, IntList mrope_section, bool interleaved,
                           double attention_scaling, int64_t pairing, bool transpose) {
-    PE_CHECK(inv_freq.dim() == 1, "inv_freq must be 1-D, got shape ", shape(inv_freq));
-    pe_rope_args a = problem(q_in, k_in, 2 * inv_freq.size(0), pairing, transpose);
-    const ScalarType qt = q_in.scalar_type(), kt = k_in.scalar_type();
-    to_pe_dtype(qt, "q");
-    to_pe_dtype(kt, "k");
+    const Meta qm(q_in), km(k_in);
+    const int64_t fdim = inv_freq.dim();
+    PE_CHECK(fdim == 1, "inv_freq must be 1-D, got shape ", shape(inv_freq));
+    pe_rope_args a = problem(q_in, qm, k_in, km, 2 * inv_freq.size(0), pairing, transpose);
+    to_pe_dtype(qm.dtype, "q");
+    to_pe_dtype(km.dtype, "k");
     PositionSource ps = position_source(a.src, position_ids, inv_freq, mrope_section, interleaved,
                                         attention_scaling, a.batch, a.seq);
-    Tensor q = channel_contiguous(q_in), k = channel_contiguous(k_in);
-    Tensor q_out = output_like(q_in, qt);
-    Tensor k_out = output_like(k_in, kt);
-    bind(a.q, q, q_out, "q");
-    bind(a.k, k, k_out, "k");
+    const Dense q(q_in, qm), k(k_in, km);
+    const Output q_out = output_like(q_in, qm, qm.dtype);
+    const Output k_out = output_like(k_in, km, km.dtype);
+    bind(a.q, q.t, q.m, q_out.t, q_out.m, "q");
+    bind(a.k, k.t, k.m, k_out.t, k_out.m, "k");
     check_status(run_rope_apply(q_in, a), "posenc::rope_fused");
-    return {q_out, k_out};
+    return {q_out.t, k_out.t};
 }
 
 TensorPair rope_tables_cpu(const Tensor& position_ids, const Tensor& inv_freq,

@@ -96,7 +96,29 @@ inline std::ostream& operator<<(std::ostream& s, DeviceName d) {
     return s;
 }
 
-// ---- Dtypes.
+// ---- Dtypes.  The C shim names dtypes by int32 codes that only libtorch knows, and
+// Tensor::scalar_type() finds the ScalarType of a code by a chain of calls into libtorch.
+// The ops compare codes instead, read once per process; ScalarType serves messages and
+// the dtype arguments of the schemas.
+
+struct DtypeCodes {
+    int32_t f32, f64, bf16, f16, i64, i32;
+};
+
+inline const DtypeCodes& dtype_codes() {
+    static const DtypeCodes c{aoti_torch_dtype_float32(), aoti_torch_dtype_float64(),
+                              aoti_torch_dtype_bfloat16(), aoti_torch_dtype_float16(),
+                              aoti_torch_dtype_int64(),   aoti_torch_dtype_int32()};
+    return c;
+}
+
+inline int32_t dtype_code(ScalarType s) {
+    return torch::stable::detail::to<int32_t>(torch::stable::detail::from(s));
+}
+
+inline ScalarType scalar_type(int32_t code) {
+    return torch::stable::detail::to<ScalarType>(torch::stable::detail::from(code));
+}
 
 inline bool is_floating(ScalarType s) {
     switch (s) {
@@ -124,27 +146,69 @@ inline bool is_complex(ScalarType s) {
            s == ScalarType::ComplexDouble;
 }
 
+[[noreturn]] inline void fail_dtype(const char* name, ScalarType s) {
+    fail(name, " must be float32, float64, bfloat16 or float16, got ", s);
+}
+
+inline pe_dtype to_pe_dtype(int32_t code, const char* name) {
+    const DtypeCodes& c = dtype_codes();
+    if (code == c.f32) return PE_FLOAT32;
+    if (code == c.bf16) return PE_BFLOAT16;
+    if (code == c.f16) return PE_FLOAT16;
+    if (code == c.f64) return PE_FLOAT64;
+    fail_dtype(name, scalar_type(code));
+}
+
 inline pe_dtype to_pe_dtype(ScalarType s, const char* name) {
     switch (s) {
     case ScalarType::Float: return PE_FLOAT32;
     case ScalarType::Double: return PE_FLOAT64;
     case ScalarType::BFloat16: return PE_BFLOAT16;
     case ScalarType::Half: return PE_FLOAT16;
-    default: fail(name, " must be float32, float64, bfloat16 or float16, got ", s);
+    default: fail_dtype(name, s);
     }
-}
-
-inline pe_dtype to_pe_dtype(const Tensor& t, const char* name) {
-    return to_pe_dtype(t.scalar_type(), name);
 }
 
 // torch.result_type of two tensors of dimension >= 1 whose dtypes are kernel dtypes
 // (to_pe_dtype accepted both): the wider one, and float32 for bfloat16 with float16.
-inline ScalarType result_type(ScalarType a, ScalarType b) {
+inline int32_t result_type(int32_t a, int32_t b) {
+    const DtypeCodes& c = dtype_codes();
     if (a == b) return a;
-    if (a == ScalarType::Double || b == ScalarType::Double) return ScalarType::Double;
-    return ScalarType::Float;
+    if (a == c.f64 || b == c.f64) return c.f64;
+    return c.f32;
 }
+
+// ---- Tensor metadata, read with one call per field (every Tensor accessor is a call
+// into libtorch; the rotation ops run once per decode step and read each tensor once).
+struct Meta {
+    IntList sizes, strides;
+    int32_t dtype;  // C shim code
+    int32_t device_type, device_index;
+
+    explicit Meta(const Tensor& t) {
+        AtenTensorHandle h = t.get();
+        int64_t *sz = nullptr, *st = nullptr, dim = 0;
+        STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(h, &dim));
+        STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(h, &sz));
+        STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(h, &st));
+        STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(h, &dtype));
+        STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(h, &device_type));
+        STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(h, &device_index));
+        sizes = IntList(sz, static_cast<size_t>(dim));
+        strides = IntList(st, static_cast<size_t>(dim));
+    }
+    int64_t dim() const { return static_cast<int64_t>(sizes.size()); }
+    int64_t size(int64_t d) const { return sizes[static_cast<size_t>(d < 0 ? d + dim() : d)]; }
+    int64_t stride(int64_t d) const {
+        return strides[static_cast<size_t>(d < 0 ? d + dim() : d)];
+    }
+    bool is_cpu() const {
+        static const int32_t cpu = aoti_torch_device_type_cpu();
+        return device_type == cpu;
+    }
+    // Unit stride in the channel (last) dimension: what the kernels read and write.
+    bool channel_dense() const { return size(-1) <= 1 || stride(-1) == 1; }
+};
 
 // ---- Threads: torch's intra-op count, one inside a parallel region (torch's OpenMP pool
 // is the runtime the kernels use too).
@@ -156,12 +220,9 @@ inline int num_threads() {
 
 inline bool same(IntList a, IntList b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); }
 
-// Unit stride in the channel (last) dimension: what the kernels read and write.
-inline bool channel_dense(const Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1; }
-
 // The kernels need unit stride in the channel dimension; anything else is copied once.
-inline Tensor channel_contiguous(const Tensor& t) {
-    return channel_dense(t) ? t : torch::stable::contiguous(t);
+inline Tensor channel_contiguous(const Tensor& t, const Meta& m) {
+    return m.channel_dense() ? t : torch::stable::contiguous(t);
 }
 
 inline Tensor converted(const Tensor& t, ScalarType dtype) {
@@ -172,10 +233,10 @@ inline Tensor converted(const Tensor& t, ScalarType dtype) {
 inline bool non_overlapping_and_dense(IntList sizes, IntList strides) {
     const size_t n = sizes.size();
     if (n == 1) return sizes[0] < 2 || strides[0] == 1;
-    std::array<int64_t, 16> perm{};
+    std::array<size_t, 16> perm{};
     if (n > perm.size()) return false;  // not decided here: the caller asks torch
-    for (size_t i = 0; i < n; ++i) perm[i] = static_cast<int64_t>(i);
-    std::sort(perm.begin(), perm.begin() + n, [&](int64_t a, int64_t b) {
+    for (size_t i = 0; i < n; ++i) perm[i] = i;
+    std::sort(perm.begin(), perm.begin() + n, [&](size_t a, size_t b) {
         if (sizes[a] < 2) return false;
         if (sizes[b] < 2) return true;
         return strides[a] < strides[b];
@@ -189,37 +250,44 @@ inline bool non_overlapping_and_dense(IntList sizes, IntList strides) {
     return true;
 }
 
-inline Tensor empty_strided(IntList sizes, IntList strides, ScalarType dtype, const Tensor& like) {
-    int32_t device_type = 0, device_index = 0;
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
-    const int32_t dt = torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype));
+inline Tensor empty_strided(IntList sizes, IntList strides, int32_t dtype, int32_t device_type,
+                            int32_t device_index) {
     AtenTensorHandle h = nullptr;
     STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()),
-                                                    sizes.data(), strides.data(), dt,
-                                                    device_type, device_index, &h));
+                                                           sizes.data(), strides.data(), dtype,
+                                                           device_type, device_index, &h));
     return Tensor(h);
 }
 
-// Dense row-major tensor on the device of `like`.
-inline Tensor empty(IntList sizes, ScalarType dtype, const Tensor& like) {
-    std::vector<int64_t> strides(sizes.size());
+// Dense row-major tensor in dtype (a C shim code) on the device of `on`.
+inline Tensor empty(IntList sizes, int32_t dtype, const Meta& on) {
+    std::array<int64_t, 8> strides{};
+    PE_CHECK(sizes.size() <= strides.size(), "posenc: too many dimensions");
     int64_t s = 1;
     for (size_t i = sizes.size(); i-- > 0;) {
         strides[i] = s;
         s *= std::max<int64_t>(sizes[i], 1);
     }
-    return empty_strided(sizes, strides, dtype, like);
+    return empty_strided(sizes, IntList(strides.data(), sizes.size()), dtype, on.device_type,
+                         on.device_index);
 }
 
-// empty_like(x, dtype) with torch's layout rule: x's strides when x is non-overlapping and
-// dense, else whatever torch picks (asked from torch, off the fast path).
-inline Tensor empty_like(const Tensor& x, ScalarType dtype) {
-    if (non_overlapping_and_dense(x.sizes(), x.strides()))
-        return empty_strided(x.sizes(), x.strides(), dtype, x);
+inline Tensor empty(IntList sizes, ScalarType dtype, const Tensor& on) {
+    return empty(sizes, dtype_code(dtype), Meta(on));
+}
+
+// A new tensor and its metadata.
+struct Output {
+    Tensor t;
+    Meta m;
+};
+
+// empty_like(x) in dtype, asked from torch (for inputs that are not non-overlapping and
+// dense, where torch's choice of layout is not reproduced here).
+inline Tensor torch_empty_like(const Tensor& x, int32_t dtype) {
     std::array<StableIValue, 6> stack{
         torch::stable::detail::from(x),
-        torch::stable::detail::from(std::optional<ScalarType>(dtype)),
+        torch::stable::detail::from(std::optional<ScalarType>(scalar_type(dtype))),
         torch::stable::detail::from(std::nullopt),
         torch::stable::detail::from(std::nullopt),
         torch::stable::detail::from(std::nullopt),
@@ -229,12 +297,24 @@ inline Tensor empty_like(const Tensor& x, ScalarType dtype) {
     return torch::stable::detail::to<Tensor>(stack[0]);
 }
 
-// Output of x's shape in dtype, laid out like x (empty_like) when that gives the unit
-// channel stride the kernels write with, else contiguous.  The fake kernels
-// (posenc_torch/ops.py, _output_like) follow the same rule.
-inline Tensor output_like(const Tensor& x, ScalarType dtype) {
-    Tensor out = empty_like(x, dtype);
-    return channel_dense(out) ? out : empty(x.sizes(), dtype, x);
+// Output of x's shape in dtype, laid out as empty_like(x) lays it out (x's own strides
+// when x is non-overlapping and dense) when that gives the unit channel stride the kernels
+// write with, else contiguous.  The fake kernels (posenc_torch/ops.py, _output_like)
+// follow the same rule.
+inline Output output_like(const Tensor& x, const Meta& m, int32_t dtype) {
+    if (non_overlapping_and_dense(m.sizes, m.strides)) {
+        if (m.channel_dense()) {
+            Meta om = m;  // same sizes and strides as x (which outlives the op call)
+            om.dtype = dtype;
+            return {empty_strided(m.sizes, m.strides, dtype, m.device_type, m.device_index), om};
+        }
+    } else {
+        Tensor out = torch_empty_like(x, dtype);
+        Meta om(out);
+        if (om.channel_dense()) return {out, om};
+    }
+    Tensor out = empty(m.sizes, dtype, m);
+    return {out, Meta(out)};
 }
 
 }  // namespace posenc
