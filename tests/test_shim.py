@@ -59,8 +59,8 @@ def _audit_tool() -> str | None:
 
 
 @pytest.mark.skipif(_audit_tool() is None,
-                    reason="torch-abi-audit is installed in .venv-compat (requirements-compat.txt); "
-                           "`make compat` runs this test there")
+                    reason="torch-abi-audit is installed in .venv-compat "
+                           "(requirements-compat.txt); `make compat` runs this test there")
 def test_abi_audit_stable_abi3_and_minimum_torch():
     package = Path(posenc_torch.__file__).resolve().parent
     out = subprocess.run([_audit_tool(), "--json", str(package)], check=True,

@@ -79,8 +79,7 @@ int run_vision_position_ids([[maybe_unused]] const Tensor& on, int64_t n, const 
     return pe_vision_position_ids(n, grids, merge, total, out, num_threads(), err);
 }
 
-int run_sinusoidal([[maybe_unused]] const Tensor& on, int64_t n, int64_t dim, double base,
-                   pe_dtype dtype) {
+int run_sinusoidal(const Tensor& on, int64_t n, int64_t dim, double base, pe_dtype dtype) {
     return pe_sinusoidal(n, dim, base, dtype, on.mutable_data_ptr(), num_threads());
 }
 
@@ -415,8 +414,7 @@ std::optional<Tensor> grid_tensor(const std::optional<Tensor>& g, const char* na
 std::string grid_text(const std::optional<Tensor>& grids, int64_t i) {
     if (!grids.has_value() || i < 0 || i >= grids->size(0)) return "?";
     const int64_t* g = grids->const_data_ptr<int64_t>() + 3 * i;
-    return "(" + std::to_string(g[0]) + ", " + std::to_string(g[1]) + ", " + std::to_string(g[2]) +
-           ")";
+    return cat("(", g[0], ", ", g[1], ", ", g[2], ")");
 }
 
 // Turns a pe_pos_error into a ValueError that names the argument at fault.

@@ -13,7 +13,6 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
-#include <torch/headeronly/util/shim_utils.h>
 
 #include <omp.h>
 
@@ -55,13 +54,14 @@ template <class... Args>
     throw std::invalid_argument(cat(args...));
 }
 
-#define PE_CHECK(cond, ...) \
-    do {                    \
-        if (__builtin_expect(!(cond), 0)) ::posenc::fail(__VA_ARGS__); \
+// The message arguments are evaluated only when the check fails.
+#define PE_CHECK(cond, ...)                                                    \
+    do {                                                                       \
+        if (__builtin_expect(!(cond), 0)) ::posenc::fail(__VA_ARGS__);         \
     } while (0)
-#define PE_CHECK_VALUE(cond, ...) \
-    do {                          \
-        if (__builtin_expect(!(cond), 0)) ::posenc::fail_value(__VA_ARGS__); \
+#define PE_CHECK_VALUE(cond, ...)                                              \
+    do {                                                                       \
+        if (__builtin_expect(!(cond), 0)) ::posenc::fail_value(__VA_ARGS__);   \
     } while (0)
 
 // ---- Printing, as torch prints these in its own messages: [2, 3, 4], Float, cpu, cuda:0.
@@ -218,7 +218,9 @@ inline int num_threads() {
 
 // ---- Layout and allocation.
 
-inline bool same(IntList a, IntList b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); }
+inline bool same(IntList a, IntList b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end());
+}
 
 // The kernels need unit stride in the channel dimension; anything else is copied once.
 inline Tensor channel_contiguous(const Tensor& t, const Meta& m) {
