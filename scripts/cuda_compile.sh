@@ -31,11 +31,12 @@ done
 
 # The kernels' per-thread code on the host, bit for bit against the CPU kernels.
 [[ -f builddir-c/build.ninja ]] || "$meson" setup builddir-c -Dpython_extension=false >/dev/null
-"$meson" compile -C builddir-c posenc_kernels >/dev/null 2>&1 || "$meson" compile -C builddir-c posenc_kernels
+"$meson" compile -C builddir-c posenc_kernels >/dev/null 2>&1 ||
+    "$meson" compile -C builddir-c posenc_kernels # again, to show why it failed
 "$nvcc" "${flags[@]}" -Icsrc/cuda -gencode "arch=compute_${archs##* },code=sm_${archs##* }" \
     -c csrc/cuda/tests/test_emulated.cu -o "$out/test_emulated.o"
 "${CC:-cc}" -std=c17 -O2 -ffp-contract=off -Wall -Wextra -Werror -Icsrc -c \
     csrc/cuda/tests/math_sweep_c.c -o "$out/math_sweep_c.o"
-"${CXX:-c++}" "$out/test_emulated.o" "$out/math_sweep_c.o" builddir-c/libposenc_kernels.a -fopenmp -lm \
-    -L"$(python3 scripts/cuda_libdir.py "$nvcc")" -lcudart -o "$out/test_emulated"
+"${CXX:-c++}" "$out/test_emulated.o" "$out/math_sweep_c.o" builddir-c/libposenc_kernels.a \
+    -fopenmp -lm -L"$(python3 scripts/cuda_libdir.py "$nvcc")" -lcudart -o "$out/test_emulated"
 "$out/test_emulated"

@@ -52,7 +52,10 @@ except ImportError as exc:
 print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
 EOF
 has_gpu=$("$py" -c "import torch; print(int(torch.cuda.is_available()))")
-archs=${GPU_ARCHS:-$("$py" -c "import torch; c = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0); print(f'{c[0]}{c[1]}')")}
+# this GPU's compute capability (sm_90 when there is none: the build still runs)
+archs=${GPU_ARCHS:-$("$py" -c "import torch
+c = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+print(f'{c[0]}{c[1]}')")}
 meson=("$py" -m mesonbuild.mesonmain)
 
 # ---- build against this torch, CUDA kernels required, and stage the package
@@ -67,8 +70,9 @@ stage() {
     rm -rf builddir-gpu/stage && mkdir -p "$pkg" &&
         cp posenc_torch/*.py "$pkg/" &&
         cp builddir-gpu/_C*.so "$pkg/" &&
-        (cd builddir-gpu && PYTHONPATH="$root/builddir-gpu/stage" "$py" -c \
-            "import posenc_torch as p; assert p._C.has_cuda(), 'built without CUDA kernels'; print('staged', p.__file__)")
+        (cd builddir-gpu && PYTHONPATH="$root/builddir-gpu/stage" "$py" -c "import posenc_torch as p
+assert p._C.has_cuda(), 'built without CUDA kernels'
+print('staged', p.__file__)")
 }
 # Optional extra packages as wheels (e.g. Liger-Kernel for the benchmark, on a machine
 # without network): every *.whl in $WHEELS (default ./.whl) goes on the path, no deps.

@@ -138,7 +138,8 @@ def test_rope_forward_backward_bitwise_equal_to_cpu(s, layout, dtype):
     assert_bitwise(got, want)
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["qwen2-vl-sections", "qwen3-vl-interleaved"])
+@pytest.mark.parametrize("interleaved", [False, True],
+                         ids=["qwen2-vl-sections", "qwen3-vl-interleaved"])
 @pytest.mark.parametrize("pairing", ["half", "adjacent"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_fused_and_tables_bitwise_equal_to_cpu(interleaved, pairing, dtype):

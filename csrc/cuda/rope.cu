@@ -7,7 +7,9 @@
 namespace pe_cuda {
 namespace {
 
-__device__ inline Lane lane() { return {threadIdx.x, blockDim.x}; }
+__device__ inline Lane lane() {
+    return {threadIdx.x, blockDim.x};
+}
 
 // One block per token, grid-stride: the cos and signed-sine rows once, then every head of
 // q and k.
@@ -27,7 +29,8 @@ template <typename R, typename T, int V> __global__ void rope_apply_kernel(const
 // One block per output row (b', t), one thread per channel.
 template <typename R> __global__ void rope_table_grad_kernel(const GradP gp) {
     const int64_t nrow = gp.p.src.table_batch * gp.p.T;
-    for (int64_t row = blockIdx.x; row < nrow; row += gridDim.x) table_grad_row<R>(gp, row, lane());
+    for (int64_t row = blockIdx.x; row < nrow; row += gridDim.x)
+        table_grad_row<R>(gp, row, lane());
 }
 
 // One block per (b, t).
@@ -63,7 +66,9 @@ unsigned grid_for(int64_t n) {
     return static_cast<unsigned>(n < cap ? n : cap);
 }
 
-int status(Work w) { return w == Work::BadArg ? PE_ERR_ARG : PE_OK; }
+int status(Work w) {
+    return w == Work::BadArg ? PE_ERR_ARG : PE_OK;
+}
 
 } // namespace
 } // namespace pe_cuda
@@ -72,7 +77,9 @@ using namespace pe_cuda;
 
 extern "C" {
 
-const char *pe_cuda_last_error(void) { return cudaGetErrorString(last_error); }
+const char *pe_cuda_last_error(void) {
+    return cudaGetErrorString(last_error);
+}
 
 int pe_cuda_rope_apply(const pe_rope_args *a, cudaStream_t stream) {
     const Work w = check_apply(a);
@@ -96,15 +103,18 @@ int pe_cuda_rope_table_grad(const pe_rope_args *a, const void *grad_q,
                             const int64_t grad_q_stride[3], const void *grad_k,
                             const int64_t grad_k_stride[3], pe_dtype grad_dtype, void *dcos,
                             void *dsin, cudaStream_t stream) {
-    const Work w = check_table_grad(a, grad_q, grad_q_stride, grad_k, grad_k_stride, grad_dtype,
-                                    dcos, dsin);
+    const Work w =
+        check_table_grad(a, grad_q, grad_q_stride, grad_k, grad_k_stride, grad_dtype, dcos, dsin);
     if (w != Work::Run) return status(w);
-    const GradP gp = grad_params(a, grad_q, grad_q_stride, grad_k, grad_k_stride, grad_dtype,
-                                 dcos, dsin);
+    const GradP gp =
+        grad_params(a, grad_q, grad_q_stride, grad_k, grad_k_stride, grad_dtype, dcos, dsin);
     const unsigned grid = grid_for(a->src.table_batch * a->seq);
-    const unsigned threads = a->rot_dim >= 256 ? 256u : static_cast<unsigned>((a->rot_dim + 31) / 32 * 32);
-    if (table_grad_f64(a, grad_dtype)) rope_table_grad_kernel<double><<<grid, threads, 0, stream>>>(gp);
-    else rope_table_grad_kernel<float><<<grid, threads, 0, stream>>>(gp);
+    const unsigned threads =
+        a->rot_dim >= 256 ? 256u : static_cast<unsigned>((a->rot_dim + 31) / 32 * 32);
+    if (table_grad_f64(a, grad_dtype))
+        rope_table_grad_kernel<double><<<grid, threads, 0, stream>>>(gp);
+    else
+        rope_table_grad_kernel<float><<<grid, threads, 0, stream>>>(gp);
     return launched();
 }
 

@@ -40,18 +40,26 @@ template <> struct Io<double> {
 };
 template <> struct Io<Bf16> {
     using storage = uint16_t;
-    template <typename R> PE_HD static R load(uint16_t v) { return static_cast<R>(pe_bf16_to_f32(v)); }
+    template <typename R> PE_HD static R load(uint16_t v) {
+        return static_cast<R>(pe_bf16_to_f32(v));
+    }
     template <typename R> PE_HD static uint16_t store(R v) {
-        if constexpr (std::is_same_v<R, double>) return pe_f64_to_bf16(v);
-        else return pe_f32_to_bf16(v);
+        if constexpr (std::is_same_v<R, double>)
+            return pe_f64_to_bf16(v);
+        else
+            return pe_f32_to_bf16(v);
     }
 };
 template <> struct Io<F16> {
     using storage = uint16_t;
-    template <typename R> PE_HD static R load(uint16_t v) { return static_cast<R>(pe_f16_to_f32(v)); }
+    template <typename R> PE_HD static R load(uint16_t v) {
+        return static_cast<R>(pe_f16_to_f32(v));
+    }
     template <typename R> PE_HD static uint16_t store(R v) {
-        if constexpr (std::is_same_v<R, double>) return pe_f64_to_f16(v);
-        else return pe_f32_to_f16(v);
+        if constexpr (std::is_same_v<R, double>)
+            return pe_f64_to_f16(v);
+        else
+            return pe_f32_to_f16(v);
     }
 };
 
@@ -84,16 +92,32 @@ template <typename R> PE_HD void store_dyn(char *base, int64_t i, pe_dtype dt, R
 }
 
 // Unfused arithmetic: each product and sum rounded (the _rn intrinsics on the device).
-PE_HD float mul(float a, float b) { return PE_FMUL(a, b); }
-PE_HD double mul(double a, double b) { return PE_DMUL(a, b); }
-PE_HD float add(float a, float b) { return PE_FADD(a, b); }
-PE_HD double add(double a, double b) { return PE_DADD(a, b); }
-PE_HD float sub(float a, float b) { return PE_FADD(a, -b); }
-PE_HD double sub(double a, double b) { return PE_DADD(a, -b); }
+PE_HD float mul(float a, float b) {
+    return PE_FMUL(a, b);
+}
+PE_HD double mul(double a, double b) {
+    return PE_DMUL(a, b);
+}
+PE_HD float add(float a, float b) {
+    return PE_FADD(a, b);
+}
+PE_HD double add(double a, double b) {
+    return PE_DADD(a, b);
+}
+PE_HD float sub(float a, float b) {
+    return PE_FADD(a, -b);
+}
+PE_HD double sub(double a, double b) {
+    return PE_DADD(a, -b);
+}
 
 // out = x * c + xp * ss, the one formula of every rotated channel (ss: signed sine).
-PE_HD float rot(float x, float c, float xp, float ss) { return pe_rot_f32(x, c, xp, ss); }
-PE_HD double rot(double x, double c, double xp, double ss) { return pe_rot_f64(x, c, xp, ss); }
+PE_HD float rot(float x, float c, float xp, float ss) {
+    return pe_rot_f32(x, c, xp, ss);
+}
+PE_HD double rot(double x, double c, double xp, double ss) {
+    return pe_rot_f64(x, c, xp, ss);
+}
 
 // ---- kernel parameters (passed by value) --------------------------------------------------
 
@@ -114,8 +138,8 @@ struct SourceP {
     int64_t pos_batch, pos_s[3];
     const float *inv_freq;
     float scaling;
-    int axes;                 // 1 or 3
-    uint8_t axis[kMaxSlots];  // axis of each frequency slot (zeros when axes == 1)
+    int axes;                // 1 or 3
+    uint8_t axis[kMaxSlots]; // axis of each frequency slot (zeros when axes == 1)
 };
 
 struct RopeP {
@@ -150,8 +174,8 @@ PE_HD bool first_of_pair(int pairing, int64_t e, int64_t R) {
 // scaling * cos, scaling * sin of slot i's angle at token (b, t) (fused path)
 PE_HD void slot_sincos(const SourceP &src, int64_t b, int64_t t, int64_t i, float *c, float *s) {
     const int64_t *pos = src.pos + (src.pos_batch == 1 ? 0 : b) * src.pos_s[1] + t * src.pos_s[2];
-    pe_sincos_large(pe_rope_angle(src.inv_freq[i], pos[src.axis[i] * src.pos_s[0]]), src.scaling,
-                    c, s); // any angle, the fast range included
+    pe_sincos_large(pe_rope_angle(src.inv_freq[i], pos[src.axis[i] * src.pos_s[0]]), src.scaling, c,
+                    s); // any angle, the fast range included
 }
 
 // ---- the token's cos and unsigned sin rows (the tables op) ---------------------------------
@@ -296,8 +320,10 @@ template <typename R, typename T, int V>
 PE_HD void rotate_token(const RopeP &p, int64_t b, int64_t t, const R *c, const R *ss, Lane l) {
     for (int w = 0; w < 2; ++w) {
         if (p.x[w].heads == 0) continue;
-        if constexpr (std::is_void_v<T>) rotate_dyn<R>(p, p.x[w], b, t, c, ss, l);
-        else rotate_typed<R, T, V>(p, p.x[w], b, t, c, ss, l);
+        if constexpr (std::is_void_v<T>)
+            rotate_dyn<R>(p, p.x[w], b, t, c, ss, l);
+        else
+            rotate_typed<R, T, V>(p, p.x[w], b, t, c, ss, l);
     }
 }
 
@@ -341,7 +367,7 @@ template <typename R> PE_HD void table_grad_row(const GradP &gp, int64_t row, La
 // ---- tables from positions: store the fp32 rows of (b, t) -----------------------------------
 
 PE_HD void store_tables_row(const RopeP &p, int64_t row, const float *c, const float *s,
-                                   pe_dtype out_dt, char *cos, char *sin, Lane l) {
+                            pe_dtype out_dt, char *cos, char *sin, Lane l) {
     for (int64_t e = l.id; e < p.R; e += l.count) {
         store_dyn<float>(cos, row * p.R + e, out_dt, c[e]);
         store_dyn<float>(sin, row * p.R + e, out_dt, s[e]);
@@ -354,7 +380,8 @@ inline TensorP tensor_params(const pe_rope_tensor &x) {
     TensorP t{};
     t.in = static_cast<const char *>(x.in);
     t.out = static_cast<char *>(x.out);
-    for (int i = 0; i < 3; ++i) t.in_s[i] = x.in_stride[i], t.out_s[i] = x.out_stride[i];
+    for (int i = 0; i < 3; ++i)
+        t.in_s[i] = x.in_stride[i], t.out_s[i] = x.out_stride[i];
     t.heads = x.heads;
     t.in_dt = x.in_dtype;
     t.out_dt = x.out_dtype;
@@ -378,7 +405,8 @@ inline RopeP rope_params(const pe_rope_args *a) {
     src.table_batch = s.table_batch;
     src.pos = s.pos;
     src.pos_batch = s.pos_batch;
-    for (int i = 0; i < 3; ++i) src.table_s[i] = s.table_stride[i], src.pos_s[i] = s.pos_stride[i];
+    for (int i = 0; i < 3; ++i)
+        src.table_s[i] = s.table_stride[i], src.pos_s[i] = s.pos_stride[i];
     src.inv_freq = s.inv_freq;
     src.scaling = s.scaling;
     src.axes = s.axis_of_slot ? 3 : 1;
@@ -408,7 +436,8 @@ inline int apply_passes(const pe_rope_args *a, pe_rope_args pass[2]) {
 
 inline bool table_grad_f64(const pe_rope_args *a, pe_dtype grad_dtype) {
     return grad_dtype == PE_FLOAT64 || a->src.table_dtype == PE_FLOAT64 ||
-           (a->q.heads && a->q.in_dtype == PE_FLOAT64) || (a->k.heads && a->k.in_dtype == PE_FLOAT64);
+           (a->q.heads && a->q.in_dtype == PE_FLOAT64) ||
+           (a->k.heads && a->k.in_dtype == PE_FLOAT64);
 }
 
 // 16-byte accesses need every row start and every half (or pass-through) offset aligned.
@@ -418,7 +447,8 @@ inline bool rows_aligned(const pe_rope_args *a, int64_t vec, int64_t es) {
     const pe_rope_tensor *xs[2] = {&a->q, &a->k};
     for (const pe_rope_tensor *x : xs) {
         if (x->heads == 0) continue;
-        if (reinterpret_cast<uintptr_t>(x->in) % bytes || reinterpret_cast<uintptr_t>(x->out) % bytes)
+        if (reinterpret_cast<uintptr_t>(x->in) % bytes ||
+            reinterpret_cast<uintptr_t>(x->out) % bytes)
             return false;
         const int64_t sizes[3] = {a->batch, a->seq, x->heads};
         for (int d = 0; d < 3; ++d)
@@ -438,8 +468,8 @@ template <typename T> struct Tag {
 template <typename F> void with_apply_variant(const pe_rope_args *a, F &&f) {
     const pe_rope_tensor &x = a->q.heads ? a->q : a->k;
     const pe_dtype dt = x.in_dtype;
-    const bool uniform = x.out_dtype == dt && (a->q.heads == 0 || (a->q.in_dtype == dt &&
-                                                                   a->q.out_dtype == dt)) &&
+    const bool uniform = x.out_dtype == dt &&
+                         (a->q.heads == 0 || (a->q.in_dtype == dt && a->q.out_dtype == dt)) &&
                          (a->k.heads == 0 || (a->k.in_dtype == dt && a->k.out_dtype == dt));
     auto typed = [&](auto r, auto tx) {
         using T = typename decltype(tx)::type;
@@ -450,8 +480,10 @@ template <typename F> void with_apply_variant(const pe_rope_args *a, F &&f) {
             f(r, tx, std::integral_constant<int, 1>{});
     };
     if (runs_f64(a, a->q) || runs_f64(a, a->k)) {
-        if (uniform && dt == PE_FLOAT64) typed(Tag<double>{}, Tag<double>{});
-        else f(Tag<double>{}, Tag<void>{}, std::integral_constant<int, 1>{});
+        if (uniform && dt == PE_FLOAT64)
+            typed(Tag<double>{}, Tag<double>{});
+        else
+            f(Tag<double>{}, Tag<void>{}, std::integral_constant<int, 1>{});
     } else if (!uniform) {
         f(Tag<float>{}, Tag<void>{}, std::integral_constant<int, 1>{});
     } else if (dt == PE_FLOAT32) {
@@ -466,7 +498,9 @@ template <typename F> void with_apply_variant(const pe_rope_args *a, F &&f) {
 // ---- host: argument checks, those of rope.c (sizes, overflow, overlap) plus the width
 // limit of the kernel parameters --------------------------------------------------------
 
-inline bool dtype_valid(pe_dtype t) { return dtype_size(t) != 0; }
+inline bool dtype_valid(pe_dtype t) {
+    return dtype_size(t) != 0;
+}
 
 inline bool tensor_ok(const pe_rope_tensor &x, bool empty) {
     if (x.heads == 0) return true;
@@ -531,7 +565,9 @@ inline bool dense_span(const void *base, int64_t count, size_t es, Span *out) {
     return span_of(base, 1, &one, &one, count, es, out);
 }
 
-inline bool overlap(Span a, Span b) { return a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi; }
+inline bool overlap(Span a, Span b) {
+    return a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi;
+}
 
 // No output touches an input or another output.
 inline bool disjoint(const Span *out, int n_out, const Span *in, int n_in) {

@@ -22,7 +22,8 @@ int main() {
         sweep_kernel<<<1024, 256>>>(dev, n);
         err = cudaGetLastError();
     }
-    if (err == cudaSuccess) err = cudaMemcpy(got.data(), dev, n * sizeof(uint64_t), cudaMemcpyDeviceToHost);
+    if (err == cudaSuccess)
+        err = cudaMemcpy(got.data(), dev, n * sizeof(uint64_t), cudaMemcpyDeviceToHost);
     if (err != cudaSuccess) {
         std::fprintf(stderr, "math_device: CUDA error: %s\n", cudaGetErrorString(err));
         return 2;
@@ -31,7 +32,8 @@ int main() {
     uint32_t bad = 0;
     for (uint32_t i = 0; i < n; ++i) {
         if (got[i] != pe_math_sweep(i)) {
-            if (bad++ < 5) std::fprintf(stderr, "math_device: entry %u differs (device vs host)\n", i);
+            if (bad++ < 5)
+                std::fprintf(stderr, "math_device: entry %u differs (device vs host)\n", i);
         }
     }
     std::printf("rope_math.h on the GPU vs the host: %u entries, %u differ\n", n, bad);

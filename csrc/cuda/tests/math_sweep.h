@@ -21,7 +21,8 @@ PE_HD uint64_t pe_math_sweep(uint32_t i) {
     /* angles: spread over the exponents (|x| up to 2^31), half of them negative */
     const uint32_t e = 100u + (i % 58u), m = (i * 2654435761u) & 0x7fffffu;
     const float x = pe_bits_f32(((i & 1u) << 31) | (e << 23) | m);
-    const float pos_angle = pe_rope_angle(pe_bits_f32(0x3f800000u - (i & 0xffffu)), (int64_t)i * 37);
+    const float pos_angle =
+        pe_rope_angle(pe_bits_f32(0x3f800000u - (i & 0xffffu)), (int64_t)i * 37);
     float c, s, c2, s2;
     pe_sincos_large(x, 1.0f, &c, &s);
     pe_sincos_large(pos_angle, 0.8125f, &c2, &s2);
@@ -30,16 +31,19 @@ PE_HD uint64_t pe_math_sweep(uint32_t i) {
     h = pe_sweep_mix(h, pe_f32_bits(c2));
     h = pe_sweep_mix(h, pe_f32_bits(s2));
     if (pe_f32_bits(x) < 0x5d000000u) { /* the fast reduction where it applies */
-        pe_sincos_fast(x <= PE_SINCOS_FAST_LIMIT && x >= -PE_SINCOS_FAST_LIMIT ? x : 1.0f, 1.0f, &c, &s);
+        pe_sincos_fast(x <= PE_SINCOS_FAST_LIMIT && x >= -PE_SINCOS_FAST_LIMIT ? x : 1.0f, 1.0f, &c,
+                       &s);
         h = pe_sweep_mix(h, ((uint64_t)pe_f32_bits(c) << 32) | pe_f32_bits(s));
     }
     /* conversions: every 16-bit pattern, fp32 values around the rounding points */
     const uint16_t b = (uint16_t)i;
-    h = pe_sweep_mix(h, pe_f32_bits(pe_bf16_to_f32(b)) ^ ((uint64_t)pe_f32_bits(pe_f16_to_f32(b)) << 32));
+    h = pe_sweep_mix(h, pe_f32_bits(pe_bf16_to_f32(b)) ^
+                            ((uint64_t)pe_f32_bits(pe_f16_to_f32(b)) << 32));
     /* bit-level conversions see every pattern (NaN, inf included); arithmetic sees finite
      * values only (NaN payloads are not specified alike on every processor) */
     const uint32_t yb = i * 4099u + (i >> 7);
-    h = pe_sweep_mix(h, pe_f32_to_bf16(pe_bits_f32(yb)) | ((uint64_t)pe_f32_to_f16(pe_bits_f32(yb)) << 16));
+    h = pe_sweep_mix(h, pe_f32_to_bf16(pe_bits_f32(yb)) |
+                            ((uint64_t)pe_f32_to_f16(pe_bits_f32(yb)) << 16));
     const float y = pe_bits_f32(((yb >> 23) & 0xffu) == 0xffu ? yb ^ 0x40000000u : yb);
     const double d = (double)y * (1.0 + (double)(i & 7u) * 1.1102230246251565e-16);
     h = pe_sweep_mix(h, pe_f64_to_bf16(d) | ((uint64_t)pe_f64_to_f16(d) << 16));

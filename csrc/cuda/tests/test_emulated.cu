@@ -9,7 +9,8 @@
 // transpose, tables (plain, per-batch, MRoPE sections, interleaved) and positions, partial
 // rotary, GQA / MQA / no k, (B, T, H, D) and (B, H, T, D) layouts, misaligned rows, every
 // dtype and mixes; and the math header's functions, nvcc host code against C, over a sweep
-// of inputs (tests/math_sweep.h).  What this cannot check: the device's own arithmetic and memory system.
+// of inputs (tests/math_sweep.h).  What this cannot check: the device's own arithmetic and memory
+// system.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -26,7 +27,7 @@ using namespace pe_cuda;
 
 namespace {
 
-constexpr int64_t kGrid = 3;    // blocks of the emulated launch (grid-stride wraps)
+constexpr int64_t kGrid = 3;     // blocks of the emulated launch (grid-stride wraps)
 constexpr int64_t kThreads = 37; // threads per block: not a divisor of any row
 
 int failures = 0, checks = 0, vector_runs = 0;
@@ -40,12 +41,16 @@ template <typename R, typename T, int V> void emulate_apply(const RopeP &p) {
     for (int64_t blk = 0; blk < kGrid; ++blk)
         for (int64_t tok = blk; tok < ntok; tok += kGrid) {
             const int64_t b = tok / p.T, t = tok % p.T;
-            for (int64_t i = 0; i < kThreads; ++i) token_rows<R>(p, b, t, c, ss, {i, kThreads});
-            for (int64_t i = 0; i < kThreads; ++i) rotate_token<R, T, V>(p, b, t, c, ss, {i, kThreads});
+            for (int64_t i = 0; i < kThreads; ++i)
+                token_rows<R>(p, b, t, c, ss, {i, kThreads});
+            for (int64_t i = 0; i < kThreads; ++i)
+                rotate_token<R, T, V>(p, b, t, c, ss, {i, kThreads});
         }
 }
 
-int status(Work w) { return w == Work::BadArg ? PE_ERR_ARG : PE_OK; }
+int status(Work w) {
+    return w == Work::BadArg ? PE_ERR_ARG : PE_OK;
+}
 
 int emu_rope_apply(const pe_rope_args *a) {
     const Work w = check_apply(a);
@@ -63,8 +68,8 @@ int emu_rope_apply(const pe_rope_args *a) {
     return PE_OK;
 }
 
-int emu_rope_table_grad(const pe_rope_args *a, const void *gq, const int64_t gqs[3],
-                        const void *gk, const int64_t gks[3], pe_dtype gdt, void *dcos, void *dsin) {
+int emu_rope_table_grad(const pe_rope_args *a, const void *gq, const int64_t gqs[3], const void *gk,
+                        const int64_t gks[3], pe_dtype gdt, void *dcos, void *dsin) {
     const Work w = check_table_grad(a, gq, gqs, gk, gks, gdt, dcos, dsin);
     if (w != Work::Run) return status(w);
     const GradP gp = grad_params(a, gq, gqs, gk, gks, gdt, dcos, dsin);
@@ -72,8 +77,10 @@ int emu_rope_table_grad(const pe_rope_args *a, const void *gq, const int64_t gqs
     for (int64_t blk = 0; blk < kGrid; ++blk)
         for (int64_t row = blk; row < nrow; row += kGrid)
             for (int64_t i = 0; i < kThreads; ++i) {
-                if (table_grad_f64(a, gdt)) table_grad_row<double>(gp, row, {i, kThreads});
-                else table_grad_row<float>(gp, row, {i, kThreads});
+                if (table_grad_f64(a, gdt))
+                    table_grad_row<double>(gp, row, {i, kThreads});
+                else
+                    table_grad_row<float>(gp, row, {i, kThreads});
             }
     return PE_OK;
 }
@@ -87,10 +94,11 @@ int emu_rope_tables(const pe_rope_args *a, pe_dtype odt, void *cos, void *sin) {
     for (int64_t blk = 0; blk < kGrid; ++blk)
         for (int64_t row = blk; row < nrow; row += kGrid) {
             for (int64_t i = 0; i < kThreads; ++i)
-                token_tables<float>(p, row / p.T, row % p.T, smem.data(), smem.data() + p.R, {i, kThreads});
+                token_tables<float>(p, row / p.T, row % p.T, smem.data(), smem.data() + p.R,
+                                    {i, kThreads});
             for (int64_t i = 0; i < kThreads; ++i)
-                store_tables_row(p, row, smem.data(), smem.data() + p.R, odt, static_cast<char *>(cos),
-                                 static_cast<char *>(sin), {i, kThreads});
+                store_tables_row(p, row, smem.data(), smem.data() + p.R, odt,
+                                 static_cast<char *>(cos), static_cast<char *>(sin), {i, kThreads});
         }
     return PE_OK;
 }
@@ -117,7 +125,9 @@ std::vector<char> random_buffer(int64_t n, pe_dtype dt) {
         const float v = u(rng);
         switch (dt) {
         case PE_FLOAT32: reinterpret_cast<float *>(buf.data())[i] = v; break;
-        case PE_FLOAT64: reinterpret_cast<double *>(buf.data())[i] = static_cast<double>(v) * (1.0 + 1e-9); break;
+        case PE_FLOAT64:
+            reinterpret_cast<double *>(buf.data())[i] = static_cast<double>(v) * (1.0 + 1e-9);
+            break;
         case PE_BFLOAT16: reinterpret_cast<uint16_t *>(buf.data())[i] = pe_f32_to_bf16(v); break;
         case PE_FLOAT16: reinterpret_cast<uint16_t *>(buf.data())[i] = Io<F16>::store(v); break;
         }
@@ -149,8 +159,10 @@ Tensor make_tensor(int64_t B, int64_t T, int64_t H, int64_t D, bool heads_outer,
     x.in_dt = in_dt;
     x.out_dt = out_dt;
     x.shift = shift;
-    if (heads_outer) x.stride[0] = H * T * D, x.stride[1] = D, x.stride[2] = T * D;
-    else x.stride[0] = T * H * D, x.stride[1] = H * D, x.stride[2] = D;
+    if (heads_outer)
+        x.stride[0] = H * T * D, x.stride[1] = D, x.stride[2] = T * D;
+    else
+        x.stride[0] = T * H * D, x.stride[1] = H * D, x.stride[2] = D;
     const int64_t n = B * T * H * D + shift;
     x.in = random_buffer(n, in_dt);
     x.out_cpu.assign(static_cast<size_t>(n) * dtype_size(out_dt), '\x5a');
@@ -164,14 +176,23 @@ void bind(pe_rope_tensor &dst, Tensor &x, bool emu) {
     dst.in_dtype = x.in_dt;
     dst.out_dtype = x.out_dt;
     dst.heads = x.heads;
-    for (int i = 0; i < 3; ++i) dst.in_stride[i] = dst.out_stride[i] = x.stride[i];
+    for (int i = 0; i < 3; ++i)
+        dst.in_stride[i] = dst.out_stride[i] = x.stride[i];
 }
 
 // ---- the case matrix ------------------------------------------------------------------------
 
-enum Source { TABLES, TABLES_PER_BATCH, TABLES_SECTIONS, TABLES_INTERLEAVED, POS_2D, POS_SECTIONS, POS_INTERLEAVED };
+enum Source {
+    TABLES,
+    TABLES_PER_BATCH,
+    TABLES_SECTIONS,
+    TABLES_INTERLEAVED,
+    POS_2D,
+    POS_SECTIONS,
+    POS_INTERLEAVED
+};
 const char *source_name[] = {"tables", "tables_per_batch", "tables_sections", "tables_interleaved",
-                             "pos_2d", "pos_sections", "pos_interleaved"};
+                             "pos_2d", "pos_sections",     "pos_interleaved"};
 
 struct Case {
     int64_t B, T, Hq, Hk, D, R;
@@ -187,13 +208,14 @@ struct Case {
 std::string name(const Case &c) {
     char buf[256];
     std::snprintf(buf, sizeof buf,
-                  "ROPE(q=%s->%s,k=%s->%s,tab=%s,B=%lld,T=%lld,H=%lld/%lld,D=%lld,R=%lld,%s,%s,%s,%s,shift=%lld)",
-                  dtype_name(c.x_dt), dtype_name(c.out_dt), dtype_name(c.k_dt), dtype_name(c.k_out_dt),
-                  dtype_name(c.table_dt), (long long)c.B,
-                  (long long)c.T, (long long)c.Hq, (long long)c.Hk, (long long)c.D, (long long)c.R,
+                  "ROPE(q=%s->%s,k=%s->%s,tab=%s,B=%lld,T=%lld,H=%lld/"
+                  "%lld,D=%lld,R=%lld,%s,%s,%s,%s,shift=%lld)",
+                  dtype_name(c.x_dt), dtype_name(c.out_dt), dtype_name(c.k_dt),
+                  dtype_name(c.k_out_dt), dtype_name(c.table_dt), (long long)c.B, (long long)c.T,
+                  (long long)c.Hq, (long long)c.Hk, (long long)c.D, (long long)c.R,
                   c.heads_outer ? "bhtd" : "bthd", source_name[c.src],
-                  c.pairing == PE_PAIR_HALF ? "half" : "adjacent", c.transpose ? "transpose" : "forward",
-                  (long long)c.shift);
+                  c.pairing == PE_PAIR_HALF ? "half" : "adjacent",
+                  c.transpose ? "transpose" : "forward", (long long)c.shift);
     return buf;
 }
 
@@ -233,7 +255,8 @@ void make_source(const Case &c, pe_rope_source &src, SourceData &d) {
     std::uniform_int_distribution<int64_t> u(0, 40000);
     const int64_t Bp = c.B;
     d.pos.resize(static_cast<size_t>(A * Bp * c.T));
-    for (auto &v : d.pos) v = u(rng);
+    for (auto &v : d.pos)
+        v = u(rng);
     d.pos[0] = 2000000; // beyond the exact reduction: the libm path
     d.inv_freq.resize(static_cast<size_t>(slots));
     for (int64_t i = 0; i < slots; ++i)
@@ -275,7 +298,8 @@ void run_apply(const Case &c) {
     // table gradients with the same tensors: x = q/k in, g = their outputs
     const int64_t A = a.src.axis_of_slot ? 3 : 1, rows = A * a.src.table_batch * c.T * c.R;
     const size_t tbytes = static_cast<size_t>(rows) * dtype_size(c.table_dt);
-    std::vector<char> dc_cpu(tbytes, '\x11'), ds_cpu(tbytes, '\x22'), dc_emu = dc_cpu, ds_emu = ds_cpu;
+    std::vector<char> dc_cpu(tbytes, '\x11'), ds_cpu(tbytes, '\x22'), dc_emu = dc_cpu,
+                                                                      ds_emu = ds_cpu;
     const void *gq = q.out_cpu.data() + q.shift * dtype_size(c.out_dt);
     std::vector<char> gk_buf = random_buffer(c.B * c.T * c.Hk * c.D, c.out_dt); // grad dtype is q's
     const void *gk = gk_buf.data();
@@ -303,7 +327,8 @@ void run_tables(int64_t B, int64_t T, int64_t R, Source s, pe_pairing pairing, p
     const int r1 = pe_rope_tables(&a, odt, c_cpu.data(), s_cpu.data());
     const int r2 = emu_rope_tables(&a, odt, c_emu.data(), s_emu.data());
     const std::string n = std::string("TABLES(") + source_name[s] + "," + dtype_name(odt) + "," +
-                          (pairing == PE_PAIR_HALF ? "half" : "adjacent") + ",R=" + std::to_string(R) + ")";
+                          (pairing == PE_PAIR_HALF ? "half" : "adjacent") +
+                          ",R=" + std::to_string(R) + ")";
     expect(r1 == PE_OK && r2 == PE_OK, n + ": status");
     expect(c_cpu == c_emu && s_cpu == s_emu, n + ": bits");
 }
@@ -334,19 +359,23 @@ void run_checks() {
         {"bad dtype", [](pe_rope_args &a, uint8_t *) { a.q.in_dtype = static_cast<pe_dtype>(9); }},
         {"negative heads", [](pe_rope_args &a, uint8_t *) { a.q.heads = -1; }},
         {"empty batch", [](pe_rope_args &a, uint8_t *) { a.batch = 0; }},
-        {"in place (out = in)", [](pe_rope_args &a, uint8_t *) { a.q.out = const_cast<void *>(a.q.in); }},
+        {"in place (out = in)",
+         [](pe_rope_args &a, uint8_t *) { a.q.out = const_cast<void *>(a.q.in); }},
         {"out overlaps the cos table",
          [](pe_rope_args &a, uint8_t *) { a.q.out = const_cast<void *>(a.src.cos); }},
-        {"stride overflows int64", [](pe_rope_args &a, uint8_t *) {
+        {"stride overflows int64",
+         [](pe_rope_args &a, uint8_t *) {
              a.batch = 2;
              a.src.table_batch = 1;
              a.q.in_stride[0] = INT64_MAX / 2;
          }},
-        {"B T H D overflows int64", [](pe_rope_args &a, uint8_t *) {
+        {"B T H D overflows int64",
+         [](pe_rope_args &a, uint8_t *) {
              a.batch = INT64_MAX / 2;
              a.seq = 4;
          }},
-        {"positions without inv_freq", [](pe_rope_args &a, uint8_t *) {
+        {"positions without inv_freq",
+         [](pe_rope_args &a, uint8_t *) {
              static const int64_t pos[1] = {0};
              a.src.pos = pos;
              a.src.pos_batch = 1;
@@ -363,7 +392,8 @@ void run_checks() {
     std::vector<float> big(4096 * 2, 0.0f), big_o(4096 * 2);
     pe_rope_args w = base;
     w.head_dim = w.rot_dim = PE_CUDA_MAX_ROT + 2;
-    w.q = {big.data(), big_o.data(), PE_FLOAT32, PE_FLOAT32, 1, {4096, 4096, 4096}, {4096, 4096, 4096}};
+    w.q = {big.data(), big_o.data(),       PE_FLOAT32,        PE_FLOAT32,
+           1,          {4096, 4096, 4096}, {4096, 4096, 4096}};
     expect(emu_rope_apply(&w) == PE_ERR_ARG, "CHECK apply: rot_dim past PE_CUDA_MAX_ROT");
 }
 
@@ -393,8 +423,10 @@ int main() {
                                 // four uniform dtypes, then mixes: bf16 in / fp32 out with
                                 // fp32 tables, and fp16 x with fp64 tables (the fp64 core)
                                 c.x_dt = c.out_dt = c.table_dt = dts[variant % 4];
-                                if (variant == 4) c.x_dt = PE_BFLOAT16, c.out_dt = c.table_dt = PE_FLOAT32;
-                                if (variant == 5) c.x_dt = c.out_dt = PE_FLOAT16, c.table_dt = PE_FLOAT64;
+                                if (variant == 4)
+                                    c.x_dt = PE_BFLOAT16, c.out_dt = c.table_dt = PE_FLOAT32;
+                                if (variant == 5)
+                                    c.x_dt = c.out_dt = PE_FLOAT16, c.table_dt = PE_FLOAT64;
                                 c.k_dt = c.x_dt, c.k_out_dt = c.out_dt;
                                 // q and k in different precisions (two passes), and in
                                 // different dtypes of one precision
@@ -408,21 +440,27 @@ int main() {
                                 }
                                 if (variant < 4 && c.x_dt != PE_FLOAT64 && c.table_dt == c.x_dt &&
                                     transpose == 0 && layout == 0)
-                                    c.table_dt = PE_FLOAT32; // HF passes fp32 tables with bf16 q too
+                                    c.table_dt =
+                                        PE_FLOAT32; // HF passes fp32 tables with bf16 q too
                                 c.shift = (variant == 1 && h.q == 3) ? 1 : 0;
                                 run_apply(c);
                             }
     for (int src = POS_2D; src <= POS_INTERLEAVED; ++src)
         for (int pairing = 0; pairing < 2; ++pairing)
-            for (pe_dtype dt : dts) run_tables(2, 7, 64, static_cast<Source>(src), static_cast<pe_pairing>(pairing), dt);
+            for (pe_dtype dt : dts)
+                run_tables(2, 7, 64, static_cast<Source>(src), static_cast<pe_pairing>(pairing),
+                           dt);
     run_checks();
     // rope_math.h compiled by nvcc (host side) against the same header compiled as C
     uint32_t sweep_bad = 0;
-    for (uint32_t i = 0; i < PE_SWEEP_N; ++i) sweep_bad += pe_math_sweep(i) != pe_math_sweep_c(i);
+    for (uint32_t i = 0; i < PE_SWEEP_N; ++i)
+        sweep_bad += pe_math_sweep(i) != pe_math_sweep_c(i);
     expect(sweep_bad == 0, "rope_math.h: nvcc host code and C give the same bits (" +
-                               std::to_string(sweep_bad) + " of " + std::to_string(PE_SWEEP_N) + " differ)");
+                               std::to_string(sweep_bad) + " of " + std::to_string(PE_SWEEP_N) +
+                               " differ)");
     expect(vector_runs > 0, "the 16-byte rows were exercised");
-    std::printf("cuda kernels emulated on the host: %d checks, %d failed, %d runs on 16-byte rows\n",
-                checks, failures, vector_runs);
+    std::printf(
+        "cuda kernels emulated on the host: %d checks, %d failed, %d runs on 16-byte rows\n",
+        checks, failures, vector_runs);
     return failures ? 1 : 0;
 }
