@@ -46,13 +46,16 @@ extern "C" {
 #define PE_CUDA_MAX_ROT 2048
 #define PE_ERR_CUDA (-16) /* the kernel launch failed: see pe_cuda_last_error() */
 
+/* pe_rope_apply on `stream`: q and k rotated (forward or transpose), tables or positions. */
 int pe_cuda_rope_apply(const pe_rope_args *a, cudaStream_t stream);
 
+/* pe_rope_table_grad on `stream`: dcos, dsin (A, Bc, T, R), summed in the CPU's order. */
 int pe_cuda_rope_table_grad(const pe_rope_args *a, const void *grad_q,
                             const int64_t grad_q_stride[3], const void *grad_k,
                             const int64_t grad_k_stride[3], pe_dtype grad_dtype, void *dcos,
                             void *dsin, cudaStream_t stream);
 
+/* pe_rope_tables on `stream`: cos, sin (B, T, R) from positions. */
 int pe_cuda_rope_tables(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *sin,
                         cudaStream_t stream);
 

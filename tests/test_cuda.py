@@ -351,6 +351,15 @@ def test_mixed_devices_raise_naming_the_argument():
         torch.ops.posenc.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, [], False, 0, False)
 
 
+def test_rotary_width_past_the_cuda_limit_is_an_error():
+    """The kernels take rot_dim <= 2048 (the axis map travels in the kernel's parameters);
+    a wider rotation is refused with an error, never computed wrongly."""
+    q = torch.randn(1, 2, 1, 2050, device=CUDA)
+    cos = torch.randn(1, 2, 2050, device=CUDA)
+    with pytest.raises(RuntimeError, match="rejected its arguments"):
+        torch.ops.posenc.rope(q, q.clone(), cos, cos.clone(), [], False, 0, False)
+
+
 def test_hf_patch_routes_cuda_tensors_to_posenc():
     from transformers.models.llama import modeling_llama
 
