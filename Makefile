@@ -60,7 +60,7 @@ $(COMPAT_STAMP): requirements-compat.txt
 # opcheck, torch.compile.
 compat: wheel $(COMPAT_STAMP)
 	$(CPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
-	$(CPY) -c "import torch, posenc_torch; print('posenc_torch under torch', torch.__version__)"
+	cd tests && $(abspath $(CPY)) -c "import torch, posenc_torch; print('torch', torch.__version__)"
 	cd tests && $(abspath $(CPY)) -m pytest -q -p no:cacheprovider -m "not transformers4" \
 		test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py
 
