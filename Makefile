@@ -19,7 +19,8 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 PYTEST := $(abspath $(VPY)) -m pytest -q -p no:cacheprovider
 
 .PHONY: all venv wheel build test pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest compat \
-	abi-audit ctest sanitize fuzz ctest-aarch64 bench bench-full notebooks clean
+	abi-audit ctest sanitize fuzz ctest-aarch64 cuda-compile gpu-check bench bench-full \
+	notebooks clean
 
 all: build
 
@@ -45,11 +46,12 @@ build: wheel
 	$(VPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
 
 # Everything: C tests, the same under ASan + UBSan, a bounded fuzzing run, the C tests on
-# aarch64 under emulation, Python tests on transformers 5.x and the transformers-4.x tests
-# against the 4.57.6 overlay, the position-id tests against the 5.18.0 and newest 5.x
-# overlays, then the same wheel's ABI audit and op tests under another torch release.
-test: build ctest sanitize fuzz ctest-aarch64 pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest \
-	abi-audit compat
+# aarch64 under emulation, the CUDA sources compiled (cuda-compile), Python tests on
+# transformers 5.x and the transformers-4.x tests against the 4.57.6 overlay, the
+# position-id tests against the 5.18.0 and newest 5.x overlays, then the same wheel's ABI
+# audit and op tests under another torch release.
+test: build ctest sanitize fuzz ctest-aarch64 cuda-compile pytest pytest-hf4 pytest-hf5_18 \
+	pytest-hf5_latest abi-audit compat
 
 pytest: build
 	cd tests && $(PYTEST) .
@@ -147,6 +149,16 @@ ctest-aarch64: $(STAMP)
 		-Dpython_extension=false --reconfigure >/dev/null; \
 	$(VENV)/bin/meson test -C builddir-aarch64 --print-errorlogs
 
+# The CUDA sources compiled with this machine's nvcc for sm_80 and sm_90 (nothing runs; a
+# loud skip without nvcc), so they cannot rot on machines without a GPU.
+cuda-compile: $(STAMP)
+	scripts/cuda_compile.sh
+
+# On a machine with an NVIDIA GPU: build against its torch, run the GPU tests and the GPU
+# benchmark, everything into one folder (scripts/gpu_check.sh; README, section GPU).
+gpu-check:
+	scripts/gpu_check.sh
+
 bench: build
 	$(VPY) benchmarks/run.py --quick
 
@@ -159,4 +171,5 @@ notebooks: build
 	$(VPY) notebooks/execute.py
 
 clean:
-	rm -rf build builddir-c builddir-asan builddir-fuzz builddir-aarch64 $(WHEEL_DIR)
+	rm -rf build builddir-c builddir-asan builddir-fuzz builddir-aarch64 builddir-cuda builddir-gpu \
+		$(WHEEL_DIR)

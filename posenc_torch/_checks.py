@@ -12,6 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
+from . import _C
+
+# Devices the kernels run on: the CPU, and CUDA GPUs when the extension has its CUDA kernels.
+KERNEL_DEVICES: tuple[str, ...] = ("cpu", "cuda") if _C.has_cuda() else ("cpu",)
+
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _FLOAT_TEXT = "float32, float64, bfloat16 or float16"
 
@@ -50,9 +55,10 @@ def check_same_device(**tensors: torch.Tensor) -> None:
             raise ValueError(
                 f"{name} is on {t.device} but {first_name} is on {first.device}; "
                 "all tensors must be on the same device")
-    if first.device.type not in ("cpu", "meta"):
+    if first.device.type not in ("meta", *KERNEL_DEVICES):
         raise NotImplementedError(
-            f"posenc_torch kernels run on CPU tensors; {first_name} is on {first.device}")
+            f"posenc_torch kernels run on {' and '.join(KERNEL_DEVICES)} tensors; "
+            f"{first_name} is on {first.device}")
 
 
 def check_sections(mrope_section: object, name: str = "mrope_section") -> list[int]:

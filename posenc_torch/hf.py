@@ -67,6 +67,7 @@ from typing import NamedTuple
 import torch
 
 from . import rope as _rope
+from ._checks import KERNEL_DEVICES
 
 # SUPPORTED_MODEL_TYPES comes from the module __getattr__ below.
 __all__ = ["SUPPORTED_MODEL_TYPES", "PatchHandle", "patch", "unsupported_model_types"]  # noqa: F822
@@ -459,7 +460,8 @@ def _form_of(module: types.ModuleType, func: object) -> _Form | None:
 
 def _float_cpu(dtypes: tuple, *tensors: object) -> bool:
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype not in dtypes:
+        if (not isinstance(t, torch.Tensor) or t.device.type not in KERNEL_DEVICES
+                or t.dtype not in dtypes):
             return False
     return True
 

@@ -13,16 +13,38 @@
 #include <tuple>
 
 #include "stable_support.h"
+#ifdef POSENC_WITH_CUDA
+#include <initializer_list>
+#include <utility>
+
+#include <torch/csrc/stable/accelerator.h>
+
+#include "posenc_cuda.h"
+#endif
 
 namespace posenc {
 namespace {
 
 using TensorPair = std::tuple<Tensor, Tensor>;
 
+#ifdef POSENC_WITH_CUDA
+// torch's current stream on the device of `on`: the kernels run in order with the rest of
+// the program, and CUDA graphs capture them.
+cudaStream_t cuda_stream(const Tensor& on) {
+    void* stream = nullptr;
+    STABLE_TORCH_ERROR_CODE_CHECK(
+        aoti_torch_get_current_cuda_stream(on.get_device_index(), &stream));
+    return static_cast<cudaStream_t>(stream);
+}
+#endif
+
 // ---- Kernel calls, one per op.  `on` is a tensor of the op, whose device selects the
 // kernel; only CPU kernels exist so far.
 
 int run_rope_apply([[maybe_unused]] const Tensor& on, const pe_rope_args& a) {
+#ifdef POSENC_WITH_CUDA
+    if (on.is_cuda()) return pe_cuda_rope_apply(&a, cuda_stream(on));
+#endif
     return pe_rope_apply(&a);
 }
 
@@ -30,12 +52,20 @@ int run_rope_table_grad([[maybe_unused]] const Tensor& on, const pe_rope_args& a
                         const void* grad_q, const int64_t grad_q_stride[3], const void* grad_k,
                         const int64_t grad_k_stride[3], pe_dtype grad_dtype, void* dcos,
                         void* dsin) {
+#ifdef POSENC_WITH_CUDA
+    if (on.is_cuda())
+        return pe_cuda_rope_table_grad(&a, grad_q, grad_q_stride, grad_k, grad_k_stride,
+                                       grad_dtype, dcos, dsin, cuda_stream(on));
+#endif
     return pe_rope_table_grad(&a, grad_q, grad_q_stride, grad_k, grad_k_stride, grad_dtype, dcos,
                               dsin);
 }
 
 int run_rope_tables([[maybe_unused]] const Tensor& on, const pe_rope_args& a, pe_dtype dtype,
                     void* cos, void* sin) {
+#ifdef POSENC_WITH_CUDA
+    if (on.is_cuda()) return pe_cuda_rope_tables(&a, dtype, cos, sin, cuda_stream(on));
+#endif
     return pe_rope_tables(&a, dtype, cos, sin);
 }
 
@@ -56,6 +86,10 @@ int run_sinusoidal(const Tensor& on, int64_t n, int64_t dim, double base, pe_dty
 // ---- Checks shared by the ops.
 
 void check_cpu(const Meta& m, const Tensor& t, const char* name) {
+#ifdef POSENC_WITH_CUDA
+    // only the CUDA entry points pass CUDA tensors (cuda_inputs)
+    if (m.device_type == aoti_torch_device_type_cuda()) return;
+#endif
     PE_CHECK(m.is_cpu(), name, " must be a CPU tensor, got device ", DeviceName{t});
 }
 
@@ -63,6 +97,9 @@ void check_cpu(const Tensor& t, const char* name) { check_cpu(Meta(t), t, name);
 
 void check_status(int rc, const char* op) {
     PE_CHECK(rc != PE_ERR_NOMEM, op, ": out of memory for scratch buffers");
+#ifdef POSENC_WITH_CUDA
+    PE_CHECK(rc != PE_ERR_CUDA, op, ": CUDA kernel launch failed: ", pe_cuda_last_error());
+#endif
     PE_CHECK(rc == PE_OK, op, ": the kernel rejected its arguments (status ", rc, ")");
 }
 
@@ -621,6 +658,57 @@ Tensor sinusoidal_impl(int64_t num_positions, int64_t dim, double base, ScalarTy
     return out;
 }
 
+#ifdef POSENC_WITH_CUDA
+// ---- CUDA: the rotation ops on the device of their first tensor.  After the device check
+// they run the bodies above (named for the CPU, device-neutral but for check_cpu), whose
+// run_* calls pick the CUDA kernels; the device guard makes that device current.
+
+using Named = std::pair<const Tensor*, const char*>;
+
+torch::stable::accelerator::DeviceGuard cuda_inputs(std::initializer_list<Named> tensors) {
+    const Tensor& first = *tensors.begin()->first;
+    const char* first_name = tensors.begin()->second;
+    for (const Named& t : tensors)
+        PE_CHECK(t.first->is_cuda() && t.first->get_device_index() == first.get_device_index(),
+                 t.second, " is on ", DeviceName{*t.first}, " but ", first_name, " is on ",
+                 DeviceName{first}, "; all tensors must be on the same device");
+    return torch::stable::accelerator::DeviceGuard(first.get_device_index());
+}
+
+TensorPair rope_cuda(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
+                     IntList mrope_section, bool interleaved, int64_t pairing, bool transpose,
+                     std::optional<ScalarType> q_dtype, std::optional<ScalarType> k_dtype) {
+    auto guard = cuda_inputs({{&q, "q"}, {&k, "k"}, {&cos, "cos"}, {&sin, "sin"}});
+    return rope_cpu(q, k, cos, sin, mrope_section, interleaved, pairing, transpose, q_dtype,
+                    k_dtype);
+}
+
+TensorPair rope_table_grad_cuda(const Tensor& grad_q, const Tensor& grad_k, const Tensor& q,
+                                const Tensor& k, const Tensor& cos, IntList mrope_section,
+                                bool interleaved, int64_t pairing) {
+    auto guard = cuda_inputs(
+        {{&grad_q, "grad_q"}, {&grad_k, "grad_k"}, {&q, "q"}, {&k, "k"}, {&cos, "cos"}});
+    return rope_table_grad_cpu(grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing);
+}
+
+TensorPair rope_fused_cuda(const Tensor& q, const Tensor& k, const Tensor& position_ids,
+                           const Tensor& inv_freq, IntList mrope_section, bool interleaved,
+                           double attention_scaling, int64_t pairing, bool transpose) {
+    auto guard = cuda_inputs(
+        {{&q, "q"}, {&k, "k"}, {&position_ids, "position_ids"}, {&inv_freq, "inv_freq"}});
+    return rope_fused_cpu(q, k, position_ids, inv_freq, mrope_section, interleaved,
+                          attention_scaling, pairing, transpose);
+}
+
+TensorPair rope_tables_cuda(const Tensor& position_ids, const Tensor& inv_freq,
+                            IntList mrope_section, bool interleaved, double attention_scaling,
+                            int64_t pairing, ScalarType dtype) {
+    auto guard = cuda_inputs({{&position_ids, "position_ids"}, {&inv_freq, "inv_freq"}});
+    return rope_tables_cpu(position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+                           pairing, dtype);
+}
+#endif
+
 }  // namespace
 }  // namespace posenc
 
@@ -652,6 +740,15 @@ STABLE_TORCH_LIBRARY_IMPL(posenc, CPU, m) {
     m.impl("vision_position_ids", TORCH_BOX(&posenc::vision_position_ids_cpu));
 }
 
+#ifdef POSENC_WITH_CUDA
+STABLE_TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+    m.impl("rope", TORCH_BOX(&posenc::rope_cuda));
+    m.impl("rope_table_grad", TORCH_BOX(&posenc::rope_table_grad_cuda));
+    m.impl("rope_fused", TORCH_BOX(&posenc::rope_fused_cuda));
+    m.impl("rope_tables", TORCH_BOX(&posenc::rope_tables_cuda));
+}
+#endif
+
 STABLE_TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
     m.impl("sinusoidal", TORCH_BOX(&posenc::sinusoidal_impl));
 }
@@ -680,7 +777,16 @@ PyObject* py_set_isa(PyObject*, PyObject* arg) {
     return nullptr;
 }
 
+PyObject* py_has_cuda(PyObject*, PyObject*) {
+#ifdef POSENC_WITH_CUDA
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 PyMethodDef methods[] = {
+    {"has_cuda", py_has_cuda, METH_NOARGS, "Whether the CUDA kernels were built in."},
     {"isa", py_isa, METH_NOARGS, "Name of the SIMD kernel variant in use."},
     {"best_isa", py_best_isa, METH_NOARGS, "Name of the best SIMD variant this CPU supports."},
     {"set_isa", py_set_isa, METH_O, "Force a SIMD variant: 'baseline', 'avx2' or 'avx512'."},

@@ -1,0 +1,69 @@
+/*
+ * posenc_cuda.h — the RoPE kernels of posenc.h on NVIDIA GPUs.
+ *
+ * The same operations, argument structs, validation rules and statuses as pe_rope_apply,
+ * pe_rope_table_grad and pe_rope_tables in posenc.h (read that header for the math), run
+ * on a CUDA stream.  Every call is asynchronous: it validates the arguments on the host,
+ * enqueues one kernel on `stream` and returns; no allocation, no synchronization.
+ *
+ * Pointers.  Tensor data (q/k in and out, cos/sin, pos, inv_freq, gradients, dcos/dsin)
+ * are device pointers.  src.axis_of_slot is a HOST array: it is read on the host and handed
+ * to the kernel by value.  nthreads is ignored.
+ *
+ * Limits beyond posenc.h.  rot_dim <= PE_CUDA_MAX_ROT (the per-slot axis map travels in
+ * the kernel's parameters); a larger rotary width is PE_ERR_ARG.
+ *
+ * Arithmetic.  Exactly the CPU's: fp32 inside (fp64 when any tensor of the call is fp64),
+ * every product and sum rounded on its own (never fused), one rounding to nearest even at
+ * the store.  The per-element math, including the fused path's angle
+ * fl32(inv_freq * fl32(pos)) and its sine and cosine, is rope_math.h, the header the CPU
+ * kernels use, so every op gives the CPU's bits.
+ *
+ * Parallel layout.  apply: one thread block per token (b, t), grid-stride over tokens; the
+ * block writes the token's cos and signed-sine rows to shared memory once (one barrier),
+ * then its threads rotate every head of q and k, 16 bytes per load and store when every
+ * row is 16-byte aligned and all tensors share one dtype (else one element at a time).  No
+ * atomics.  table_grad: one block per output row (b', t), one thread per channel summing
+ * the heads (and the batch when Bc = 1) in the CPU's order, so the result is deterministic
+ * and equal to the CPU's.  tables: one block per (b, t).  The per-thread code of all three
+ * is in cuda/rope_kernels.cuh.
+ *
+ * Statuses: PE_OK, PE_ERR_ARG (as on the CPU, plus the limit above) and PE_ERR_CUDA when the
+ * launch fails (pe_cuda_last_error() then names the CUDA error).  Errors that happen later
+ * on the stream surface in CUDA's own error state, as for any kernel.
+ */
+#ifndef POSENC_CUDA_H
+#define POSENC_CUDA_H
+
+#include <cuda_runtime_api.h>
+
+#include "posenc.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PE_CUDA_MAX_ROT 2048
+#define PE_ERR_CUDA (-16) /* the kernel launch failed: see pe_cuda_last_error() */
+
+/* pe_rope_apply on `stream`: q and k rotated (forward or transpose), tables or positions. */
+int pe_cuda_rope_apply(const pe_rope_args *a, cudaStream_t stream);
+
+/* pe_rope_table_grad on `stream`: dcos, dsin (A, Bc, T, R), summed in the CPU's order. */
+int pe_cuda_rope_table_grad(const pe_rope_args *a, const void *grad_q,
+                            const int64_t grad_q_stride[3], const void *grad_k,
+                            const int64_t grad_k_stride[3], pe_dtype grad_dtype, void *dcos,
+                            void *dsin, cudaStream_t stream);
+
+/* pe_rope_tables on `stream`: cos, sin (B, T, R) from positions. */
+int pe_cuda_rope_tables(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *sin,
+                        cudaStream_t stream);
+
+/* The CUDA error message of this thread's last PE_ERR_CUDA ("no error" if none). */
+const char *pe_cuda_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* POSENC_CUDA_H */

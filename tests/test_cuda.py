@@ -1,0 +1,398 @@
+"""The CUDA kernels: parity with the CPU kernels (bit for bit: the same per-element math in
+csrc/rope_math.h, the same rounding) and with transformers' own functions, fp64 gradcheck,
+torch.library.opcheck, torch.compile with backward, torch.export, CUDA graphs, strided
+views, decode batches, the current stream, devices that do not match, and a tensor past
+2^31 elements.
+
+Everything here needs an NVIDIA GPU and a build with the CUDA kernels (meson option
+``cuda``); without them the module is skipped with the reason.  ``scripts/gpu_check.sh``
+builds and runs it on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import posenc_torch as pt
+import posenc_torch.hf  # noqa: F401  (pt.hf)
+
+if not pt._C.has_cuda():
+    pytest.skip("posenc_torch was built without its CUDA kernels (needs nvcc and a CUDA build "
+                "of torch at build time; scripts/gpu_check.sh builds them)",
+                allow_module_level=True)
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: these tests run the CUDA kernels (scripts/gpu_check.sh on a "
+                "GPU machine)", allow_module_level=True)
+
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply  # noqa: E402
+from transformers.models.qwen2_vl.modeling_qwen2_vl import (  # noqa: E402
+    apply_rotary_pos_emb_vision as hf_vision,
+)
+
+CUDA = torch.device("cuda")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    B: int
+    Hq: int
+    Hk: int
+    T: int
+    D: int
+    R: int | None = None
+    cos_batch: int = 1
+
+    @property
+    def rot(self) -> int:
+        return self.R or self.D
+
+
+SHAPES = [
+    Shape("qwen2-vl-7b-heads", 1, 28, 4, 37, 128),
+    Shape("llama3-8b-per-batch-cos", 2, 32, 8, 9, 128, cos_batch=2),
+    Shape("mqa-single-kv-head", 2, 6, 1, 7, 64),
+    Shape("decode-B64-T1", 64, 28, 4, 1, 128, cos_batch=64),
+    Shape("vision-head80", 1, 16, 16, 13, 80),
+    Shape("partial-rotary-quarter", 2, 4, 2, 11, 128, R=32),
+    Shape("tiny-head6", 1, 3, 1, 5, 6),
+]
+LAYOUTS = ["hf-transposed", "contiguous-bhtd", "fused-qkv-slice", "misaligned-offset"]
+
+
+def make_qk(s: Shape, layout: str, dtype: torch.dtype, device=CUDA):
+    """q (B, Hq, T, D) and k (B, Hk, T, D) in the memory layouts models hand over."""
+    if layout == "hf-transposed":
+        q = torch.randn(s.B, s.T, s.Hq * s.D, device=device).to(dtype)
+        k = torch.randn(s.B, s.T, s.Hk * s.D, device=device).to(dtype)
+        return (q.view(s.B, s.T, s.Hq, s.D).transpose(1, 2),
+                k.view(s.B, s.T, s.Hk, s.D).transpose(1, 2))
+    if layout == "contiguous-bhtd":
+        return (torch.randn(s.B, s.Hq, s.T, s.D, device=device).to(dtype),
+                torch.randn(s.B, s.Hk, s.T, s.D, device=device).to(dtype))
+    if layout == "fused-qkv-slice":
+        qkv = torch.randn(s.B, s.T, (s.Hq + 2 * s.Hk) * s.D, device=device).to(dtype)
+        q = qkv[..., : s.Hq * s.D].view(s.B, s.T, s.Hq, s.D).transpose(1, 2)
+        k = qkv[..., s.Hq * s.D: (s.Hq + s.Hk) * s.D].view(s.B, s.T, s.Hk, s.D).transpose(1, 2)
+        return q, k
+    if layout == "misaligned-offset":  # storage offset of one element: no 16-byte rows
+        n = s.B * s.T * s.Hq * s.D
+        q = torch.randn(n + 1, device=device).to(dtype)[1:].view(s.B, s.T, s.Hq, s.D)
+        k = torch.randn(s.B * s.T * s.Hk * s.D + 1, device=device).to(dtype)[1:]
+        return q.transpose(1, 2), k.view(s.B, s.T, s.Hk, s.D).transpose(1, 2)
+    raise AssertionError(layout)
+
+
+def make_tables(s: Shape, dtype: torch.dtype, device=CUDA, base: float = 10000.0):
+    inv_freq = 1.0 / base ** (torch.arange(0, s.rot, 2, dtype=torch.float32) / s.rot)
+    pos = torch.randint(0, 32768, (s.cos_batch, s.T)).float()
+    emb = torch.cat([pos[..., None] * inv_freq] * 2, dim=-1)
+    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+
+
+def cpu(*ts):
+    return tuple(t.detach().cpu() for t in ts)
+
+
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def assert_bitwise(got, want):
+    """Same dtype, shape and bits (signed zeros and NaN payloads included)."""
+    for g, w in zip(got, want):
+        g, w = g.detach().cpu().contiguous(), w.detach().cpu().contiguous()
+        assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, w.dtype, g.shape, w.shape)
+        if g.is_floating_point():
+            same = torch.equal(g.view(_BITS[g.element_size()]), w.view(_BITS[w.element_size()]))
+        else:
+            same = torch.equal(g, w)
+        assert same, f"max |diff| {(g.double() - w.double()).abs().max().item():.3g}"
+
+
+# =======================================================================================
+# Parity with the CPU kernels: the same bits.
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("s", SHAPES, ids=lambda s: s.name)
+def test_rope_forward_backward_bitwise_equal_to_cpu(s, layout, dtype):
+    q, k = make_qk(s, layout, dtype)
+    cos, sin = make_tables(s, torch.float32 if dtype != torch.float64 else dtype)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    cos.requires_grad_(True)
+    sin.requires_grad_(True)
+    out = pt.apply_rotary_pos_emb(q, k, cos, sin)
+    grads = [torch.randn_like(o) for o in out]
+    got = torch.autograd.grad(out, (q, k, cos, sin), grads)
+
+    qc, kc, cc, sc = (t.detach().cpu().requires_grad_(True) for t in (q, k, cos, sin))
+    want_out = pt.apply_rotary_pos_emb(qc, kc, cc, sc)
+    want = torch.autograd.grad(want_out, (qc, kc, cc, sc), cpu(*grads))
+    assert_bitwise(out, cpu(*want_out))
+    assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("interleaved", [False, True],
+                         ids=["qwen2-vl-sections", "qwen3-vl-interleaved"])
+@pytest.mark.parametrize("pairing", ["half", "adjacent"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fused_and_tables_bitwise_equal_to_cpu(interleaved, pairing, dtype):
+    sections = [24, 20, 20] if interleaved else [16, 24, 24]
+    s = Shape("qwen-vl", 2, 28, 4, 33, 128)
+    q, k = make_qk(s, "hf-transposed", dtype)
+    inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float32, device=CUDA) / 128))
+    pos = torch.randint(0, 200000, (3, 2, 33), device=CUDA)
+    pos[:, 0, 0] = 3_000_000  # an angle past the fast reduction
+    kw = dict(mrope_section=sections, interleaved_mrope=interleaved, attention_scaling=0.9,
+              pairing=pairing)
+    got = pt.apply_rope(q, k, pos, inv, **kw)
+    want = pt.apply_rope(*cpu(q, k, pos, inv), **kw)
+    assert_bitwise(got, want)
+    for out_dtype in DTYPES:
+        tabs = pt.compute_mrope_cos_sin(pos, inv, sections, interleaved=interleaved,
+                                        attention_scaling=0.9, dtype=out_dtype, pairing=pairing)
+        want_tabs = pt.compute_mrope_cos_sin(*cpu(pos, inv), sections, interleaved=interleaved,
+                                             attention_scaling=0.9, dtype=out_dtype,
+                                             pairing=pairing)
+        assert_bitwise(tabs, want_tabs)
+
+
+def test_fused_backward_bitwise_equal_to_cpu():
+    s = Shape("llama", 2, 8, 2, 17, 64)
+    q, k = (t.requires_grad_(True) for t in make_qk(s, "hf-transposed", torch.bfloat16))
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32, device=CUDA) / 64))
+    pos = torch.randint(0, 8192, (2, 17), device=CUDA)
+    out = pt.apply_rope(q, k, pos, inv)
+    grads = [torch.randn_like(o) for o in out]
+    got = torch.autograd.grad(out, (q, k), grads)
+    qc, kc = (t.detach().cpu().requires_grad_(True) for t in (q, k))
+    want = torch.autograd.grad(pt.apply_rope(qc, kc, *cpu(pos, inv)), (qc, kc), cpu(*grads))
+    assert_bitwise(got, want)
+
+
+def test_mixed_dtypes_bitwise_equal_to_cpu():
+    """bf16 q with fp32 tables (the result is fp32, as HF's promotion gives) and fp16 q with
+    fp64 tables (the fp64 core)."""
+    s = Shape("mix", 1, 4, 2, 9, 64)
+    for qdt, cdt in ((torch.bfloat16, torch.float32), (torch.float16, torch.float64)):
+        q, k = make_qk(s, "hf-transposed", qdt)
+        cos, sin = make_tables(s, cdt)
+        assert_bitwise(pt.apply_rotary_pos_emb(q, k, cos, sin),
+                       pt.apply_rotary_pos_emb(*cpu(q, k, cos, sin)))
+
+
+def test_vision_bitwise_equal_to_cpu_and_matches_hf():
+    n, heads, d = 1000, 16, 80
+    qkv = torch.randn(n, 3, heads, d, device=CUDA)
+    q, k = qkv[:, 0], qkv[:, 1]
+    freqs = torch.randn(n, d // 2, device=CUDA) * 30
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    got = pt.apply_rotary_pos_emb_vision(q, k, cos, sin)
+    assert_bitwise(got, pt.apply_rotary_pos_emb_vision(*cpu(q, k, cos, sin)))
+    for g, w in zip(got, hf_vision(q, k, cos, sin)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+# =======================================================================================
+# Parity with transformers: no larger error against fp64 than transformers' own.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("s", SHAPES[:3], ids=lambda s: s.name)
+def test_rope_error_no_larger_than_transformers(s, dtype):
+    q, k = make_qk(s, "hf-transposed", dtype)
+    cos, sin = make_tables(s, dtype)
+    ref = hf_apply(q.double(), k.double(), cos.double(), sin.double())
+    ours = pt.apply_rotary_pos_emb(q, k, cos, sin)
+    theirs = hf_apply(q, k, cos, sin)
+    for o, t, r in zip(ours, theirs, ref):
+        assert o.dtype == t.dtype and o.shape == t.shape
+        err_ours = (o.double() - r).abs().max().item()
+        err_hf = (t.double() - r).abs().max().item()
+        assert err_ours <= err_hf + 1e-7, (err_ours, err_hf)
+
+
+# =======================================================================================
+# Autograd, opcheck, compile, export, CUDA graphs.
+
+
+def test_gradcheck_fp64_tables_and_fused():
+    s = Shape("small", 2, 3, 1, 5, 16, R=12, cos_batch=2)
+    q, k = (t.requires_grad_(True) for t in make_qk(s, "hf-transposed", torch.float64))
+    cos, sin = (t.requires_grad_(True) for t in make_tables(s, torch.float64))
+    assert torch.autograd.gradcheck(lambda *a: pt.apply_rotary_pos_emb(*a), (q, k, cos, sin))
+    inv = torch.rand(6, device=CUDA)
+    pos = torch.randint(0, 100, (3, 2, 5), device=CUDA)
+    assert torch.autograd.gradcheck(
+        lambda a, b: pt.apply_rope(a, b, pos, inv, mrope_section=[2, 2, 2]), (q, k))
+
+
+def _opcheck_samples():
+    ops = torch.ops.posenc
+    q = torch.randn(2, 5, 3, 16, device=CUDA).requires_grad_(True)  # (B, T, H, D)
+    k = torch.randn(2, 1, 5, 16, device=CUDA).transpose(1, 2).requires_grad_(True)
+    cos3 = torch.randn(3, 2, 5, 16, device=CUDA).requires_grad_(True)
+    sin3 = torch.randn(3, 2, 5, 16, device=CUDA).requires_grad_(True)
+    c1, s1 = torch.randn(1, 5, 12, device=CUDA), torch.randn(1, 5, 12, device=CUDA)
+    pos3 = torch.randint(0, 300000, (3, 2, 5), device=CUDA)
+    inv = torch.rand(8, device=CUDA)
+    gq, gk = torch.randn(2, 5, 3, 16, device=CUDA), torch.randn(2, 5, 1, 16, device=CUDA)
+    return [
+        (ops.rope, (q, k, cos3, sin3, [2, 3, 3], False, 0, False)),
+        (ops.rope, (q.bfloat16(), k.bfloat16(), cos3, sin3, [4, 2, 2], True, 0, True)),
+        (ops.rope, (q, k, c1, s1, [], False, 1, False)),
+        (ops.rope_fused, (q, k, pos3, inv, [2, 3, 3], False, 1.5, 0, False)),
+        (ops.rope_fused, (q.half(), k.half(), pos3[0, :1], inv[:6], [], False, 1.0, 1, True)),
+        (ops.rope_table_grad, (gq, gk, q.detach(), k.detach(), cos3.detach(), [2, 3, 3], True, 0)),
+        (ops.rope_tables, (pos3, inv, [2, 3, 3], True, 1.0, 0, torch.bfloat16)),
+        (ops.rope_tables, (pos3[1].int(), inv[:5], [], False, 0.5, 1, torch.float32)),
+    ]
+
+
+@pytest.mark.parametrize("sample", range(8))
+def test_opcheck(sample):
+    torch.manual_seed(sample)
+    op, args = _opcheck_samples()[sample]
+    torch.library.opcheck(op, args)
+
+
+def test_compile_fullgraph_inductor_forward_backward():
+    torch._dynamo.reset()
+    s = Shape("qwen2-vl", 1, 28, 4, 64, 128)
+    inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float32, device=CUDA) / 128))
+
+    def step(q, k, cos, sin, pos):
+        a, b = pt.apply_rotary_pos_emb(q, k, cos, sin)
+        c, d = pt.apply_rope(q, k, pos, inv, mrope_section=[16, 24, 24])
+        return (a.float() * c.float()).sum() + (b.float() * d.float()).sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    q, k = (t.requires_grad_(True) for t in make_qk(s, "hf-transposed", torch.bfloat16))
+    cos, sin = make_tables(s, torch.bfloat16)
+    pos = torch.randint(0, 5000, (3, 1, 64), device=CUDA)
+    got = torch.autograd.grad(compiled(q, k, cos, sin, pos), (q, k))
+    want = torch.autograd.grad(step(q, k, cos, sin, pos), (q, k))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
+
+
+def test_export():
+    class Rotary(torch.nn.Module):
+        def forward(self, q, k, cos, sin):
+            return pt.apply_rotary_pos_emb(q, k, cos, sin)
+
+    s = Shape("llama", 1, 8, 2, 16, 64)
+    args = (*make_qk(s, "contiguous-bhtd", torch.bfloat16), *make_tables(s, torch.bfloat16))
+    ep = torch.export.export(Rotary(), args)
+    assert any("posenc" in str(n.target) for n in ep.graph.nodes)
+    assert_bitwise(ep.module()(*args), cpu(*Rotary()(*args)))
+
+
+def test_cuda_graph_capture_and_replay():
+    s = Shape("decode", 64, 28, 4, 1, 128, cos_batch=64)
+    q, k = make_qk(s, "hf-transposed", torch.bfloat16)
+    cos, sin = make_tables(s, torch.bfloat16)
+    inv = torch.rand(64, device=CUDA)
+    pos = torch.randint(0, 9000, (3, 64, 1), device=CUDA)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up on a side stream, as torch.cuda.graphs advises
+        for _ in range(2):
+            pt.apply_rotary_pos_emb(q, k, cos, sin)
+            pt.apply_rope(q, k, pos, inv, mrope_section=[16, 8, 8])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pt.apply_rotary_pos_emb(q, k, cos, sin)
+        fused = pt.apply_rope(q, k, pos, inv, mrope_section=[16, 8, 8])
+    for _ in range(3):  # new data in the captured inputs, then replay
+        q.copy_(torch.randn_like(q))
+        k.copy_(torch.randn_like(k))
+        pos.random_(0, 9000)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise(out, cpu(*pt.apply_rotary_pos_emb(q, k, cos, sin)))
+        assert_bitwise(fused, cpu(*pt.apply_rope(q, k, pos, inv, mrope_section=[16, 8, 8])))
+
+
+def test_runs_on_the_current_stream():
+    """A kernel launched on a side stream while that stream is busy sees the work queued
+    before it on the same stream (the op must use torch's current stream, not stream 0)."""
+    s = Shape("qwen", 1, 28, 4, 2048, 128)
+    q, k = make_qk(s, "hf-transposed", torch.bfloat16)
+    cos, sin = make_tables(s, torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # keep the stream busy
+        q.mul_(2)  # queued behind the sleep; the rotation must see it
+        out = pt.apply_rotary_pos_emb(q, k, cos, sin)
+    torch.cuda.synchronize()
+    assert_bitwise(out, cpu(*pt.apply_rotary_pos_emb(*cpu(q, k, cos, sin))))
+
+
+# =======================================================================================
+# Devices, errors, integration, size.
+
+
+def test_mixed_devices_raise_naming_the_argument():
+    s = Shape("x", 1, 2, 1, 3, 8)
+    q, k = make_qk(s, "hf-transposed", torch.float32)
+    cos, sin = make_tables(s, torch.float32, device="cpu")
+    with pytest.raises((ValueError, RuntimeError), match="cos"):
+        pt.apply_rotary_pos_emb(q, k, cos, sin)
+    with pytest.raises(RuntimeError, match="cos"):  # the op itself, past the Python checks
+        torch.ops.posenc.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, [], False, 0, False)
+
+
+def test_rotary_width_past_the_cuda_limit_is_an_error():
+    """The kernels take rot_dim <= 2048 (the axis map travels in the kernel's parameters);
+    a wider rotation is refused with an error, never computed wrongly."""
+    q = torch.randn(1, 2, 1, 2050, device=CUDA)
+    cos = torch.randn(1, 2, 2050, device=CUDA)
+    with pytest.raises(RuntimeError, match="rejected its arguments"):
+        torch.ops.posenc.rope(q, q.clone(), cos, cos.clone(), [], False, 0, False)
+
+
+def test_hf_patch_routes_cuda_tensors_to_posenc():
+    from transformers.models.llama import modeling_llama
+
+    s = Shape("llama", 1, 8, 2, 16, 64)
+    q, k = make_qk(s, "hf-transposed", torch.bfloat16)
+    cos, sin = make_tables(s, torch.bfloat16)
+    want = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+    with pt.hf.patch("llama") as handle:
+        got = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+        calls, fallbacks = sum(handle.calls.values()), sum(handle.fallbacks.values())
+    assert calls >= 1 and fallbacks == 0
+    assert_bitwise(got, cpu(*pt.apply_rotary_pos_emb(q, k, cos, sin)))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+
+
+def test_more_than_2_pow_31_elements():
+    """64-bit indexing: q of 2^31 + a few thousand bf16 elements (4 GiB; 9 GiB with the
+    output and the check), rotated and compared with the CPU on the last tokens."""
+    H, D = 28, 128
+    T = (2**31) // (H * D) + 8
+    need = 3 * T * H * D * 2
+    free, _ = torch.cuda.mem_get_info()
+    if free < need + (2 << 30):
+        pytest.skip(f"needs {need / 2**30:.1f} GiB of free GPU memory, {free / 2**30:.1f} free")
+    q = torch.randn(1, T, H * D, device=CUDA, dtype=torch.bfloat16).view(1, T, H, D).transpose(1, 2)
+    k = torch.randn(1, T, D, device=CUDA, dtype=torch.bfloat16).view(1, T, 1, D).transpose(1, 2)
+    assert q.numel() > 2**31
+    inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.float32, device=CUDA) / D))
+    pos = torch.arange(T, device=CUDA)[None]
+    oq, ok = pt.apply_rope(q, k, pos, inv)
+    tail = slice(T - 64, T)
+    want = pt.apply_rope(*cpu(q[:, :, tail], k[:, :, tail], pos[:, tail], inv))
+    assert_bitwise((oq[:, :, tail], ok[:, :, tail]), want)
+    del oq, ok, q, k
+    torch.cuda.empty_cache()
