@@ -10,8 +10,11 @@
 #include "posenc.h"
 #include "rope_math.h"
 
-/* Problems below this many elements run on one thread: a parallel region costs more. */
-#define PE_SERIAL_ELEMENTS ((int64_t)1 << 15)
+/* Problems below this many elements run on one thread: waking a team costs more than
+ * it saves on a memory-bound pass this small (a decode step, B = 8 and T = 1 with
+ * Qwen2-VL-7B's 32 heads x 128, is 2^15 elements), and a busy machine can delay the
+ * other threads by far longer than the whole call. */
+#define PE_SERIAL_ELEMENTS ((int64_t)1 << 17)
 
 /* Outputs of at least this many bytes (the size of a typical L3) are written with
  * streaming stores: they do not stay in cache anyway, and skipping the read-for-ownership

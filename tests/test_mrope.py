@@ -606,10 +606,10 @@ def test_fused_unsqueeze_dim_2_and_layouts():
 def test_threaded_paths_equal_single_thread(isa):
     """Sizes past the serial threshold: the threaded kernels give the single-thread results
     (each token's row is computed the same way), on every SIMD variant of this CPU."""
-    q = make_qk(2, 8, 80, 64, torch.bfloat16, "swapped", 1).requires_grad_(True)
-    k = make_qk(2, 2, 80, 64, torch.bfloat16, "swapped", 1).requires_grad_(True)
-    cos, sin = (t.requires_grad_(True) for t in mrope_tables(1, 80, 64, torch.float32))
-    pos = _positions((3, 2, 80), "large")
+    q = make_qk(2, 8, 256, 64, torch.bfloat16, "swapped", 1).requires_grad_(True)
+    k = make_qk(2, 2, 256, 64, torch.bfloat16, "swapped", 1).requires_grad_(True)
+    cos, sin = (t.requires_grad_(True) for t in mrope_tables(1, 256, 64, torch.float32))
+    pos = _positions((3, 2, 256), "large")
     inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
     go = (torch.randn(q.shape), torch.randn(k.shape))
 
