@@ -85,11 +85,12 @@ def test_formula_and_dtypes(n, dim, base):
 
 
 def test_threaded_equals_single_thread():
-    many = P.sinusoidal_position_encoding(700, 96)
+    # 1500 x 96 = 144000 values: past the kernels' serial threshold (2^17).
+    many = P.sinusoidal_position_encoding(1500, 96)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one = P.sinusoidal_position_encoding(700, 96)
+        one = P.sinusoidal_position_encoding(1500, 96)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(many, one)
