@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include "internal.h"
+#include "rope_check.h"
 
 int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleaved,
                       uint8_t *axis_of_slot) {
@@ -381,11 +382,11 @@ static int apply_pass(const pe_rope_args *a, pe_rope_plan *plan, int f64) {
     return f32_current()->apply(a, plan);
 }
 
-int pe_rope_apply(const pe_rope_args *a) {
+int pe_rope_check_apply(const pe_rope_args *a) {
     if (!sizes_ok(a)) return PE_ERR_ARG;
     const int empty = a->batch == 0 || a->seq == 0;
     if (!tensor_ok(&a->q, empty) || !tensor_ok(&a->k, empty)) return PE_ERR_ARG;
-    if (empty) return PE_OK;
+    if (empty) return PE_CHECK_EMPTY;
     const pe_rope_source *s = &a->src;
     const int tables = !s->pos;
     if (tables ? !(s->cos && s->sin && table_shape_ok(s, a->batch)) : !positions_ok(s, a->batch))
@@ -395,9 +396,14 @@ int pe_rope_apply(const pe_rope_args *a) {
         !tensor_spans(a, &a->k, a->head_dim, &in[1], &out[1]) || !source_spans(a, tables, &in[2]) ||
         !disjoint(out, 2, in, 5))
         return PE_ERR_ARG;
+    return PE_CHECK_RUN;
+}
 
+int pe_rope_apply(const pe_rope_args *a) {
+    int rc = pe_rope_check_apply(a);
+    if (rc != PE_CHECK_RUN) return rc < 0 ? rc : PE_OK;
     pe_rope_plan plan;
-    int rc = plan_make(a, &plan);
+    rc = plan_make(a, &plan);
     if (rc) return rc;
     const int q64 = a->q.heads && runs_f64(a, &a->q), k64 = a->k.heads && runs_f64(a, &a->k);
     if (!a->q.heads || !a->k.heads || q64 == k64) {
@@ -415,9 +421,10 @@ int pe_rope_apply(const pe_rope_args *a) {
 }
 
 /* The tables are written densely, (A, Bc, T, R); with B = 0 and Bc = 1 they are zeros. */
-int pe_rope_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t grad_q_stride[3],
-                       const void *grad_k, const int64_t grad_k_stride[3], pe_dtype grad_dtype,
-                       void *dcos, void *dsin) {
+int pe_rope_check_table_grad(const pe_rope_args *a, const void *grad_q,
+                             const int64_t grad_q_stride[3], const void *grad_k,
+                             const int64_t grad_k_stride[3], pe_dtype grad_dtype,
+                             const void *dcos, const void *dsin) {
     if (!sizes_ok(a) || a->src.pos || !table_shape_ok(&a->src, a->batch) ||
         !pe_dtype_valid(grad_dtype))
         return PE_ERR_ARG;
@@ -426,12 +433,9 @@ int pe_rope_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t 
     if (!no_input && ((a->q.heads && (!grad_q || !grad_q_stride)) ||
                       (a->k.heads && (!grad_k || !grad_k_stride))))
         return PE_ERR_ARG;
-    if (a->src.table_batch == 0 || a->seq == 0) return PE_OK;
+    if (a->src.table_batch == 0 || a->seq == 0) return PE_CHECK_EMPTY;
     if (!dcos || !dsin) return PE_ERR_ARG;
-
-    pe_rope_grads g = {grad_q, grad_k, {0, 0, 0}, {0, 0, 0}, grad_dtype, dcos, dsin};
-    if (grad_q_stride) memcpy(g.grad_q_stride, grad_q_stride, sizeof g.grad_q_stride);
-    if (grad_k_stride) memcpy(g.grad_k_stride, grad_k_stride, sizeof g.grad_k_stride);
+    static const int64_t none[3] = {0, 0, 0};
     const int64_t A = a->src.axis_of_slot ? 3 : 1, R = a->rot_dim;
     const int64_t n_q[3] = {a->batch, a->seq, a->q.heads}, n_k[3] = {a->batch, a->seq, a->k.heads};
     const size_t ges = pe_dtype_size(grad_dtype), tes = pe_dtype_size(a->src.table_dtype);
@@ -441,13 +445,24 @@ int pe_rope_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t 
         __builtin_mul_overflow(count, R, &count) || !dense_span(dcos, count, tes, &out[0]) ||
         !dense_span(dsin, count, tes, &out[1]) || !tensor_spans(a, &a->q, R, &in[0], &unused) ||
         !tensor_spans(a, &a->k, R, &in[1], &unused) ||
-        !span_of(grad_q, 3, n_q, g.grad_q_stride, R, ges, &in[2]) ||
-        !span_of(grad_k, 3, n_k, g.grad_k_stride, R, ges, &in[3]) ||
+        !span_of(grad_q, 3, n_q, grad_q_stride ? grad_q_stride : none, R, ges, &in[2]) ||
+        !span_of(grad_k, 3, n_k, grad_k_stride ? grad_k_stride : none, R, ges, &in[3]) ||
         !dense_span(a->src.axis_of_slot, R / 2, 1, &in[4]) || !disjoint(out, 2, in, 5))
         return PE_ERR_ARG;
+    return PE_CHECK_RUN;
+}
 
+int pe_rope_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t grad_q_stride[3],
+                       const void *grad_k, const int64_t grad_k_stride[3], pe_dtype grad_dtype,
+                       void *dcos, void *dsin) {
+    int rc = pe_rope_check_table_grad(a, grad_q, grad_q_stride, grad_k, grad_k_stride,
+                                      grad_dtype, dcos, dsin);
+    if (rc != PE_CHECK_RUN) return rc < 0 ? rc : PE_OK;
+    pe_rope_grads g = {grad_q, grad_k, {0, 0, 0}, {0, 0, 0}, grad_dtype, dcos, dsin};
+    if (grad_q_stride) memcpy(g.grad_q_stride, grad_q_stride, sizeof g.grad_q_stride);
+    if (grad_k_stride) memcpy(g.grad_k_stride, grad_k_stride, sizeof g.grad_k_stride);
     pe_rope_plan plan;
-    int rc = plan_make(a, &plan);
+    rc = plan_make(a, &plan);
     if (rc) return rc;
     const int f64 = grad_dtype == PE_FLOAT64 || a->src.table_dtype == PE_FLOAT64 ||
                     (a->q.heads && a->q.in_dtype == PE_FLOAT64) ||
@@ -457,9 +472,10 @@ int pe_rope_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t 
     return rc;
 }
 
-int pe_rope_tables(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *sin) {
+int pe_rope_check_tables(const pe_rope_args *a, pe_dtype out_dtype, const void *cos,
+                         const void *sin) {
     if (!sizes_ok(a) || !pe_dtype_valid(out_dtype) || a->src.pos_batch < 0) return PE_ERR_ARG;
-    if (a->src.pos_batch == 0 || a->seq == 0) return PE_OK;
+    if (a->src.pos_batch == 0 || a->seq == 0) return PE_CHECK_EMPTY;
     if (!positions_ok(&a->src, a->batch) || !cos || !sin) return PE_ERR_ARG;
     int64_t count;
     span in[3], out[2];
@@ -469,8 +485,14 @@ int pe_rope_tables(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *s
         !dense_span(sin, count, pe_dtype_size(out_dtype), &out[1]) || !source_spans(a, 0, in) ||
         !disjoint(out, 2, in, 3))
         return PE_ERR_ARG;
+    return PE_CHECK_RUN;
+}
+
+int pe_rope_tables(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *sin) {
+    int rc = pe_rope_check_tables(a, out_dtype, cos, sin);
+    if (rc != PE_CHECK_RUN) return rc < 0 ? rc : PE_OK;
     pe_rope_plan plan;
-    int rc = plan_make(a, &plan);
+    rc = plan_make(a, &plan);
     if (rc) return rc;
     rc = f32_current()->tables(a, &plan, out_dtype, cos, sin);
     plan_free(&plan);

@@ -11,7 +11,8 @@
 #include <type_traits>
 
 #include "posenc_cuda.h"
-#include "rope_math.h" // the per-element math, shared with the CPU kernels
+#include "rope_check.h" // the argument checks, shared with the CPU entry points
+#include "rope_math.h"  // the per-element math, shared with the CPU kernels
 
 namespace pe_cuda {
 
@@ -495,179 +496,35 @@ template <typename F> void with_apply_variant(const pe_rope_args *a, F &&f) {
     }
 }
 
-// ---- host: argument checks, those of rope.c (sizes, overflow, overlap) plus the width
-// limit of the kernel parameters --------------------------------------------------------
-
-inline bool dtype_valid(pe_dtype t) {
-    return dtype_size(t) != 0;
-}
-
-inline bool tensor_ok(const pe_rope_tensor &x, bool empty) {
-    if (x.heads == 0) return true;
-    return x.heads > 0 && dtype_valid(x.in_dtype) && dtype_valid(x.out_dtype) &&
-           (empty || (x.in && x.out));
-}
-
-// B T (Hq + Hk) D must fit int64.
-inline bool sizes_ok(const pe_rope_args *a) {
-    if (!a || a->batch < 0 || a->seq < 0 || a->head_dim < 0) return false;
-    if (a->rot_dim < 2 || a->rot_dim % 2 || a->rot_dim > a->head_dim) return false;
-    if (a->rot_dim > PE_CUDA_MAX_ROT) return false;
-    if (a->pairing != PE_PAIR_HALF && a->pairing != PE_PAIR_ADJACENT) return false;
-    if (a->q.heads < 0 || a->k.heads < 0) return false;
-    int64_t n, bt;
-    if (__builtin_mul_overflow(a->batch, a->seq, &bt) ||
-        __builtin_add_overflow(a->q.heads, a->k.heads, &n) || __builtin_mul_overflow(bt, n, &n) ||
-        __builtin_mul_overflow(n, a->head_dim, &n))
-        return false;
-    if (const uint8_t *axis = a->src.axis_of_slot)
-        for (int64_t i = 0; i < a->rot_dim / 2; ++i)
-            if (axis[i] > 2) return false;
-    return true;
-}
-
-inline bool positions_ok(const pe_rope_source &s, int64_t batch) {
-    return s.pos && s.inv_freq && (s.pos_batch == 1 || s.pos_batch == batch);
-}
-
-inline bool table_shape_ok(const pe_rope_source &s, int64_t batch) {
-    return dtype_valid(s.table_dtype) && (s.table_batch == 1 || s.table_batch == batch);
-}
-
-// The bytes [lo, hi) a view can touch; lo == hi when it touches none.
-struct Span {
-    uintptr_t lo = 0, hi = 0;
-};
-
-// Span of a view of sizes n[0..nd-1], element strides s, each index selecting a run of
-// `inner` contiguous elements of es bytes; false when the offsets overflow int64.
-inline bool span_of(const void *base, int nd, const int64_t *n, const int64_t *s, int64_t inner,
-                    size_t es, Span *out) {
-    *out = Span{};
-    if (!base || inner <= 0) return true;
-    for (int i = 0; i < nd; ++i)
-        if (n[i] <= 0) return true;
-    int64_t lo = 0, hi = inner, ext;
-    for (int i = 0; i < nd; ++i) {
-        if (__builtin_mul_overflow(n[i] - 1, s[i], &ext)) return false;
-        if (__builtin_add_overflow(ext < 0 ? lo : hi, ext, ext < 0 ? &lo : &hi)) return false;
-    }
-    if (__builtin_mul_overflow(lo, static_cast<int64_t>(es), &lo) ||
-        __builtin_mul_overflow(hi, static_cast<int64_t>(es), &hi))
-        return false;
-    out->lo = reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(lo);
-    out->hi = reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(hi);
-    return true;
-}
-
-inline bool dense_span(const void *base, int64_t count, size_t es, Span *out) {
-    const int64_t one = 1;
-    return span_of(base, 1, &one, &one, count, es, out);
-}
-
-inline bool overlap(Span a, Span b) {
-    return a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi;
-}
-
-// No output touches an input or another output.
-inline bool disjoint(const Span *out, int n_out, const Span *in, int n_in) {
-    for (int i = 0; i < n_out; ++i) {
-        for (int j = 0; j < n_in; ++j)
-            if (overlap(out[i], in[j])) return false;
-        for (int j = 0; j < i; ++j)
-            if (overlap(out[i], out[j])) return false;
-    }
-    return true;
-}
-
-inline bool tensor_spans(const pe_rope_args *a, const pe_rope_tensor &x, int64_t width, Span *in,
-                         Span *out) {
-    const int64_t n[3] = {a->batch, a->seq, x.heads};
-    return span_of(x.in, 3, n, x.in_stride, width, dtype_size(x.in_dtype), in) &&
-           span_of(x.out, 3, n, x.out_stride, width, dtype_size(x.out_dtype), out);
-}
-
-// cos, sin or pos, inv_freq; then axis_of_slot.
-inline bool source_spans(const pe_rope_args *a, bool tables, Span in[3]) {
-    const pe_rope_source &s = a->src;
-    const int64_t nslot = a->rot_dim / 2;
-    int64_t axes = 1;
-    for (int64_t i = 0; s.axis_of_slot && i < nslot; ++i)
-        if (s.axis_of_slot[i] + 1 > axes) axes = s.axis_of_slot[i] + 1;
-    const bool ok = dense_span(s.axis_of_slot, nslot, 1, &in[2]);
-    if (tables) {
-        const int64_t n[3] = {s.axis_of_slot ? 3 : 1, s.table_batch, a->seq};
-        const size_t es = dtype_size(s.table_dtype);
-        return ok && span_of(s.cos, 3, n, s.table_stride, a->rot_dim, es, &in[0]) &&
-               span_of(s.sin, 3, n, s.table_stride, a->rot_dim, es, &in[1]);
-    }
-    const int64_t n[3] = {axes, s.pos_batch, a->seq};
-    return ok && span_of(s.pos, 3, n, s.pos_stride, 1, sizeof(int64_t), &in[0]) &&
-           dense_span(s.inv_freq, nslot, sizeof(float), &in[1]);
-}
+// ---- host: argument checks, rope.c's own (rope_check.h) plus the width limit of the
+// kernel parameters --------------------------------------------------------------------
 
 // What a call does after its checks.
 enum class Work { None, Run, BadArg };
 
+inline Work work_of(int rc) {
+    return rc < 0 ? Work::BadArg : rc == PE_CHECK_RUN ? Work::Run : Work::None;
+}
+
+inline bool width_ok(const pe_rope_args *a) {
+    return !a || a->rot_dim <= PE_CUDA_MAX_ROT;
+}
+
 inline Work check_apply(const pe_rope_args *a) {
-    if (!sizes_ok(a)) return Work::BadArg;
-    const bool empty = a->batch == 0 || a->seq == 0;
-    if (!tensor_ok(a->q, empty) || !tensor_ok(a->k, empty)) return Work::BadArg;
-    if (empty) return Work::None;
-    const pe_rope_source &s = a->src;
-    const bool tables = !s.pos;
-    if (tables ? !(s.cos && s.sin && table_shape_ok(s, a->batch)) : !positions_ok(s, a->batch))
-        return Work::BadArg;
-    Span in[5], out[2];
-    if (!tensor_spans(a, a->q, a->head_dim, &in[0], &out[0]) ||
-        !tensor_spans(a, a->k, a->head_dim, &in[1], &out[1]) || !source_spans(a, tables, &in[2]) ||
-        !disjoint(out, 2, in, 5))
-        return Work::BadArg;
-    return Work::Run;
+    return width_ok(a) ? work_of(pe_rope_check_apply(a)) : Work::BadArg;
 }
 
 inline Work check_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t gqs[3],
                              const void *grad_k, const int64_t gks[3], pe_dtype grad_dtype,
                              const void *dcos, const void *dsin) {
-    if (!sizes_ok(a) || a->src.pos || !table_shape_ok(a->src, a->batch) || !dtype_valid(grad_dtype))
-        return Work::BadArg;
-    const bool no_input = a->batch == 0 || a->seq == 0;
-    if (!tensor_ok(a->q, no_input) || !tensor_ok(a->k, no_input)) return Work::BadArg;
-    if (!no_input && ((a->q.heads && (!grad_q || !gqs)) || (a->k.heads && (!grad_k || !gks))))
-        return Work::BadArg;
-    if (a->src.table_batch == 0 || a->seq == 0) return Work::None;
-    if (!dcos || !dsin) return Work::BadArg;
-    const int64_t zero[3] = {0, 0, 0};
-    const int64_t A = a->src.axis_of_slot ? 3 : 1, R = a->rot_dim;
-    const int64_t n_q[3] = {a->batch, a->seq, a->q.heads}, n_k[3] = {a->batch, a->seq, a->k.heads};
-    const size_t ges = dtype_size(grad_dtype), tes = dtype_size(a->src.table_dtype);
-    int64_t count;
-    Span in[5], out[2], unused;
-    if (__builtin_mul_overflow(A * a->src.table_batch, a->seq, &count) ||
-        __builtin_mul_overflow(count, R, &count) || !dense_span(dcos, count, tes, &out[0]) ||
-        !dense_span(dsin, count, tes, &out[1]) || !tensor_spans(a, a->q, R, &in[0], &unused) ||
-        !tensor_spans(a, a->k, R, &in[1], &unused) ||
-        !span_of(grad_q, 3, n_q, gqs ? gqs : zero, R, ges, &in[2]) ||
-        !span_of(grad_k, 3, n_k, gks ? gks : zero, R, ges, &in[3]) ||
-        !dense_span(a->src.axis_of_slot, R / 2, 1, &in[4]) || !disjoint(out, 2, in, 5))
-        return Work::BadArg;
-    return Work::Run;
+    if (!width_ok(a)) return Work::BadArg;
+    return work_of(
+        pe_rope_check_table_grad(a, grad_q, gqs, grad_k, gks, grad_dtype, dcos, dsin));
 }
 
 inline Work check_tables(const pe_rope_args *a, pe_dtype out_dtype, const void *cos,
                          const void *sin) {
-    if (!sizes_ok(a) || !dtype_valid(out_dtype) || a->src.pos_batch < 0) return Work::BadArg;
-    if (a->src.pos_batch == 0 || a->seq == 0) return Work::None;
-    if (!positions_ok(a->src, a->batch) || !cos || !sin) return Work::BadArg;
-    int64_t count;
-    Span in[3], out[2];
-    if (__builtin_mul_overflow(a->src.pos_batch, a->seq, &count) ||
-        __builtin_mul_overflow(count, a->rot_dim, &count) ||
-        !dense_span(cos, count, dtype_size(out_dtype), &out[0]) ||
-        !dense_span(sin, count, dtype_size(out_dtype), &out[1]) || !source_spans(a, false, in) ||
-        !disjoint(out, 2, in, 3))
-        return Work::BadArg;
-    return Work::Run;
+    return width_ok(a) ? work_of(pe_rope_check_tables(a, out_dtype, cos, sin)) : Work::BadArg;
 }
 
 inline GradP grad_params(const pe_rope_args *a, const void *grad_q, const int64_t gqs[3],
