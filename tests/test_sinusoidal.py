@@ -94,7 +94,7 @@ def test_threaded_equals_single_thread():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(many, one)
-    assert torch.equal(many, hf_table(700, 96))
+    assert torch.equal(many, hf_table(1500, 96))
 
 
 @pytest.mark.parametrize("kwargs,exc,pattern", [
