@@ -6,13 +6,12 @@ the projections, (B, 1, 128) cos/sin tables as the 5.x rotary module gives them.
 variants, both forward only: "no grad" (``torch.no_grad()``, serving) and "grad recording"
 (the projections require grad and autograd records the call, training; no backward timed).
 Methods: the public ``apply_rotary_pos_emb``, the op alone (``torch.ops.posenc.rope`` on
-the (B, T, H, D) views, through the dispatcher and its autograd key), transformers eager,
-and both copy floors.
+q and k as they are, ``heads_first=True``, through the dispatcher and its autograd key),
+transformers eager, and both copy floors.
 
-The thread count matters here: this case is 2^15 elements, the size at which the kernels
-start to use more than one OpenMP thread, so at "all" threads a busy machine adds the
-fork/join of a parallel region (and its waits) to every call; the one-thread row is the
-call itself.
+This case is 2^15 elements, below the 2^17 at which the kernels start a parallel region
+(csrc/internal.h, PE_SERIAL_ELEMENTS), so the call runs on the calling thread at any
+thread count; the rows per thread count differ only by the machine's noise.
 
 Run alone: ``python benchmarks/bench_overhead.py`` (goes through run.py).
 """
@@ -60,7 +59,6 @@ def run(opts: H.Options, rep: H.Reporter) -> None:
         with torch.no_grad():
             ref = hf_apply(q, k, cos, sin)
         op = torch.ops.posenc.rope
-        qb, kb = q.transpose(1, 2), k.transpose(1, 2)
 
         def timed(fn, grad=grad):
             def call():
@@ -68,14 +66,11 @@ def run(opts: H.Options, rep: H.Reporter) -> None:
                     return fn()
             return H.Workload(timed={"fwd": call})
 
-        def build(name, q=q, k=k, qb=qb, kb=kb, cos=cos, sin=sin):
+        def build(name, q=q, k=k, cos=cos, sin=sin):
             if name == "posenc":
                 return timed(lambda: posenc_torch.apply_rotary_pos_emb(q, k, cos, sin))
             if name == "posenc_op":
-                def op_call():
-                    qo, ko = op(qb, kb, cos, sin, [], False, 0, False)
-                    return qo.transpose(1, 2), ko.transpose(1, 2)
-                return timed(op_call)
+                return timed(lambda: op(q, k, cos, sin, [], False, 0, False, None, None, True))
             if name == "hf_eager":
                 return timed(lambda: hf_apply(q, k, cos, sin))
             if name in H.FLOORS:

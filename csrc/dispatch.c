@@ -13,7 +13,9 @@ static int has_f16c(void) {
 
 static int isa_forced = -1;
 
-pe_isa pe_isa_best(void) {
+/* What the CPU supports, found once: cpuid traps to the hypervisor on virtual machines,
+ * where a query per call costs more than a decode-size rotation. */
+static pe_isa detect(void) {
 #ifdef PE_HAVE_X86_VARIANTS /* the AVX2 / AVX-512 kernels were built */
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -24,6 +26,17 @@ pe_isa pe_isa_best(void) {
         return PE_ISA_AVX2;
 #endif
     return PE_ISA_BASELINE;
+}
+
+static int isa_detected = -1;
+
+pe_isa pe_isa_best(void) {
+    int isa = __atomic_load_n(&isa_detected, __ATOMIC_RELAXED);
+    if (isa < 0) { /* threads racing here all store the same value */
+        isa = (int)detect();
+        __atomic_store_n(&isa_detected, isa, __ATOMIC_RELAXED);
+    }
+    return (pe_isa)isa;
 }
 
 pe_isa pe_isa_current(void) {

@@ -28,7 +28,7 @@ def _output_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @torch.library.register_fake("posenc::rope")
 def _rope_fake(q, k, cos, sin, mrope_section, interleaved, pairing, transpose,
-               q_dtype=None, k_dtype=None):
+               q_dtype=None, k_dtype=None, heads_first=False):
     qd = q_dtype if q_dtype is not None else torch.result_type(q, cos)
     kd = k_dtype if k_dtype is not None else torch.result_type(k, cos)
     return _output_like(q, qd), _output_like(k, kd)
@@ -41,7 +41,7 @@ def _rope_table_grad_fake(grad_q, grad_k, q, k, cos, mrope_section, interleaved,
 
 @torch.library.register_fake("posenc::rope_fused")
 def _rope_fused_fake(q, k, position_ids, inv_freq, mrope_section, interleaved,
-                     attention_scaling, pairing, transpose):
+                     attention_scaling, pairing, transpose, heads_first=False):
     return _output_like(q, q.dtype), _output_like(k, k.dtype)
 
 
@@ -75,8 +75,8 @@ def _grad_or_zeros(g: torch.Tensor | None, meta: tuple) -> torch.Tensor:
 
 
 def _rope_setup_context(ctx, inputs, output):
-    q, k, cos, sin, mrope_section, interleaved, pairing, transpose, _, _ = inputs
-    ctx.args = (list(mrope_section), interleaved, pairing, transpose)
+    q, k, cos, sin, mrope_section, interleaved, pairing, transpose, _, _, heads_first = inputs
+    ctx.args = (list(mrope_section), interleaved, pairing, transpose, heads_first)
     ctx.dtypes = (q.dtype, k.dtype)
     ctx.table_grad = cos.requires_grad or sin.requires_grad
     ctx.save_for_backward(cos, sin, *((q, k) if ctx.table_grad else ()))
@@ -85,26 +85,28 @@ def _rope_setup_context(ctx, inputs, output):
 
 
 def _rope_backward(ctx, grad_q, grad_k):
-    sections, interleaved, pairing, transpose = ctx.args
+    sections, interleaved, pairing, transpose, heads_first = ctx.args
     cos, sin, *saved = ctx.saved_tensors
     if grad_q is None and grad_k is None:
-        return (None,) * 10
+        return (None,) * 11
     grad_q = _grad_or_zeros(grad_q, ctx.out_meta[0])
     grad_k = _grad_or_zeros(grad_k, ctx.out_meta[1])
-    dq, dk = rope(grad_q, grad_k, cos, sin, sections, interleaved, pairing,
-                                   not transpose, ctx.dtypes[0], ctx.dtypes[1])
+    dq, dk = rope(grad_q, grad_k, cos, sin, sections, interleaved, pairing, not transpose,
+                  ctx.dtypes[0], ctx.dtypes[1], heads_first)
     dcos = dsin = None
     if ctx.table_grad:
         q, k = saved
+        if heads_first:  # rope_table_grad takes (batch, seq, heads, head_dim) views
+            q, k, grad_q, grad_k = (x.transpose(1, 2) for x in (q, k, grad_q, grad_k))
         if transpose:  # adjoint rotation: the table gradients swap input and gradient
-            dcos, dsin = rope_table_grad(q, k, grad_q, grad_k, cos, sections,
-                                                         interleaved, pairing)
+            dcos, dsin = rope_table_grad(q, k, grad_q, grad_k, cos, sections, interleaved,
+                                         pairing)
         else:
-            dcos, dsin = rope_table_grad(grad_q, grad_k, q, k, cos, sections,
-                                                         interleaved, pairing)
+            dcos, dsin = rope_table_grad(grad_q, grad_k, q, k, cos, sections, interleaved,
+                                         pairing)
         dcos = dcos if cos.requires_grad else None
         dsin = dsin if sin.requires_grad else None
-    return dq, dk, dcos, dsin, None, None, None, None, None, None
+    return dq, dk, dcos, dsin, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("posenc::rope", _rope_backward, setup_context=_rope_setup_context)
@@ -160,23 +162,24 @@ torch.library.register_autograd("posenc::rope_table_grad", _rope_table_grad_back
 
 
 def _rope_fused_setup_context(ctx, inputs, output):
-    _, _, position_ids, inv_freq, mrope_section, interleaved, scaling, pairing, transpose = inputs
-    ctx.args = (list(mrope_section), interleaved, scaling, pairing, transpose)
+    (_, _, position_ids, inv_freq, mrope_section, interleaved, scaling, pairing, transpose,
+     heads_first) = inputs
+    ctx.args = (list(mrope_section), interleaved, scaling, pairing, transpose, heads_first)
     ctx.save_for_backward(position_ids, inv_freq)
     ctx.set_materialize_grads(False)
     ctx.out_meta = _meta(output)
 
 
 def _rope_fused_backward(ctx, grad_q, grad_k):
-    sections, interleaved, scaling, pairing, transpose = ctx.args
+    sections, interleaved, scaling, pairing, transpose, heads_first = ctx.args
     position_ids, inv_freq = ctx.saved_tensors
     if grad_q is None and grad_k is None:
-        return (None,) * 9
+        return (None,) * 10
     grad_q = _grad_or_zeros(grad_q, ctx.out_meta[0])
     grad_k = _grad_or_zeros(grad_k, ctx.out_meta[1])
-    dq, dk = rope_fused(grad_q, grad_k, position_ids, inv_freq, sections,
-                                         interleaved, scaling, pairing, not transpose)
-    return dq, dk, None, None, None, None, None, None, None
+    dq, dk = rope_fused(grad_q, grad_k, position_ids, inv_freq, sections, interleaved, scaling,
+                        pairing, not transpose, heads_first)
+    return dq, dk, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("posenc::rope_fused", _rope_fused_backward,
@@ -210,9 +213,11 @@ def _vision_position_ids_fake(grid_thw, spatial_merge_size):
 # than a decode-size rotation itself.  So in eager mode these helpers call the op below the
 # autograd layer when no input can record a gradient, and otherwise apply an
 # autograd.Function built from the same setup_context/backward as the registered formula
-# (unlike torch.library's, it also serves torch.func.grad / vjp).  Under torch.compile /
-# export tracing they call the registered op, so graphs keep one ``posenc::*`` node with its
-# registered autograd.  Forward mode (forward AD, torch.func.jvp) raises: there is no jvp.
+# (the legacy-style one in plain eager autograd, the setup_context one under functorch
+# transforms: unlike torch.library's formula, it also serves torch.func.grad / vjp).
+# Under torch.compile / export tracing they call the registered op, so graphs keep one
+# ``posenc::*`` node with its registered autograd.  Forward mode (forward AD,
+# torch.func.jvp) raises: there is no jvp.
 
 _ROPE = torch.ops.posenc.rope.default
 _ROPE_TABLE_GRAD = torch.ops.posenc.rope_table_grad.default
@@ -238,48 +243,53 @@ def _reject_forward_mode(op: str, tensors: tuple[torch.Tensor, ...]) -> None:
             "use reverse mode (backward, torch.func.grad / vjp)")
 
 
-class _RopeFunction(torch.autograd.Function):
-    @staticmethod
+def _functions(name: str, op, setup_context, backward) -> tuple[type, type]:
+    """Two autograd.Functions with the same formula: ``setup_context`` style, which functorch
+    transforms (torch.func.grad / vjp / vmap) need, and the legacy ``forward(ctx, ...)``
+    style for plain eager autograd, whose ``apply`` skips the per-call signature binding of
+    the other (that binding costs several times a decode-size rotation)."""
+
     def forward(*args):
         with _below_autograd():
-            return _ROPE(*args)
+            return op(*args)
 
-    setup_context = staticmethod(_rope_setup_context)
-    backward = staticmethod(_rope_backward)
-
-
-class _RopeTableGradFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(*args):
+    def forward_ctx(ctx, *args):
         with _below_autograd():
-            return _ROPE_TABLE_GRAD(*args)
+            out = op(*args)
+        setup_context(ctx, args, out)
+        return out
 
-    setup_context = staticmethod(_rope_table_grad_setup_context)
-    backward = staticmethod(_rope_table_grad_backward)
+    base = (torch.autograd.Function,)
+    for_transforms = type(f"_{name}Function", base, {
+        "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward)})
+    eager = type(f"_{name}EagerFunction", base, {
+        "forward": staticmethod(forward_ctx), "backward": staticmethod(backward)})
+    return for_transforms, eager
 
 
-class _RopeFusedFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(*args):
-        with _below_autograd():
-            return _ROPE_FUSED(*args)
-
-    setup_context = staticmethod(_rope_fused_setup_context)
-    backward = staticmethod(_rope_fused_backward)
+_RopeFunction, _RopeEager = _functions("Rope", _ROPE, _rope_setup_context, _rope_backward)
+_RopeTableGradFunction, _RopeTableGradEager = _functions(
+    "RopeTableGrad", _ROPE_TABLE_GRAD, _rope_table_grad_setup_context, _rope_table_grad_backward)
+_RopeFusedFunction, _RopeFusedEager = _functions(
+    "RopeFused", _ROPE_FUSED, _rope_fused_setup_context, _rope_fused_backward)
 
 
 def rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False, q_dtype=None,
-         k_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+         k_dtype=None, heads_first=False) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.posenc.rope`` with the eager fast paths (same arguments and results)."""
-    args = (q, k, cos, sin, mrope_section, interleaved, pairing, transpose, q_dtype, k_dtype)
+    args = (q, k, cos, sin, mrope_section, interleaved, pairing, transpose, q_dtype, k_dtype,
+            heads_first)
     if torch.compiler.is_compiling():
         return torch.ops.posenc.rope(*args)
     transforms = _transforms_active()
     if transforms or _forward_ad._current_level >= 0:
         _reject_forward_mode("rope", (q, k, cos, sin))
-    if transforms or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                  or cos.requires_grad or sin.requires_grad):
+    if transforms:
         return _RopeFunction.apply(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad
+                                    or sin.requires_grad):
+        return _RopeEager.apply(*args)
     with _below_autograd():
         return _ROPE(*args)
 
@@ -290,26 +300,29 @@ def rope_table_grad(grad_q, grad_k, q, k, cos, mrope_section, interleaved,
     args = (grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing)
     if torch.compiler.is_compiling():
         return torch.ops.posenc.rope_table_grad(*args)
-    if _transforms_active() or (torch.is_grad_enabled() and (
-            grad_q.requires_grad or grad_k.requires_grad or q.requires_grad
-            or k.requires_grad)):
+    if _transforms_active():
         return _RopeTableGradFunction.apply(*args)
+    if torch.is_grad_enabled() and (grad_q.requires_grad or grad_k.requires_grad
+                                    or q.requires_grad or k.requires_grad):
+        return _RopeTableGradEager.apply(*args)
     with _below_autograd():
         return _ROPE_TABLE_GRAD(*args)
 
 
 def rope_fused(q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
-               pairing, transpose=False) -> tuple[torch.Tensor, torch.Tensor]:
+               pairing, transpose=False, heads_first=False) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.posenc.rope_fused`` with the eager fast paths."""
     args = (q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
-            pairing, transpose)
+            pairing, transpose, heads_first)
     if torch.compiler.is_compiling():
         return torch.ops.posenc.rope_fused(*args)
     transforms = _transforms_active()
     if transforms or _forward_ad._current_level >= 0:
         _reject_forward_mode("rope_fused", (q, k))
-    if transforms or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+    if transforms:
         return _RopeFusedFunction.apply(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _RopeFusedEager.apply(*args)
     with _below_autograd():
         return _ROPE_FUSED(*args)
 

@@ -27,11 +27,6 @@ from ._checks import (
 _QK_LAYOUT = {1: "(batch, heads, seq, head_dim)", 2: "(batch, seq, heads, head_dim)"}
 
 
-def _to_bthd(x: torch.Tensor, unsqueeze_dim: int) -> torch.Tensor:
-    """View q/k as (batch, seq, heads, head_dim), the ops' layout; no copy."""
-    return x.transpose(1, 2) if unsqueeze_dim == 1 else x
-
-
 def _check_qk(q: torch.Tensor, k: torch.Tensor, unsqueeze_dim: int) -> None:
     layout = _QK_LAYOUT[unsqueeze_dim]
     check_tensor("q", q, 4, f"4-D {layout} for unsqueeze_dim={unsqueeze_dim}")
@@ -40,25 +35,22 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, unsqueeze_dim: int) -> None:
     check_float("k", k)
 
 
-def _fast(*tensors: object) -> bool:
+def _fast(a: object, b: object, c: object, d: object) -> bool:
     """Eager call on CPU tensors: the op's own checks come first (see the module doc)."""
-    return not torch.compiler.is_compiling() and all(
-        isinstance(t, torch.Tensor) and t.is_cpu for t in tensors)
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and isinstance(c, torch.Tensor) and isinstance(d, torch.Tensor)
+            and a.is_cpu and b.is_cpu and c.is_cpu and d.is_cpu
+            and not torch.compiler.is_compiling())
 
 
-def _checked_call(check: Callable[[], None], fast: bool, call: Callable[[], tuple]) -> tuple:
-    """``call()``; ``check()`` first unless ``fast``, else only to explain a failure of it."""
-    if not fast:
-        check()
-        return call()
+def _explain(check: Callable[..., None], *args: object) -> None:
+    """Called while the op's exception is handled on the fast path: raise ``check``'s error,
+    which names the public function's arguments, if it finds one; else return (the caller
+    re-raises the op's own)."""
     try:
-        return call()
-    except Exception:
-        try:
-            check()
-        except (TypeError, ValueError, NotImplementedError) as err:
-            raise err from None
-        raise
+        check(*args)
+    except (TypeError, ValueError, NotImplementedError) as err:
+        raise err from None
 
 
 def _check_no_inv_freq_grad(inv_freq: torch.Tensor) -> None:
@@ -66,6 +58,26 @@ def _check_no_inv_freq_grad(inv_freq: torch.Tensor) -> None:
         raise ValueError(
             "inv_freq requires grad, but posenc_torch does not differentiate with respect to "
             "the frequencies; pass inv_freq.detach() (rotary modules keep it as a buffer)")
+
+
+def _check_table_call(q: object, k: object, cos: object, sin: object, dim: int,
+                      sections: list[int] | None) -> None:
+    """The checks of the table-driven rotations: ``sections`` None for RoPE (3-D tables),
+    a list for MRoPE ((3, batch, seq, head_dim) tables)."""
+    _check_qk(q, k, dim)
+    if sections is None:
+        check_tensor("cos", cos, 3, "3-D (batch, seq, rot_dim)")
+        check_tensor("sin", sin, 3, "3-D (batch, seq, rot_dim)")
+    else:
+        check_tensor("cos", cos, 4, "4-D (3, batch, seq, head_dim)")
+        check_tensor("sin", sin, 4, "4-D (3, batch, seq, head_dim)")
+    check_float("cos", cos)
+    check_float("sin", sin)
+    if sections is not None and 2 * sum(sections) != cos.shape[-1]:
+        raise ValueError(
+            f"mrope_section {sections} must satisfy 2 * sum == {cos.shape[-1]} "
+            f"(the last dim of cos), got 2 * {sum(sections)} = {2 * sum(sections)}")
+    check_same_device(q=q, k=k, cos=cos, sin=sin)
 
 
 def apply_rotary_pos_emb(
@@ -98,19 +110,15 @@ def apply_rotary_pos_emb(
     dim = check_unsqueeze_dim(unsqueeze_dim)
     code = pairing_code(pairing)
 
-    def check() -> None:
-        _check_qk(q, k, dim)
-        check_tensor("cos", cos, 3, "3-D (batch, seq, rot_dim)")
-        check_tensor("sin", sin, 3, "3-D (batch, seq, rot_dim)")
-        check_float("cos", cos)
-        check_float("sin", sin)
-        check_same_device(q=q, k=k, cos=cos, sin=sin)
-
-    def call() -> tuple[torch.Tensor, torch.Tensor]:
-        q_out, k_out = ops.rope(_to_bthd(q, dim), _to_bthd(k, dim), cos, sin, [], False, code)
-        return _to_bthd(q_out, dim), _to_bthd(k_out, dim)
-
-    return _checked_call(check, _fast(q, k, cos, sin), call)
+    fast = _fast(q, k, cos, sin)
+    if not fast:
+        _check_table_call(q, k, cos, sin, dim, None)
+    try:
+        return ops.rope(q, k, cos, sin, [], False, code, False, None, None, dim == 1)
+    except Exception:
+        if fast:
+            _explain(_check_table_call, q, k, cos, sin, dim, None)
+        raise
 
 
 def apply_multimodal_rotary_pos_emb(
@@ -134,23 +142,15 @@ def apply_multimodal_rotary_pos_emb(
     dim = check_unsqueeze_dim(unsqueeze_dim)
     sections = check_sections(mrope_section)
 
-    def check() -> None:
-        _check_qk(q, k, dim)
-        check_tensor("cos", cos, 4, "4-D (3, batch, seq, head_dim)")
-        check_tensor("sin", sin, 4, "4-D (3, batch, seq, head_dim)")
-        check_float("cos", cos)
-        check_float("sin", sin)
-        if 2 * sum(sections) != cos.shape[-1]:
-            raise ValueError(
-                f"mrope_section {list(mrope_section)} must satisfy 2 * sum == {cos.shape[-1]} "
-                f"(the last dim of cos), got 2 * {sum(sections)} = {2 * sum(sections)}")
-        check_same_device(q=q, k=k, cos=cos, sin=sin)
-
-    def call() -> tuple[torch.Tensor, torch.Tensor]:
-        q_out, k_out = ops.rope(_to_bthd(q, dim), _to_bthd(k, dim), cos, sin, sections, False, 0)
-        return _to_bthd(q_out, dim), _to_bthd(k_out, dim)
-
-    return _checked_call(check, _fast(q, k, cos, sin), call)
+    fast = _fast(q, k, cos, sin)
+    if not fast:
+        _check_table_call(q, k, cos, sin, dim, sections)
+    try:
+        return ops.rope(q, k, cos, sin, sections, False, 0, False, None, None, dim == 1)
+    except Exception:
+        if fast:
+            _explain(_check_table_call, q, k, cos, sin, dim, sections)
+        raise
 
 
 def apply_rotary_pos_emb_vision(
@@ -166,28 +166,33 @@ def apply_rotary_pos_emb_vision(
     cast to q's and k's dtypes; fp32 and fp64 inputs give transformers' values exactly.
     """
 
-    def check() -> None:
-        check_tensor("q", q, 3, "3-D (patches, heads, head_dim)")
-        check_tensor("k", k, 3, "3-D (patches, heads, head_dim)")
-        check_tensor("cos", cos, 2, "2-D (patches, head_dim)")
-        check_tensor("sin", sin, 2, "2-D (patches, head_dim)")
-        for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-            check_float(name, t)
-        check_same_device(q=q, k=k, cos=cos, sin=sin)
-
-    def call() -> tuple[torch.Tensor, torch.Tensor]:
-        # fp64 is the one dtype the kernels would not narrow to fp32: round it here, and
-        # widen the fp32 results afterwards, as transformers' casts do (forward and backward).
-        f64 = torch.float64
+    fast = _fast(q, k, cos, sin)
+    if not fast:
+        _check_vision_call(q, k, cos, sin)
+    # fp64 is the one dtype the kernels would not narrow to fp32: round it here, and widen
+    # the fp32 results afterwards, as transformers' casts do (forward and backward).
+    f64, f32 = torch.float64, torch.float32
+    try:
         q_out, k_out = ops.rope(
             (q.float() if q.dtype == f64 else q).unsqueeze(0),
             (k.float() if k.dtype == f64 else k).unsqueeze(0),
             cos.float().unsqueeze(0), sin.float().unsqueeze(0), [], False, 0, False,
-            torch.float32 if q.dtype == f64 else q.dtype,
-            torch.float32 if k.dtype == f64 else k.dtype)
-        return q_out.squeeze(0).to(q.dtype), k_out.squeeze(0).to(k.dtype)
+            f32 if q.dtype == f64 else q.dtype, f32 if k.dtype == f64 else k.dtype)
+    except Exception:
+        if fast:
+            _explain(_check_vision_call, q, k, cos, sin)
+        raise
+    return q_out.squeeze(0).to(q.dtype), k_out.squeeze(0).to(k.dtype)
 
-    return _checked_call(check, _fast(q, k, cos, sin), call)
+
+def _check_vision_call(q: object, k: object, cos: object, sin: object) -> None:
+    check_tensor("q", q, 3, "3-D (patches, heads, head_dim)")
+    check_tensor("k", k, 3, "3-D (patches, heads, head_dim)")
+    check_tensor("cos", cos, 2, "2-D (patches, head_dim)")
+    check_tensor("sin", sin, 2, "2-D (patches, head_dim)")
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        check_float(name, t)
+    check_same_device(q=q, k=k, cos=cos, sin=sin)
 
 
 def _check_positions(position_ids: torch.Tensor, inv_freq: torch.Tensor,
@@ -240,25 +245,30 @@ def apply_rope(
     dim = check_unsqueeze_dim(unsqueeze_dim)
     code = pairing_code(pairing)
 
-    def check() -> None:
-        _check_qk(q, k, dim)
-        _check_positions(position_ids, inv_freq, mrope_section)
-        if 2 * inv_freq.shape[0] > q.shape[-1]:
-            raise ValueError(
-                f"inv_freq has {inv_freq.shape[0]} frequencies, so the rotary width "
-                f"2 * {inv_freq.shape[0]} = {2 * inv_freq.shape[0]} exceeds head_dim "
-                f"{q.shape[-1]}")
-        check_same_device(q=q, k=k, position_ids=position_ids, inv_freq=inv_freq)
+    fast = _fast(q, k, position_ids, inv_freq)
+    if not fast:
+        _check_fused_call(q, k, position_ids, inv_freq, dim, mrope_section)
+    _check_no_inv_freq_grad(inv_freq)  # the op would ignore it: never silently
+    sections = [] if mrope_section is None else check_sections(mrope_section)
+    try:
+        return ops.rope_fused(q, k, position_ids, inv_freq, sections, bool(interleaved_mrope),
+                              float(attention_scaling), code, False, dim == 1)
+    except Exception:
+        if fast:
+            _explain(_check_fused_call, q, k, position_ids, inv_freq, dim, mrope_section)
+        raise
 
-    def call() -> tuple[torch.Tensor, torch.Tensor]:
-        _check_no_inv_freq_grad(inv_freq)  # the op would ignore it: never silently
-        sections = [] if mrope_section is None else check_sections(mrope_section)
-        q_out, k_out = ops.rope_fused(_to_bthd(q, dim), _to_bthd(k, dim), position_ids,
-                                      inv_freq, sections, bool(interleaved_mrope),
-                                      float(attention_scaling), code)
-        return _to_bthd(q_out, dim), _to_bthd(k_out, dim)
 
-    return _checked_call(check, _fast(q, k, position_ids, inv_freq), call)
+def _check_fused_call(q: object, k: object, position_ids: object, inv_freq: object, dim: int,
+                      mrope_section: Sequence[int] | None) -> None:
+    _check_qk(q, k, dim)
+    _check_positions(position_ids, inv_freq, mrope_section)
+    if 2 * inv_freq.shape[0] > q.shape[-1]:
+        raise ValueError(
+            f"inv_freq has {inv_freq.shape[0]} frequencies, so the rotary width "
+            f"2 * {inv_freq.shape[0]} = {2 * inv_freq.shape[0]} exceeds head_dim "
+            f"{q.shape[-1]}")
+    check_same_device(q=q, k=k, position_ids=position_ids, inv_freq=inv_freq)
 
 
 def compute_mrope_cos_sin(

@@ -252,10 +252,14 @@ def _opcheck_samples():
         (ops.rope_table_grad, (gq, gk, q.detach(), k.detach(), cos3.detach(), [2, 3, 3], True, 0)),
         (ops.rope_tables, (pos3, inv, [2, 3, 3], True, 1.0, 0, torch.bfloat16)),
         (ops.rope_tables, (pos3[1].int(), inv[:5], [], False, 0.5, 1, torch.float32)),
+        (ops.rope, (q.transpose(1, 2), k.transpose(1, 2), cos3, sin3, [2, 3, 3], False, 0,
+                    False, None, None, True)),
+        (ops.rope_fused, (q.transpose(1, 2), k.transpose(1, 2), pos3, inv, [2, 3, 3], False,
+                          1.0, 0, True, True)),
     ]
 
 
-@pytest.mark.parametrize("sample", range(8))
+@pytest.mark.parametrize("sample", range(10))
 def test_opcheck(sample):
     torch.manual_seed(sample)
     op, args = _opcheck_samples()[sample]

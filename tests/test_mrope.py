@@ -726,6 +726,12 @@ def _opcheck_samples():
             out.append((ops.rope_fused, (qc, k, pos3, inv, [3, 3, 2], True, 1.0, 0, False)))
             kc = make_qk(2, 2, 5, 16, dtype, "strided", 2).requires_grad_(rg)
             out.append((ops.rope, (qc, kc, cos3, sin3, [3, 3, 2], True, 0, False)))
+            # heads_first: q, k as transformers holds them, (B, H, T, D)
+            qh, kh = q.transpose(1, 2), kc.transpose(1, 2)
+            out.append((ops.rope, (qh, kh, cos3, sin3, [2, 3, 3], False, 0, True, None, None,
+                                   True)))
+            out.append((ops.rope_fused, (qh, kh, pos3, inv, [3, 3, 2], True, 1.0, 1, False,
+                                         True)))
         gq = make_qk(2, 3, 5, 16, torch.float32, "strided", 2)
         gk = make_qk(2, 1, 5, 16, torch.float32, "swapped", 2)
         q = make_qk(2, 3, 5, 16, torch.bfloat16, "swapped", 2)

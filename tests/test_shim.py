@@ -117,6 +117,43 @@ def test_output_layout_and_values_follow_the_input_layout(name, q, dtype):
     torch.testing.assert_close(qo, ref, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name,q", list(_q_layouts()), ids=[n for n, _ in _q_layouts()])
+@pytest.mark.parametrize("fused", [False, True], ids=["tables", "fused"])
+def test_heads_first_reads_the_caller_layout_bit_for_bit(name, q, fused):
+    """heads_first=True takes q, k as (batch, heads, seq, head_dim): the same bits, in
+    outputs laid out like the inputs, as the (batch, seq, heads, head_dim) call on the
+    transposed views, and no copy of the inputs."""
+    qh, kh = q.transpose(1, 2), torch.randn(2, 1, 5, 8)
+    if fused:
+        pos, inv = torch.randint(0, 5000, (2, 5)), torch.rand(4)
+        rope = lambda a, b, hf: torch.ops.posenc.rope_fused(  # noqa: E731
+            a, b, pos, inv, [], False, 1.0, 0, False, hf)
+    else:
+        cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+        rope = lambda a, b, hf: torch.ops.posenc.rope(  # noqa: E731
+            a, b, cos, sin, [], False, 0, False, None, None, hf)
+    qo, ko = rope(qh, kh, True)
+    ref_q, ref_k = rope(q, kh.transpose(1, 2), False)
+    assert qo.shape == qh.shape and ko.shape == kh.shape
+    torch.testing.assert_close(qo, ref_q.transpose(1, 2), rtol=0, atol=0)
+    torch.testing.assert_close(ko, ref_k.transpose(1, 2), rtol=0, atol=0)
+    if qh.stride(-1) == 1:
+        want = torch.empty_like(qh)
+        assert qo.stride() == (want.stride() if want.stride(-1) == 1 else qh.contiguous().stride())
+
+
+def test_heads_first_messages_name_the_layout():
+    q = torch.randn(2, 3, 5, 8)
+    cos = torch.randn(2, 5, 8)
+    with pytest.raises(RuntimeError, match=r"q must be 4-D \(batch, heads, seq, head_dim\)"):
+        torch.ops.posenc.rope(q[0], q, cos, cos, [], False, 0, False, None, None, True)
+    with pytest.raises(RuntimeError, match="k sequence length 4 must equal q sequence length 5"):
+        torch.ops.posenc.rope(q, q[:, :, :4], cos, cos, [], False, 0, False, None, None, True)
+    with pytest.raises(RuntimeError, match="cos sequence length 3 must equal the sequence"):
+        torch.ops.posenc.rope(q, q, cos[:, :3], cos[:, :3], [], False, 0, False, None, None,
+                              True)
+
+
 @pytest.mark.parametrize("q_dtype,cos_dtype", [
     (torch.bfloat16, torch.float16), (torch.bfloat16, torch.float32),
     (torch.float16, torch.float64), (torch.float32, torch.bfloat16),

@@ -103,21 +103,36 @@ void check_status(int rc, const char* op) {
     PE_CHECK(rc == PE_OK, op, ": the kernel rejected its arguments (status ", rc, ")");
 }
 
-void fill_strides(int64_t dst[3], const Meta& m) {  // m is (B, T, H, D)
-    for (int i = 0; i < 3; ++i) dst[i] = m.strides[i];
+// Where the sequence and head dims of a 4-D q/k are: (batch, seq, heads, head_dim), the ops'
+// default, or (batch, heads, seq, head_dim) with heads_first (transformers' layout, read
+// without a transposed view).
+struct Layout {
+    size_t seq, heads;
+    const char* text;
+};
+
+Layout layout(bool heads_first) {
+    return heads_first ? Layout{2, 1, "(batch, heads, seq, head_dim)"}
+                       : Layout{1, 2, "(batch, seq, heads, head_dim)"};
 }
 
-// Validates q, k (B, T, H, D) and returns the rotary problem without its angle source.
+void fill_strides(int64_t dst[3], const Meta& m, const Layout& L) {  // batch, seq, head
+    dst[0] = m.strides[0];
+    dst[1] = m.strides[L.seq];
+    dst[2] = m.strides[L.heads];
+}
+
+// Validates q, k (4-D in layout L) and returns the rotary problem without its angle source.
 pe_rope_args problem(const Tensor& q, const Meta& qm, const Tensor& k, const Meta& km,
-                     int64_t rot_dim, int64_t pairing, bool transpose) {
-    PE_CHECK(qm.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", qm.dim(), "-D");
-    PE_CHECK(km.dim() == 4, "k must be 4-D (batch, seq, heads, head_dim), got ", km.dim(), "-D");
+                     int64_t rot_dim, int64_t pairing, bool transpose, const Layout& L) {
+    PE_CHECK(qm.dim() == 4, "q must be 4-D ", L.text, ", got ", qm.dim(), "-D");
+    PE_CHECK(km.dim() == 4, "k must be 4-D ", L.text, ", got ", km.dim(), "-D");
     check_cpu(qm, q, "q");
     check_cpu(km, k, "k");
     const IntList qs = qm.sizes, ks = km.sizes;
     PE_CHECK(ks[0] == qs[0], "k batch size ", ks[0], " must equal q batch size ", qs[0]);
-    PE_CHECK(ks[1] == qs[1], "k sequence length ", ks[1], " must equal q sequence length ",
-             qs[1]);
+    PE_CHECK(ks[L.seq] == qs[L.seq], "k sequence length ", ks[L.seq],
+             " must equal q sequence length ", qs[L.seq]);
     PE_CHECK(ks[3] == qs[3], "k head_dim ", ks[3], " must equal q head_dim ", qs[3]);
     PE_CHECK(pairing == PE_PAIR_HALF || pairing == PE_PAIR_ADJACENT,
              "pairing must be 0 (half) or 1 (adjacent), got ", pairing);
@@ -127,7 +142,7 @@ pe_rope_args problem(const Tensor& q, const Meta& qm, const Tensor& k, const Met
     PE_CHECK(rot_dim <= qs[3], "rotary width ", rot_dim, " must not exceed head_dim ", qs[3]);
     pe_rope_args a{};
     a.batch = qs[0];
-    a.seq = qs[1];
+    a.seq = qs[L.seq];
     a.head_dim = qs[3];
     a.rot_dim = rot_dim;
     a.pairing = static_cast<pe_pairing>(pairing);
@@ -136,16 +151,17 @@ pe_rope_args problem(const Tensor& q, const Meta& qm, const Tensor& k, const Met
     return a;
 }
 
-// One rotated tensor: input `in` (already channel-dense, described by im) into `out`.
+// One rotated tensor: input `in` (already channel-dense, described by im) into `out`, both
+// in layout L.
 void bind(pe_rope_tensor& dst, const Tensor& in, const Meta& im, const Tensor& out,
-          const Meta& om, const char* name) {
+          const Meta& om, const char* name, const Layout& L) {
     dst.in = in.const_data_ptr();
     dst.out = out.mutable_data_ptr();
     dst.in_dtype = to_pe_dtype(im.dtype, name);
     dst.out_dtype = to_pe_dtype(om.dtype, name);
-    dst.heads = im.sizes[2];
-    fill_strides(dst.in_stride, im);
-    fill_strides(dst.out_stride, om);
+    dst.heads = im.sizes[L.heads];
+    fill_strides(dst.in_stride, im, L);
+    fill_strides(dst.out_stride, om, L);
 }
 
 // Section list -> per-slot axis map (empty sections: plain RoPE, no map).  Every entry is
@@ -220,10 +236,11 @@ struct Dense {
 TensorPair rope_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& cos_in,
                     const Tensor& sin_in, IntList mrope_section, bool interleaved,
                     int64_t pairing, bool transpose, std::optional<ScalarType> q_dtype,
-                    std::optional<ScalarType> k_dtype) {
+                    std::optional<ScalarType> k_dtype, bool heads_first) {
     const Meta qm(q_in), km(k_in), cm(cos_in), sm(sin_in);
     PE_CHECK(cm.dim() >= 1, "cos must have a rotary dimension");
-    pe_rope_args a = problem(q_in, qm, k_in, km, cm.size(-1), pairing, transpose);
+    const Layout L = layout(heads_first);
+    pe_rope_args a = problem(q_in, qm, k_in, km, cm.size(-1), pairing, transpose, L);
     const bool mrope = !mrope_section.empty();
     const int64_t Bc = check_tables(cos_in, cm, sin_in, sm, a.batch, a.seq, mrope);
     to_pe_dtype(qm.dtype, "q");
@@ -245,8 +262,8 @@ TensorPair rope_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& cos_in
     const Output k_out = output_like(k_in, km, kd);
 
     set_table_source(a.src, cos.t, cos.m, sin.t, Bc, map);
-    bind(a.q, q.t, q.m, q_out.t, q_out.m, "q");
-    bind(a.k, k.t, k.m, k_out.t, k_out.m, "k");
+    bind(a.q, q.t, q.m, q_out.t, q_out.m, "q", L);
+    bind(a.k, k.t, k.m, k_out.t, k_out.m, "k", L);
     check_status(run_rope_apply(q_in, a), "posenc::rope");
     return {q_out.t, k_out.t};
 }
@@ -256,7 +273,8 @@ TensorPair rope_table_grad_cpu(const Tensor& grad_q_in, const Tensor& grad_k_in,
                                IntList mrope_section, bool interleaved, int64_t pairing) {
     const Meta qm(q_in), km(k_in), cm(cos), gqm(grad_q_in), gkm(grad_k_in);
     PE_CHECK(cm.dim() >= 1, "cos must have a rotary dimension");
-    pe_rope_args a = problem(q_in, qm, k_in, km, cm.size(-1), pairing, false);
+    const Layout L = layout(false);
+    pe_rope_args a = problem(q_in, qm, k_in, km, cm.size(-1), pairing, false, L);
     const bool mrope = !mrope_section.empty();
     const int64_t Bc = check_tables(cos, cm, cos, cm, a.batch, a.seq, mrope);
     PE_CHECK(same(gqm.sizes, qm.sizes), "grad_q shape ", Shape{gqm.sizes},
@@ -280,11 +298,11 @@ TensorPair rope_table_grad_cpu(const Tensor& grad_q_in, const Tensor& grad_k_in,
     a.src.table_batch = Bc;
     a.src.cos = a.src.sin = dcos.const_data_ptr();  // shape only; the kernel writes dcos/dsin
     a.src.axis_of_slot = map.empty() ? nullptr : map.data();
-    bind(a.q, q.t, q.m, q.t, q.m, "q");
-    bind(a.k, k.t, k.m, k.t, k.m, "k");
+    bind(a.q, q.t, q.m, q.t, q.m, "q", L);
+    bind(a.k, k.t, k.m, k.t, k.m, "k", L);
     int64_t gqs[3], gks[3];
-    fill_strides(gqs, gq.m);
-    fill_strides(gks, gk.m);
+    fill_strides(gqs, gq.m, L);
+    fill_strides(gks, gk.m, L);
     check_status(run_rope_table_grad(q_in, a, gq.t.const_data_ptr(), gqs, gk.t.const_data_ptr(),
                                      gks, gdt, dcos.mutable_data_ptr(), dsin.mutable_data_ptr()),
                  "posenc::rope_table_grad");
@@ -346,11 +364,13 @@ PositionSource position_source(pe_rope_source& src, const Tensor& position_ids,
 
 TensorPair rope_fused_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& position_ids,
                           const Tensor& inv_freq, IntList mrope_section, bool interleaved,
-                          double attention_scaling, int64_t pairing, bool transpose) {
+                          double attention_scaling, int64_t pairing, bool transpose,
+                          bool heads_first) {
     const Meta qm(q_in), km(k_in);
     const int64_t fdim = inv_freq.dim();
     PE_CHECK(fdim == 1, "inv_freq must be 1-D, got shape ", shape(inv_freq));
-    pe_rope_args a = problem(q_in, qm, k_in, km, 2 * inv_freq.size(0), pairing, transpose);
+    const Layout L = layout(heads_first);
+    pe_rope_args a = problem(q_in, qm, k_in, km, 2 * inv_freq.size(0), pairing, transpose, L);
     to_pe_dtype(qm.dtype, "q");
     to_pe_dtype(km.dtype, "k");
     PositionSource ps = position_source(a.src, position_ids, inv_freq, mrope_section, interleaved,
@@ -358,8 +378,8 @@ TensorPair rope_fused_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& 
     const Dense q(q_in, qm), k(k_in, km);
     const Output q_out = output_like(q_in, qm, qm.dtype);
     const Output k_out = output_like(k_in, km, km.dtype);
-    bind(a.q, q.t, q.m, q_out.t, q_out.m, "q");
-    bind(a.k, k.t, k.m, k_out.t, k_out.m, "k");
+    bind(a.q, q.t, q.m, q_out.t, q_out.m, "q", L);
+    bind(a.k, k.t, k.m, k_out.t, k_out.m, "k", L);
     check_status(run_rope_apply(q_in, a), "posenc::rope_fused");
     return {q_out.t, k_out.t};
 }
@@ -677,10 +697,11 @@ torch::stable::accelerator::DeviceGuard cuda_inputs(std::initializer_list<Named>
 
 TensorPair rope_cuda(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
                      IntList mrope_section, bool interleaved, int64_t pairing, bool transpose,
-                     std::optional<ScalarType> q_dtype, std::optional<ScalarType> k_dtype) {
+                     std::optional<ScalarType> q_dtype, std::optional<ScalarType> k_dtype,
+                     bool heads_first) {
     auto guard = cuda_inputs({{&q, "q"}, {&k, "k"}, {&cos, "cos"}, {&sin, "sin"}});
     return rope_cpu(q, k, cos, sin, mrope_section, interleaved, pairing, transpose, q_dtype,
-                    k_dtype);
+                    k_dtype, heads_first);
 }
 
 TensorPair rope_table_grad_cuda(const Tensor& grad_q, const Tensor& grad_k, const Tensor& q,
@@ -693,11 +714,12 @@ TensorPair rope_table_grad_cuda(const Tensor& grad_q, const Tensor& grad_k, cons
 
 TensorPair rope_fused_cuda(const Tensor& q, const Tensor& k, const Tensor& position_ids,
                            const Tensor& inv_freq, IntList mrope_section, bool interleaved,
-                           double attention_scaling, int64_t pairing, bool transpose) {
+                           double attention_scaling, int64_t pairing, bool transpose,
+                           bool heads_first) {
     auto guard = cuda_inputs(
         {{&q, "q"}, {&k, "k"}, {&position_ids, "position_ids"}, {&inv_freq, "inv_freq"}});
     return rope_fused_cpu(q, k, position_ids, inv_freq, mrope_section, interleaved,
-                          attention_scaling, pairing, transpose);
+                          attention_scaling, pairing, transpose, heads_first);
 }
 
 TensorPair rope_tables_cuda(const Tensor& position_ids, const Tensor& inv_freq,
@@ -714,12 +736,13 @@ TensorPair rope_tables_cuda(const Tensor& position_ids, const Tensor& inv_freq,
 
 STABLE_TORCH_LIBRARY(posenc, m) {
     m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, int[] mrope_section, bool interleaved, "
-          "int pairing, bool transpose, ScalarType? q_dtype=None, ScalarType? k_dtype=None) "
-          "-> (Tensor, Tensor)");
+          "int pairing, bool transpose, ScalarType? q_dtype=None, ScalarType? k_dtype=None, "
+          "bool heads_first=False) -> (Tensor, Tensor)");
     m.def("rope_table_grad(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor cos, "
           "int[] mrope_section, bool interleaved, int pairing) -> (Tensor, Tensor)");
     m.def("rope_fused(Tensor q, Tensor k, Tensor position_ids, Tensor inv_freq, int[] mrope_section, "
-          "bool interleaved, float attention_scaling, int pairing, bool transpose) -> (Tensor, Tensor)");
+          "bool interleaved, float attention_scaling, int pairing, bool transpose, "
+          "bool heads_first=False) -> (Tensor, Tensor)");
     m.def("rope_tables(Tensor position_ids, Tensor inv_freq, int[] mrope_section, bool interleaved, "
           "float attention_scaling, int pairing, ScalarType dtype) -> (Tensor, Tensor)");
     m.def("mrope_position_ids(Tensor input_ids, Tensor? image_grid_thw, Tensor? video_grid_thw, "
