@@ -75,9 +75,13 @@ static inline void pe_rope_slot_sincos(const pe_rope_args *a, const pe_rope_plan
     const int64_t nslot = a->rot_dim / 2;
     const int64_t *pos = src->pos + (src->pos_batch == 1 ? 0 : b) * src->pos_stride[1] +
                          t * src->pos_stride[2];
+    /* The angles first (a gather of int64 positions, which does not vectorize), held in
+     * sn; then the sine and cosine over them, branch-free, which does. */
+    for (int64_t i = 0; i < nslot; ++i)
+        sn[i] = pe_rope_angle(src->inv_freq[i], pos[plan->slot_pos_off[i]]);
     int any_large = 0;
-    for (int64_t i = 0; i < nslot; ++i) { /* branch-free: vectorizes */
-        const float ang = pe_rope_angle(src->inv_freq[i], pos[plan->slot_pos_off[i]]);
+    for (int64_t i = 0; i < nslot; ++i) {
+        const float ang = sn[i];
         pe_sincos_fast(ang, src->scaling, cs + i, sn + i);
         any_large |= !(ang <= PE_SINCOS_FAST_LIMIT && ang >= -PE_SINCOS_FAST_LIMIT);
     }
