@@ -299,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=str(HERE / "results"),
                    help="directory for <suite>.json/.csv and the plots (default: %(default)s)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cpu (default), or cuda to compare the peers (posenc_torch is CPU-only)")
+                   help="cpu (default), or cuda (posenc_torch's CUDA kernels when the build "
+                        "has them; bench_cuda.py is the GPU driver)")
     p.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")
     p.add_argument("--seq", default=None,
                    help="comma-separated sequence lengths replacing the suite's (decode steps "
