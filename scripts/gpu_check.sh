@@ -21,6 +21,8 @@ cd "$(dirname "$0")/.."
 root=$PWD
 out=$(mkdir -p "${1:-${OUT:-gpu-check-out}}" && cd "${1:-${OUT:-gpu-check-out}}" && pwd)
 py=${PYTHON:-python3}
+# a relative PYTHON path made absolute: some steps run from other directories
+[[ $py == */* && $py != /* ]] && py=$(cd "$(dirname "$py")" && pwd)/$(basename "$py")
 suite=${SUITE:-quick}
 log="$out/gpu_check.log"
 summary="$out/summary.txt"
