@@ -108,8 +108,9 @@ def _too_slow(opts: H.Options, dtype_name: str, t: int) -> str | None:
     rate, fp32 = _cpu_matmul_gflops(H.DTYPES[dtype_name]), _cpu_matmul_gflops(torch.float32)
     if rate >= fp32 / 8:
         return None
-    hidden, _, kv_heads, mlp = SHAPES[opts.suite]
-    params = hidden * (2 * hidden + 2 * kv_heads * 128) + 3 * hidden * mlp
+    hidden, heads, kv_heads, mlp = SHAPES[opts.suite]
+    head_dim = hidden // heads
+    params = hidden * (2 * hidden + 2 * kv_heads * head_dim) + 3 * hidden * mlp
     step_min = 6 * params * t / (rate * 1e9) / 60
     return (f"{dtype_name} matmul on this CPU runs at {rate:.2g} GFLOPS (fp32: {fp32:.3g}); one "
             f"forward + backward of the layer would take about {step_min:.0f} min")
