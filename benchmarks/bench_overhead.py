@@ -10,7 +10,7 @@ q and k as they are, ``heads_first=True``, through the dispatcher and its autogr
 transformers eager, and both copy floors.
 
 This case is 2^15 elements, below the 2^17 at which the kernels start a parallel region
-(csrc/internal.h, PE_SERIAL_ELEMENTS), so the call runs on the calling thread at any
+(csrc/cpu/internal.h, PE_SERIAL_ELEMENTS), so the call runs on the calling thread at any
 thread count; the rows per thread count differ only by the machine's noise.
 
 Run alone: ``python benchmarks/bench_overhead.py`` (goes through run.py).
