@@ -80,9 +80,9 @@ def convention_for_version(version: str) -> str:
         f"5.17.0, 5.18.0, 5.24.0); pass convention= one of {MROPE_CONVENTIONS} explicitly")
 
 
-def resolve_convention(convention: str) -> str:
+def resolve_convention(convention: str, model: str | None = None) -> str:
     """``convention`` itself, or for ``"installed"`` the one of the installed transformers
-    (see :func:`convention_for_version`)."""
+    (see :func:`convention_for_version`) for ``model`` (a model type such as "qwen2_vl")."""
     if convention == "installed":
         version = _installed_transformers_version()
         if version is None:
@@ -226,7 +226,7 @@ def compute_mrope_position_ids(
     """
     if not isinstance(model, str) or model not in MROPE_MODELS:
         raise ValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")
-    convention = resolve_convention(convention)
+    convention = resolve_convention(convention, model)
     v5 = _RULES[convention] == 1
     _check_integer_tensor("input_ids", input_ids, 2, "2-D (batch, seq)")
     image_grid_thw = _check_grid("image_grid_thw", image_grid_thw)
