@@ -49,6 +49,9 @@ def kernel_isa() -> str:
 def set_kernel_isa(name: str | None) -> None:
     """Force a SIMD kernel variant ('baseline', 'avx2', 'avx512'); None picks the best.
 
-    Meant for tests and benchmarks; raises ValueError if this CPU lacks the variant.
+    Meant for tests and benchmarks.  TypeError for a name that is not a str or None,
+    ValueError for an unknown name or a variant this CPU lacks.
     """
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str or None, got {type(name).__name__}")
     _C.set_isa(_C.best_isa() if name is None else name)

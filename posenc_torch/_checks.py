@@ -1,14 +1,24 @@
-"""Argument checks that need Python: layouts, option names, devices.
+"""Argument checks that need Python, and the one error policy of the public functions.
 
-The C++ shim checks the shapes, dtypes and sizes of what an op receives (it is the
-contract of the ops).  The checks here speak in terms of the public functions' own
-arguments; the rotation functions run them only where the shim cannot (see rope.py).
-The float dtype list and its message are defined here once.
+The C++ shim validates what an op receives (shapes, sizes, dtypes, sections, values): it
+is the one layer that checks op arguments.  What stays here is what only Python sees:
+option names and types, tensor types, devices, and messages in terms of a public
+function's own arguments where those differ from the op's (the vision layout, the layout
+chosen by ``unsqueeze_dim``).  The rotation functions run these checks only after their
+op has failed (or while tracing, where no kernel runs), so a call that succeeds pays for
+none of them.
+
+Error policy (README, "Errors"): TypeError for a wrong type or dtype, ValueError for a
+wrong shape, size, section or value, RuntimeError for failures of allocation, threads or
+a device.  The shim cannot raise TypeError (the stable ABI has no such exception): its
+type failures are ValueErrors whose message starts with :data:`TYPE_ERROR_TAG`, which
+:func:`op_error` turns into TypeErrors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,8 +27,29 @@ from . import _C
 # Devices the kernels run on: the CPU, and CUDA GPUs when the extension has its CUDA kernels.
 KERNEL_DEVICES: tuple[str, ...] = ("cpu", "cuda") if _C.has_cuda() else ("cpu",)
 
-FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_FLOAT_TEXT = "float32, float64, bfloat16 or float16"
+#: How the shim's type failures start (csrc/torch/stable_support.h, kTypeErrorTag).
+TYPE_ERROR_TAG = "TypeError: "
+
+
+def op_error(err: BaseException) -> BaseException:
+    """The public exception for an op's exception: a ValueError tagged as a type failure
+    becomes a TypeError with the message after the tag; anything else stays as it is."""
+    if type(err) is ValueError:
+        message = str(err)
+        if message.startswith(TYPE_ERROR_TAG):
+            return TypeError(message[len(TYPE_ERROR_TAG):])
+    return err
+
+
+def explain(err: BaseException, check: Callable[..., None], *args: object) -> BaseException:
+    """The exception a public function raises after its op raised ``err``: the error
+    ``check(*args)`` finds (it names the public arguments), else ``op_error(err)``.
+    Called only on failure: the success path never runs ``check``."""
+    try:
+        check(*args)
+    except (TypeError, ValueError, NotImplementedError) as found:
+        return found
+    return op_error(err)
 
 
 def pairing_code(pairing: str) -> int:
@@ -29,6 +60,30 @@ def pairing_code(pairing: str) -> int:
     raise ValueError(f"pairing must be 'half' or 'adjacent', got {pairing!r}")
 
 
+def check_bool(name: str, value: object) -> bool:
+    """True or False only: ``bool("no")`` is True, so a string or a number is a TypeError."""
+    if value is not True and value is not False:
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_real(name: str, value: object) -> float:
+    """A real number (int or float, numpy's included) as a float.  bool and tensors are
+    TypeErrors: ``float()`` of a tensor that requires grad would drop its gradient."""
+    if (isinstance(value, bool) or isinstance(value, torch.Tensor)
+            or not isinstance(value, numbers.Real)):
+        raise TypeError(f"{name} must be a real number (int or float), got "
+                        f"{type(value).__name__}")
+    return float(value)
+
+
+def check_dtype(name: str, dtype: object) -> torch.dtype:
+    """A torch.dtype (which one the op decides: its TypeError names ``name``)."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype, got {type(dtype).__name__}")
+    return dtype
+
+
 def check_tensor(name: str, t: object, ndim: int | tuple[int, ...], layout: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -36,15 +91,6 @@ def check_tensor(name: str, t: object, ndim: int | tuple[int, ...], layout: str)
     if t.dim() not in dims:
         raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
     return t
-
-
-def check_float_dtype(name: str, dtype: torch.dtype) -> None:
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be {_FLOAT_TEXT}, got {dtype}")
-
-
-def check_float(name: str, t: torch.Tensor) -> None:
-    check_float_dtype(name, t.dtype)
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:
@@ -67,8 +113,9 @@ def check_sections(mrope_section: object, name: str = "mrope_section") -> list[i
         raise TypeError(f"{name} must be a list or tuple of 3 ints, got "
                         f"{type(mrope_section).__name__}")
     sections = list(mrope_section)
-    if len(sections) != 3 or not all(isinstance(s, int) and not isinstance(s, bool)
-                                     for s in sections):
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in sections):
+        raise TypeError(f"{name} must hold ints, got {mrope_section!r}")
+    if len(sections) != 3:
         raise ValueError(f"{name} must be 3 ints (T, H, W), got {mrope_section!r}")
     if any(s < 0 for s in sections):
         raise ValueError(f"{name} entries must be non-negative, got {mrope_section!r}")

@@ -7,28 +7,52 @@ The schemas and CPU kernels are registered in C++ (csrc/torch/ops.cpp); importin
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from . import _C  # noqa: F401
+from ._checks import check_same_device
 
 
 # ---------------------------------------------------------------------------------------
-# Fake kernels: shapes, dtypes and strides exactly as the C++ kernels produce them.
+# Fake kernels: shapes, dtypes and strides exactly as the C++ kernels produce them.  They
+# also serve meta tensors, where the devices are all they check (sizes are the shim's).
+
+
+def _non_overlapping_and_dense(x: torch.Tensor) -> bool:
+    """Some permutation of x's dims of size >= 2 is contiguous (csrc/torch/stable_support.h,
+    non_overlapping_and_dense)."""
+    want = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(x.shape, x.stride()) if sz >= 2):
+        if stride != want:
+            return False
+        want *= size
+    return True
 
 
 def _output_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The output layout of the rotation ops (csrc/torch/ops.cpp, output_like): like x when
-    that has a unit channel stride, else contiguous."""
-    out = torch.empty_like(x, dtype=dtype)
-    if out.shape[-1] > 1 and out.stride(-1) != 1:
-        out = x.new_empty(x.shape, dtype=dtype)
-    return out
+    """The output layout of the rotation ops (stable_support.h, output_like): x's own
+    strides when x is non-overlapping and dense with a unit channel stride (strides of
+    size-1 dims included: fake empty_like would normalize those), else empty_like's layout
+    when that has a unit channel stride, else contiguous."""
+    if _non_overlapping_and_dense(x):
+        if x.shape[-1] <= 1 or x.stride(-1) == 1:
+            return x.new_empty_strided(x.shape, x.stride(), dtype=dtype)
+    else:
+        out = torch.empty_like(x, dtype=dtype)
+        if out.shape[-1] <= 1 or out.stride(-1) == 1:
+            return out
+    return x.new_empty(x.shape, dtype=dtype)
 
 
 @torch.library.register_fake("posenc::rope")
 def _rope_fake(q, k, cos, sin, mrope_section, interleaved, pairing, transpose,
                q_dtype=None, k_dtype=None, heads_first=False):
+    check_same_device(q=q, k=k, cos=cos, sin=sin)
     qd = q_dtype if q_dtype is not None else torch.result_type(q, cos)
     kd = k_dtype if k_dtype is not None else torch.result_type(k, cos)
     return _output_like(q, qd), _output_like(k, kd)
@@ -36,18 +60,21 @@ def _rope_fake(q, k, cos, sin, mrope_section, interleaved, pairing, transpose,
 
 @torch.library.register_fake("posenc::rope_table_grad")
 def _rope_table_grad_fake(grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing):
+    check_same_device(grad_q=grad_q, grad_k=grad_k, q=q, k=k, cos=cos)
     return (cos.new_empty(cos.shape).contiguous(), cos.new_empty(cos.shape).contiguous())
 
 
 @torch.library.register_fake("posenc::rope_fused")
 def _rope_fused_fake(q, k, position_ids, inv_freq, mrope_section, interleaved,
                      attention_scaling, pairing, transpose, heads_first=False):
+    check_same_device(q=q, k=k, position_ids=position_ids, inv_freq=inv_freq)
     return _output_like(q, q.dtype), _output_like(k, k.dtype)
 
 
 @torch.library.register_fake("posenc::rope_tables")
 def _rope_tables_fake(position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
                       pairing, dtype):
+    check_same_device(position_ids=position_ids, inv_freq=inv_freq)
     shape = (position_ids.shape[-2], position_ids.shape[-1], 2 * inv_freq.shape[0])
     return (position_ids.new_empty(shape, dtype=dtype), position_ids.new_empty(shape, dtype=dtype))
 
@@ -208,53 +235,132 @@ def _vision_position_ids_fake(grid_thw, spatial_merge_size):
 
 
 # ---------------------------------------------------------------------------------------
+# vmap: the rotations fold the vmapped dim into the batch dim and run once; the other ops
+# (a per-sample frequency vector, the table gradients, the tables) run once per sample.
+
+
+def _fold(x: torch.Tensor, bdim: int | None, n: int) -> torch.Tensor:
+    """x with its vmapped dim (or n copies when it has none) folded into dim 0."""
+    x = x.expand(n, *x.shape) if bdim is None else x.movedim(bdim, 0)
+    return x.flatten(0, 1)
+
+
+def _fold_batched(t: torch.Tensor, bdim: int | None, n: int, batch: int,
+                  at: int) -> torch.Tensor:
+    """Tables or position ids whose batch dim (1 or ``batch`` rows) is dim ``at`` (1 when
+    they lead with the 3 MRoPE axes): n * batch rows there, or as they are when unbatched
+    with one row (it broadcasts)."""
+    if bdim is None and t.shape[at] == 1:
+        return t
+    t = (t.expand(n, *t.shape) if bdim is None else t.movedim(bdim, 0)).movedim(0, at)
+    shape = list(t.shape)
+    shape[at + 1] = batch
+    return t.expand(shape).flatten(at, at + 1)
+
+
+def _unfold(outputs: tuple[torch.Tensor, ...], n: int) -> tuple[tuple, tuple]:
+    return tuple(o.unflatten(0, (n, -1)) for o in outputs), (0,) * len(outputs)
+
+
+def _per_sample_vmap(call: Callable) -> Callable:
+    def rule(info, in_dims, *args):
+        outs = [call(*(a.select(d, i) if isinstance(a, torch.Tensor) and d is not None else a
+                       for a, d in zip(args, in_dims)))
+                for i in range(info.batch_size)]
+        return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
+    return rule
+
+
+def _rope_vmap(call: Callable) -> Callable:
+    def rule(info, in_dims, q, k, cos, sin, mrope_section, *rest):
+        n = info.batch_size
+        q, k = _fold(q, in_dims[0], n), _fold(k, in_dims[1], n)
+        batch, at = q.shape[0] // n, 1 if len(mrope_section) else 0
+        cos = _fold_batched(cos, in_dims[2], n, batch, at)
+        sin = _fold_batched(sin, in_dims[3], n, batch, at)
+        return _unfold(call(q, k, cos, sin, mrope_section, *rest), n)
+    return rule
+
+
+def _rope_fused_vmap(call: Callable) -> Callable:
+    def rule(info, in_dims, q, k, position_ids, inv_freq, *rest):
+        if in_dims[3] is not None:  # one frequency vector per sample
+            return _per_sample_vmap(call)(info, in_dims, q, k, position_ids, inv_freq, *rest)
+        n = info.batch_size
+        q, k = _fold(q, in_dims[0], n), _fold(k, in_dims[1], n)
+        at = 1 if position_ids.dim() - (in_dims[2] is not None) == 3 else 0
+        position_ids = _fold_batched(position_ids, in_dims[2], n, q.shape[0] // n, at)
+        return _unfold(call(q, k, position_ids, inv_freq, *rest), n)
+    return rule
+
+
+# Raw op calls under vmap; the autograd.Functions below get the same rules.
+torch.library.register_vmap("posenc::rope", _rope_vmap(torch.ops.posenc.rope))
+torch.library.register_vmap("posenc::rope_fused", _rope_fused_vmap(torch.ops.posenc.rope_fused))
+torch.library.register_vmap("posenc::rope_table_grad",
+                            _per_sample_vmap(torch.ops.posenc.rope_table_grad))
+torch.library.register_vmap("posenc::rope_tables", _per_sample_vmap(torch.ops.posenc.rope_tables))
+
+
+# ---------------------------------------------------------------------------------------
 # Eager entry points.  Calling an op through the dispatcher runs torch.library's Python
 # autograd kernel on every call, even when nothing records a gradient, which costs more
 # than a decode-size rotation itself.  So in eager mode these helpers call the op below the
 # autograd layer when no input can record a gradient, and otherwise apply an
 # autograd.Function built from the same setup_context/backward as the registered formula
 # (the legacy-style one in plain eager autograd, the setup_context one under functorch
-# transforms: unlike torch.library's formula, it also serves torch.func.grad / vjp).
+# transforms: unlike torch.library's formula, it also serves torch.func.grad / vjp / vmap).
 # Under torch.compile / export tracing they call the registered op, so graphs keep one
 # ``posenc::*`` node with its registered autograd.  Forward mode (forward AD,
 # torch.func.jvp) raises: there is no jvp.
+#
+# Those fast paths use private torch names.  They are looked up once, at import; where one
+# is missing (another torch release) the entry points call the ops through the dispatcher
+# (_plain_entry_points): slower, the same results and gradients.
 
 _ROPE = torch.ops.posenc.rope.default
 _ROPE_TABLE_GRAD = torch.ops.posenc.rope_table_grad.default
 _ROPE_FUSED = torch.ops.posenc.rope_fused.default
 _ROPE_TABLES = torch.ops.posenc.rope_tables.default
-_below_autograd = torch._C._AutoDispatchBelowAutograd
-_transforms_active = torch._C._are_functorch_transforms_active
 
 
-def _reject_forward_mode(op: str, tensors: tuple[torch.Tensor, ...]) -> None:
-    """The ops have reverse-mode formulas only; a forward-mode tangent would be dropped
-    without a word (torch.library has no jvp hook), so forward mode is an error."""
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    dual = _forward_ad._current_level >= 0 and any(
-        _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
-    jvp = _transforms_active() and any(
-        i.key() == torch._C._functorch.TransformType.Jvp
-        for i in retrieve_all_functorch_interpreters())
-    if dual or jvp:
-        raise NotImplementedError(
-            f"posenc::{op} has no forward-mode derivative (forward AD / torch.func.jvp); "
-            "use reverse mode (backward, torch.func.grad / vjp)")
+class _Private(NamedTuple):
+    below_autograd: type  # torch._C._AutoDispatchBelowAutograd
+    transforms_active: Callable[[], bool]  # torch._C._are_functorch_transforms_active
+    interpreters: Callable[[], list]  # torch._functorch's retrieve_all_functorch_interpreters
+    jvp: object  # torch._C._functorch.TransformType.Jvp
+    forward_ad: types.ModuleType  # its _current_level (>= 0 inside forward AD) is read per call
 
 
-def _functions(name: str, op, setup_context, backward) -> tuple[type, type]:
+def _lookup_private() -> _Private | None:
+    try:
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        found = _Private(torch._C._AutoDispatchBelowAutograd,
+                         torch._C._are_functorch_transforms_active,
+                         retrieve_all_functorch_interpreters,
+                         torch._C._functorch.TransformType.Jvp, _forward_ad)
+        if not isinstance(_forward_ad._current_level, int):
+            return None
+    except (ImportError, AttributeError):
+        return None
+    return found
+
+
+def _functions(name: str, op, setup_context, backward, vmap, private: _Private
+               ) -> tuple[type, type]:
     """Two autograd.Functions with the same formula: ``setup_context`` style, which functorch
     transforms (torch.func.grad / vjp / vmap) need, and the legacy ``forward(ctx, ...)``
     style for plain eager autograd, whose ``apply`` skips the per-call signature binding of
     the other (that binding costs several times a decode-size rotation)."""
+    below_autograd = private.below_autograd
 
     def forward(*args):
-        with _below_autograd():
+        with below_autograd():
             return op(*args)
 
     def forward_ctx(ctx, *args):
-        with _below_autograd():
+        with below_autograd():
             out = op(*args)
         setup_context(ctx, args, out)
         return out
@@ -262,76 +368,123 @@ def _functions(name: str, op, setup_context, backward) -> tuple[type, type]:
     base = (torch.autograd.Function,)
     for_transforms = type(f"_{name}Function", base, {
         "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
-        "backward": staticmethod(backward)})
+        "backward": staticmethod(backward), "vmap": staticmethod(vmap)})
     eager = type(f"_{name}EagerFunction", base, {
         "forward": staticmethod(forward_ctx), "backward": staticmethod(backward)})
     return for_transforms, eager
 
 
-_RopeFunction, _RopeEager = _functions("Rope", _ROPE, _rope_setup_context, _rope_backward)
-_RopeTableGradFunction, _RopeTableGradEager = _functions(
-    "RopeTableGrad", _ROPE_TABLE_GRAD, _rope_table_grad_setup_context, _rope_table_grad_backward)
-_RopeFusedFunction, _RopeFusedEager = _functions(
-    "RopeFused", _ROPE_FUSED, _rope_fused_setup_context, _rope_fused_backward)
+def _fast_entry_points(p: _Private) -> dict[str, Callable]:
+    below_autograd, transforms_active, forward_ad = (p.below_autograd, p.transforms_active,
+                                                     p.forward_ad)
+    is_compiling, is_grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
+
+    def reject_forward_mode(op: str, tensors: tuple[torch.Tensor, ...]) -> None:
+        """The ops have reverse-mode formulas only; a forward-mode tangent would be dropped
+        without a word (torch.library has no jvp hook), so forward mode is an error."""
+        dual = forward_ad._current_level >= 0 and any(
+            forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+        jvp = transforms_active() and any(i.key() == p.jvp for i in p.interpreters())
+        if dual or jvp:
+            raise NotImplementedError(
+                f"posenc::{op} has no forward-mode derivative (forward AD / torch.func.jvp); "
+                "use reverse mode (backward, torch.func.grad / vjp)")
+
+    rope_fn, rope_eager = _functions("Rope", _ROPE, _rope_setup_context, _rope_backward,
+                                     _rope_vmap(lambda *a: rope(*a)), p)
+    grad_fn, grad_eager = _functions(
+        "RopeTableGrad", _ROPE_TABLE_GRAD, _rope_table_grad_setup_context,
+        _rope_table_grad_backward, _per_sample_vmap(lambda *a: rope_table_grad(*a)), p)
+    fused_fn, fused_eager = _functions("RopeFused", _ROPE_FUSED, _rope_fused_setup_context,
+                                       _rope_fused_backward,
+                                       _rope_fused_vmap(lambda *a: rope_fused(*a)), p)
+
+    def rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False,
+             q_dtype=None, k_dtype=None, heads_first=False):
+        args = (q, k, cos, sin, mrope_section, interleaved, pairing, transpose, q_dtype,
+                k_dtype, heads_first)
+        if is_compiling():
+            return torch.ops.posenc.rope(*args)
+        transforms = transforms_active()
+        if transforms or forward_ad._current_level >= 0:
+            reject_forward_mode("rope", (q, k, cos, sin))
+        if transforms:
+            return rope_fn.apply(*args)
+        if is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad
+                                  or sin.requires_grad):
+            return rope_eager.apply(*args)
+        with below_autograd():
+            return _ROPE(*args)
+
+    def rope_table_grad(grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing):
+        args = (grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing)
+        if is_compiling():
+            return torch.ops.posenc.rope_table_grad(*args)
+        if transforms_active():
+            return grad_fn.apply(*args)
+        if is_grad_enabled() and (grad_q.requires_grad or grad_k.requires_grad
+                                  or q.requires_grad or k.requires_grad):
+            return grad_eager.apply(*args)
+        with below_autograd():
+            return _ROPE_TABLE_GRAD(*args)
+
+    def rope_fused(q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+                   pairing, transpose=False, heads_first=False):
+        args = (q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+                pairing, transpose, heads_first)
+        if is_compiling():
+            return torch.ops.posenc.rope_fused(*args)
+        transforms = transforms_active()
+        if transforms or forward_ad._current_level >= 0:
+            reject_forward_mode("rope_fused", (q, k))
+        if transforms:
+            return fused_fn.apply(*args)
+        if is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            return fused_eager.apply(*args)
+        with below_autograd():
+            return _ROPE_FUSED(*args)
+
+    def rope_tables(position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+                    pairing, dtype):
+        args = (position_ids, inv_freq, mrope_section, interleaved, attention_scaling, pairing,
+                dtype)
+        if is_compiling() or transforms_active():
+            return torch.ops.posenc.rope_tables(*args)
+        with below_autograd():
+            return _ROPE_TABLES(*args)
+
+    return {"rope": rope, "rope_table_grad": rope_table_grad, "rope_fused": rope_fused,
+            "rope_tables": rope_tables}
 
 
-def rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False, q_dtype=None,
-         k_dtype=None, heads_first=False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.posenc.rope`` with the eager fast paths (same arguments and results)."""
-    args = (q, k, cos, sin, mrope_section, interleaved, pairing, transpose, q_dtype, k_dtype,
-            heads_first)
-    if torch.compiler.is_compiling():
-        return torch.ops.posenc.rope(*args)
-    transforms = _transforms_active()
-    if transforms or _forward_ad._current_level >= 0:
-        _reject_forward_mode("rope", (q, k, cos, sin))
-    if transforms:
-        return _RopeFunction.apply(*args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad
-                                    or sin.requires_grad):
-        return _RopeEager.apply(*args)
-    with _below_autograd():
-        return _ROPE(*args)
+def _plain_entry_points() -> dict[str, Callable]:
+    """Every call through the dispatcher (its autograd key runs the registered formulas)."""
+    ops = torch.ops.posenc
+    return {"rope": ops.rope, "rope_table_grad": ops.rope_table_grad,
+            "rope_fused": ops.rope_fused, "rope_tables": ops.rope_tables}
 
 
-def rope_table_grad(grad_q, grad_k, q, k, cos, mrope_section, interleaved,
-                    pairing) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.posenc.rope_table_grad`` with the eager fast paths."""
-    args = (grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing)
-    if torch.compiler.is_compiling():
-        return torch.ops.posenc.rope_table_grad(*args)
-    if _transforms_active():
-        return _RopeTableGradFunction.apply(*args)
-    if torch.is_grad_enabled() and (grad_q.requires_grad or grad_k.requires_grad
-                                    or q.requires_grad or k.requires_grad):
-        return _RopeTableGradEager.apply(*args)
-    with _below_autograd():
-        return _ROPE_TABLE_GRAD(*args)
+def _bind(private: _Private | None) -> None:
+    """Binds the module's ``rope`` / ``rope_table_grad`` / ``rope_fused`` / ``rope_tables``:
+    the fast paths when ``private`` holds the torch names they need, else the plain ones."""
+    global rope, rope_table_grad, rope_fused, rope_tables
+    _ENTRY.clear()
+    _ENTRY.update(_plain_entry_points() if private is None else _fast_entry_points(private))
+    rope, rope_table_grad = _ENTRY["rope"], _ENTRY["rope_table_grad"]
+    rope_fused, rope_tables = _ENTRY["rope_fused"], _ENTRY["rope_tables"]
 
 
-def rope_fused(q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
-               pairing, transpose=False, heads_first=False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.posenc.rope_fused`` with the eager fast paths."""
-    args = (q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
-            pairing, transpose, heads_first)
-    if torch.compiler.is_compiling():
-        return torch.ops.posenc.rope_fused(*args)
-    transforms = _transforms_active()
-    if transforms or _forward_ad._current_level >= 0:
-        _reject_forward_mode("rope_fused", (q, k))
-    if transforms:
-        return _RopeFusedFunction.apply(*args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _RopeFusedEager.apply(*args)
-    with _below_autograd():
-        return _ROPE_FUSED(*args)
+_ENTRY: dict[str, Callable] = {}
+#: The private torch names the fast paths use, or None (then every call is plain).
+PRIVATE = _lookup_private()
+_bind(PRIVATE)
 
-
-def rope_tables(position_ids, inv_freq, mrope_section, interleaved, attention_scaling, pairing,
-                dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.posenc.rope_tables`` (integer positions in: nothing to differentiate)."""
-    args = (position_ids, inv_freq, mrope_section, interleaved, attention_scaling, pairing, dtype)
-    if torch.compiler.is_compiling() or _transforms_active():
-        return torch.ops.posenc.rope_tables(*args)
-    with _below_autograd():
-        return _ROPE_TABLES(*args)
+# Signatures (the same for both bindings; the tensors are those of the ops' schemas):
+#   rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False, q_dtype=None,
+#        k_dtype=None, heads_first=False) -> (q_out, k_out)
+#   rope_table_grad(grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing)
+#        -> (dcos, dsin)
+#   rope_fused(q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+#        pairing, transpose=False, heads_first=False) -> (q_out, k_out)
+#   rope_tables(position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+#        pairing, dtype) -> (cos, sin)

@@ -47,6 +47,8 @@ _TIME_TRUNC_SECONDS, _TIME_F32, _TIME_F64_INTERVAL = 1, 2, 3
 #: checkpoint's config when it differs.
 QWEN2_5_VL_TOKENS_PER_SECOND = 2
 
+_INT64_MAX = 2**63 - 1
+
 
 def _installed_transformers_version() -> str | None:
     """The version of the transformers that ``import transformers`` gives, without
@@ -360,6 +362,8 @@ def compute_mrope_decode_position_ids(
     pass ``prompt_position_ids`` for generate's positions.
     ``batch_size`` B' (a multiple of B) repeats every row's delta B'/B times, for beam search
     or several samples per prompt; default B (or the mask's rows).
+    A negative ``past_length`` and ids past int64 are ``ValueError``s; a tensor
+    ``past_length`` and the deltas are read for that check (a sync for CUDA tensors).
     """
     check_tensor("mrope_position_deltas", mrope_position_deltas, (1, 2), "(batch, 1) or (batch,)")
     if mrope_position_deltas.is_floating_point() or mrope_position_deltas.dtype == torch.bool:
@@ -387,8 +391,11 @@ def compute_mrope_decode_position_ids(
             raise ValueError("past_length as a tensor must be 0-d, or 1-D cache_position "
                              f"with at least one entry, got shape {tuple(past_length.shape)}")
         start = past_length.reshape(-1)[:1].to(device=deltas.device, dtype=torch.int64)
+        first = int(start)  # read once to check it (a device sync for a CUDA cache_position)
+        if first < 0:
+            raise ValueError(f"past_length must be >= 0, got {first}")
     else:
-        start = _check_int_arg("past_length", past_length, 0)
+        start = first = _check_int_arg("past_length", past_length, 0)
     if prompt_position_ids is not None:
         check_tensor("prompt_position_ids", prompt_position_ids, 3, "(3 or 4, batch, seq)")
         if prompt_position_ids.is_floating_point() or prompt_position_ids.dtype == torch.bool:
@@ -401,6 +408,7 @@ def compute_mrope_decode_position_ids(
             raise ValueError(f"prompt_position_ids has {prompt_position_ids.shape[1]} rows, "
                              f"mrope_position_deltas {deltas.shape[0]} (after batch_size)")
         last = prompt_position_ids[-3:, :, -1:].to(device=deltas.device, dtype=torch.int64)
+        _check_no_overflow(first, num_new_tokens, last, 1 - prompt_position_ids.shape[2])
         steps = torch.arange(num_new_tokens, device=deltas.device, dtype=torch.int64)
         return last + 1 + (start - prompt_position_ids.shape[2]) + steps
     if use_mask:
@@ -413,11 +421,24 @@ def compute_mrope_decode_position_ids(
                              f"{start + num_new_tokens} tokens, got {attention_mask.shape[1]}")
         mask = attention_mask.to(deltas.device)
         counted = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        _check_no_overflow(0, counted.shape[1], deltas, 0)
         ids = counted[:, counted.shape[1] - num_new_tokens:] + deltas
     else:
         steps = torch.arange(num_new_tokens, device=deltas.device, dtype=torch.int64)
+        _check_no_overflow(first, num_new_tokens, deltas, 0)
         ids = steps.unsqueeze(0) + start + deltas
     return ids.unsqueeze(0).repeat(3, 1, 1)
+
+
+def _check_no_overflow(past_length: int, num_new_tokens: int, offsets: torch.Tensor,
+                       shift: int) -> None:
+    """The largest id, past_length + num_new_tokens - 1 + max(offsets) + shift, computed in
+    Python ints, must fit in int64 (the ids are int64: they would wrap around)."""
+    largest = past_length + num_new_tokens - 1 + shift + (
+        int(offsets.max()) if offsets.numel() else 0)
+    if largest > _INT64_MAX:
+        raise ValueError(f"past_length {past_length} + num_new_tokens {num_new_tokens} and the "
+                         f"position offsets give ids up to {largest}, past int64 (2^63 - 1)")
 
 
 def vision_rotary_position_ids(grid_thw: torch.Tensor,
@@ -431,7 +452,8 @@ def vision_rotary_position_ids(grid_thw: torch.Tensor,
     (h/m) x (w/m) merge windows row-major, and within a window its m x m patches
     row-major (m = ``spatial_merge_size``).  These are the ids that transformers'
     ``rot_pos_emb`` (4.x) / ``get_vision_position_ids`` (5.x) gather the vision rotary
-    frequencies with.  ValueError for values <= 0 or h, w not divisible by m.
+    frequencies with.  ValueError for values <= 0 or h, w not divisible by m;
+    RuntimeError naming grid_thw when the (N, 2) ids cannot be allocated.
     """
     _check_integer_tensor("grid_thw", grid_thw, 2, "2-D (num_grids, 3) of (t, h, w)")
     if grid_thw.shape[1] != 3:

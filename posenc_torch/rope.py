@@ -1,56 +1,39 @@
 """Public RoPE functions: transformers drop-ins and the fused positions-in path.
 
-Argument checks live in one layer: the C++ shim checks sizes, dtypes and devices of what the
-op receives.  The checks here cover what only Python sees (option names, the caller's
-layout, tensor types, mixed devices) and run before the op only where a fast path does not
-apply (tracing, non-CPU tensors); on the eager CPU path they run after the op has failed,
-to replace its message with one in terms of the public function's own arguments.
+The op validates its arguments (the C++ shim); each function here calls it first and runs
+its own checks (``_checks``: tensor types, ranks in the caller's layout, devices) only when
+the op has failed, to raise the error of the policy class that names the public argument.
+While tracing (``torch.compile`` / export: fake tensors, no kernel runs) the checks come
+first instead.  The path is the same for every device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from . import ops
 from ._checks import (
-    check_float,
-    check_float_dtype,
+    check_bool,
+    check_dtype,
+    check_real,
     check_same_device,
     check_sections,
     check_tensor,
     check_unsqueeze_dim,
+    explain,
     pairing_code,
 )
 
 _QK_LAYOUT = {1: "(batch, heads, seq, head_dim)", 2: "(batch, seq, heads, head_dim)"}
+_is_compiling = torch.compiler.is_compiling
 
 
-def _check_qk(q: torch.Tensor, k: torch.Tensor, unsqueeze_dim: int) -> None:
+def _check_qk(q: object, k: object, unsqueeze_dim: int) -> None:
     layout = _QK_LAYOUT[unsqueeze_dim]
     check_tensor("q", q, 4, f"4-D {layout} for unsqueeze_dim={unsqueeze_dim}")
     check_tensor("k", k, 4, f"4-D {layout} for unsqueeze_dim={unsqueeze_dim}")
-    check_float("q", q)
-    check_float("k", k)
-
-
-def _fast(a: object, b: object, c: object, d: object) -> bool:
-    """Eager call on CPU tensors: the op's own checks come first (see the module doc)."""
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            and isinstance(c, torch.Tensor) and isinstance(d, torch.Tensor)
-            and a.is_cpu and b.is_cpu and c.is_cpu and d.is_cpu
-            and not torch.compiler.is_compiling())
-
-
-def _explain(check: Callable[..., None], *args: object) -> None:
-    """Called while the op's exception is handled on the fast path: raise ``check``'s error,
-    which names the public function's arguments, if it finds one; else return (the caller
-    re-raises the op's own)."""
-    try:
-        check(*args)
-    except (TypeError, ValueError, NotImplementedError) as err:
-        raise err from None
 
 
 def _check_no_inv_freq_grad(inv_freq: torch.Tensor) -> None:
@@ -62,8 +45,9 @@ def _check_no_inv_freq_grad(inv_freq: torch.Tensor) -> None:
 
 def _check_table_call(q: object, k: object, cos: object, sin: object, dim: int,
                       sections: list[int] | None) -> None:
-    """The checks of the table-driven rotations: ``sections`` None for RoPE (3-D tables),
-    a list for MRoPE ((3, batch, seq, head_dim) tables)."""
+    """What the op cannot say in the caller's terms: tensor types, ranks in the layout of
+    ``unsqueeze_dim``, devices.  ``sections`` None for RoPE (3-D tables), a list for MRoPE
+    ((3, batch, seq, head_dim) tables)."""
     _check_qk(q, k, dim)
     if sections is None:
         check_tensor("cos", cos, 3, "3-D (batch, seq, rot_dim)")
@@ -71,12 +55,6 @@ def _check_table_call(q: object, k: object, cos: object, sin: object, dim: int,
     else:
         check_tensor("cos", cos, 4, "4-D (3, batch, seq, head_dim)")
         check_tensor("sin", sin, 4, "4-D (3, batch, seq, head_dim)")
-    check_float("cos", cos)
-    check_float("sin", sin)
-    if sections is not None and 2 * sum(sections) != cos.shape[-1]:
-        raise ValueError(
-            f"mrope_section {sections} must satisfy 2 * sum == {cos.shape[-1]} "
-            f"(the last dim of cos), got 2 * {sum(sections)} = {2 * sum(sections)}")
     check_same_device(q=q, k=k, cos=cos, sin=sin)
 
 
@@ -110,15 +88,12 @@ def apply_rotary_pos_emb(
     dim = check_unsqueeze_dim(unsqueeze_dim)
     code = pairing_code(pairing)
 
-    fast = _fast(q, k, cos, sin)
-    if not fast:
+    if _is_compiling():
         _check_table_call(q, k, cos, sin, dim, None)
     try:
         return ops.rope(q, k, cos, sin, [], False, code, False, None, None, dim == 1)
-    except Exception:
-        if fast:
-            _explain(_check_table_call, q, k, cos, sin, dim, None)
-        raise
+    except Exception as err:
+        raise explain(err, _check_table_call, q, k, cos, sin, dim, None) from None
 
 
 def apply_multimodal_rotary_pos_emb(
@@ -142,15 +117,12 @@ def apply_multimodal_rotary_pos_emb(
     dim = check_unsqueeze_dim(unsqueeze_dim)
     sections = check_sections(mrope_section)
 
-    fast = _fast(q, k, cos, sin)
-    if not fast:
+    if _is_compiling():
         _check_table_call(q, k, cos, sin, dim, sections)
     try:
         return ops.rope(q, k, cos, sin, sections, False, 0, False, None, None, dim == 1)
-    except Exception:
-        if fast:
-            _explain(_check_table_call, q, k, cos, sin, dim, sections)
-        raise
+    except Exception as err:
+        raise explain(err, _check_table_call, q, k, cos, sin, dim, sections) from None
 
 
 def apply_rotary_pos_emb_vision(
@@ -165,24 +137,29 @@ def apply_rotary_pos_emb_vision(
     fp64 included (fp64 q, k, cos, sin are rounded to fp32 first), and the results are
     cast to q's and k's dtypes; fp32 and fp64 inputs give transformers' values exactly.
     """
-
-    fast = _fast(q, k, cos, sin)
-    if not fast:
+    if _is_compiling():
         _check_vision_call(q, k, cos, sin)
     # fp64 is the one dtype the kernels would not narrow to fp32: round it here, and widen
     # the fp32 results afterwards, as transformers' casts do (forward and backward).
     f64, f32 = torch.float64, torch.float32
     try:
+        if cos.dtype != f32 or sin.dtype != f32:  # transformers takes cos.float(), sin.float()
+            cos, sin = _vision_table("cos", cos), _vision_table("sin", sin)
         q_out, k_out = ops.rope(
             (q.float() if q.dtype == f64 else q).unsqueeze(0),
             (k.float() if k.dtype == f64 else k).unsqueeze(0),
-            cos.float().unsqueeze(0), sin.float().unsqueeze(0), [], False, 0, False,
+            cos.unsqueeze(0), sin.unsqueeze(0), [], False, 0, False,
             f32 if q.dtype == f64 else q.dtype, f32 if k.dtype == f64 else k.dtype)
-    except Exception:
-        if fast:
-            _explain(_check_vision_call, q, k, cos, sin)
-        raise
+    except Exception as err:
+        raise explain(err, _check_vision_call, q, k, cos, sin) from None
     return q_out.squeeze(0).to(q.dtype), k_out.squeeze(0).to(k.dtype)
+
+
+def _vision_table(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A float table as fp32 (an integer one is a TypeError, not a silent conversion)."""
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
+    return t.float()
 
 
 def _check_vision_call(q: object, k: object, cos: object, sin: object) -> None:
@@ -190,30 +167,17 @@ def _check_vision_call(q: object, k: object, cos: object, sin: object) -> None:
     check_tensor("k", k, 3, "3-D (patches, heads, head_dim)")
     check_tensor("cos", cos, 2, "2-D (patches, head_dim)")
     check_tensor("sin", sin, 2, "2-D (patches, head_dim)")
-    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        check_float(name, t)
+    patches = q.shape[0]  # the op sees them as a sequence: name them as the caller does
+    for name, t in (("k", k), ("cos", cos), ("sin", sin)):
+        if t.shape[0] != patches:
+            raise ValueError(f"{name} has {t.shape[0]} patches (dim 0) but q has {patches}")
     check_same_device(q=q, k=k, cos=cos, sin=sin)
 
 
-def _check_positions(position_ids: torch.Tensor, inv_freq: torch.Tensor,
-                     mrope_section: Sequence[int] | None) -> list[int]:
+def _check_positions(position_ids: object, inv_freq: object) -> None:
     check_tensor("position_ids", position_ids, (2, 3), "(batch, seq) or (3, batch, seq)")
-    if position_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"position_ids must be int64 or int32, got {position_ids.dtype}")
     check_tensor("inv_freq", inv_freq, 1, "1-D (rot_dim / 2,)")
-    if not inv_freq.is_floating_point():
-        raise TypeError(f"inv_freq must be floating point, got {inv_freq.dtype}")
-    _check_no_inv_freq_grad(inv_freq)
-    if mrope_section is None:
-        if position_ids.dim() == 3:
-            raise ValueError("position_ids of shape (3, batch, seq) need mrope_section")
-        return []
-    sections = check_sections(mrope_section)
-    if sum(sections) != inv_freq.shape[0]:
-        raise ValueError(
-            f"mrope_section {list(mrope_section)} must sum to len(inv_freq) = "
-            f"{inv_freq.shape[0]} (2 * sum == rotary width), got {sum(sections)}")
-    return sections
+    check_same_device(position_ids=position_ids, inv_freq=inv_freq)
 
 
 def apply_rope(
@@ -240,34 +204,30 @@ def apply_rope(
     not rounded to q's dtype.  Returns ``(q_embed, k_embed)`` in q's and k's dtypes.
 
     Gradients flow to q and k; ``inv_freq`` is a constant here (a ``ValueError`` names it
-    when it requires grad in grad mode: pass ``inv_freq.detach()``).
+    when it requires grad in grad mode: pass ``inv_freq.detach()``).  ``attention_scaling``
+    is a real number (int or float; a tensor is a ``TypeError``, as its gradient would be
+    lost) and ``interleaved_mrope`` a bool.
     """
     dim = check_unsqueeze_dim(unsqueeze_dim)
     code = pairing_code(pairing)
-
-    fast = _fast(q, k, position_ids, inv_freq)
-    if not fast:
-        _check_fused_call(q, k, position_ids, inv_freq, dim, mrope_section)
-    _check_no_inv_freq_grad(inv_freq)  # the op would ignore it: never silently
     sections = [] if mrope_section is None else check_sections(mrope_section)
+    check_bool("interleaved_mrope", interleaved_mrope)
+    scaling = (attention_scaling if type(attention_scaling) is float
+               else check_real("attention_scaling", attention_scaling))
+    if _is_compiling():
+        _check_fused_call(q, k, position_ids, inv_freq, dim)
     try:
-        return ops.rope_fused(q, k, position_ids, inv_freq, sections, bool(interleaved_mrope),
-                              float(attention_scaling), code, False, dim == 1)
-    except Exception:
-        if fast:
-            _explain(_check_fused_call, q, k, position_ids, inv_freq, dim, mrope_section)
-        raise
+        _check_no_inv_freq_grad(inv_freq)  # the op would ignore it: never silently
+        return ops.rope_fused(q, k, position_ids, inv_freq, sections, interleaved_mrope,
+                              scaling, code, False, dim == 1)
+    except Exception as err:
+        raise explain(err, _check_fused_call, q, k, position_ids, inv_freq, dim) from None
 
 
-def _check_fused_call(q: object, k: object, position_ids: object, inv_freq: object, dim: int,
-                      mrope_section: Sequence[int] | None) -> None:
+def _check_fused_call(q: object, k: object, position_ids: object, inv_freq: object,
+                      dim: int) -> None:
     _check_qk(q, k, dim)
-    _check_positions(position_ids, inv_freq, mrope_section)
-    if 2 * inv_freq.shape[0] > q.shape[-1]:
-        raise ValueError(
-            f"inv_freq has {inv_freq.shape[0]} frequencies, so the rotary width "
-            f"2 * {inv_freq.shape[0]} = {2 * inv_freq.shape[0]} exceeds head_dim "
-            f"{q.shape[-1]}")
+    _check_positions(position_ids, inv_freq)
     check_same_device(q=q, k=k, position_ids=position_ids, inv_freq=inv_freq)
 
 
@@ -292,10 +252,19 @@ def compute_mrope_cos_sin(
     cos/sin in fp32 times ``attention_scaling``, then one rounding to ``dtype``.  With
     ``pairing="adjacent"`` frequency i fills channels 2i and 2i+1 instead of i and i + R/2.
     The tables are not differentiable: an ``inv_freq`` that requires grad (in grad mode) is
-    rejected with a ``ValueError`` naming it.
+    rejected with a ``ValueError`` naming it, and ``attention_scaling`` is a real number
+    (int or float; a tensor is a ``TypeError``).  ``interleaved`` is a bool.
     """
-    sections = _check_positions(position_ids, inv_freq, mrope_section)
-    check_float_dtype("dtype", dtype)
-    check_same_device(position_ids=position_ids, inv_freq=inv_freq)
-    return ops.rope_tables(position_ids, inv_freq, sections, bool(interleaved),
-                           float(attention_scaling), pairing_code(pairing), dtype)
+    sections = [] if mrope_section is None else check_sections(mrope_section)
+    check_bool("interleaved", interleaved)
+    scaling = check_real("attention_scaling", attention_scaling)
+    check_dtype("dtype", dtype)
+    code = pairing_code(pairing)
+    if _is_compiling():
+        _check_positions(position_ids, inv_freq)
+    try:
+        _check_no_inv_freq_grad(inv_freq)
+        return ops.rope_tables(position_ids, inv_freq, sections, interleaved, scaling, code,
+                               dtype)
+    except Exception as err:
+        raise explain(err, _check_positions, position_ids, inv_freq) from None

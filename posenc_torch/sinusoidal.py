@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ._checks import check_float_dtype
+from ._checks import check_dtype, check_real, op_error
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
+def _check_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if isinstance(value, int) and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def sinusoidal_position_encoding(
@@ -42,12 +37,15 @@ def sinusoidal_position_encoding(
         dim: embedding width, >= 1.
         base: the wavelength base (10000 in the paper); finite and > 0.
         dtype: float32 (default), float64, bfloat16 or float16.
+
+    Raises TypeError for arguments of the wrong type, ValueError for values out of range,
+    RuntimeError naming the table when its memory cannot be allocated.
     """
-    _check_int("num_positions", num_positions, 0)
-    _check_int("dim", dim, 1)
-    if isinstance(base, bool) or not isinstance(base, (int, float)):
-        raise TypeError(f"base must be a float, got {type(base).__name__}")
-    if not 0.0 < base < math.inf:  # also rejects NaN
-        raise ValueError(f"base must be finite and > 0, got {base}")
-    check_float_dtype("dtype", dtype)
-    return torch.ops.posenc.sinusoidal(num_positions, dim, float(base), dtype)
+    _check_int("num_positions", num_positions)
+    _check_int("dim", dim)
+    base = check_real("base", base)
+    check_dtype("dtype", dtype)
+    try:  # the op checks the values (num_positions >= 0, dim >= 1, base finite and > 0)
+        return torch.ops.posenc.sinusoidal(num_positions, dim, base, dtype)
+    except ValueError as err:
+        raise op_error(err) from None

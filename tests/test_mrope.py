@@ -850,7 +850,7 @@ def _mrope_args(D=16, T=4):
     ([4, 4], ValueError, "mrope_section"),               # 2 sections
     ([2, 2, 2, 2], ValueError, "mrope_section"),
     (torch.tensor([2, 3, 3]), TypeError, "mrope_section"),
-    ([2.0, 3, 3], ValueError, "mrope_section"),
+    ([2.0, 3, 3], TypeError, "mrope_section"),
     ([-1, 5, 4], ValueError, "mrope_section"),
     (8, TypeError, "mrope_section"),
 ])
@@ -869,24 +869,24 @@ def test_bad_mrope_tables():
     q, k, cos, sin = _mrope_args()
     with pytest.raises(ValueError, match="cos"):
         P.apply_multimodal_rotary_pos_emb(q, k, cos[0], sin[0], [2, 3, 3])   # 3-D tables
-    with pytest.raises(RuntimeError, match="cos sequence length"):
+    with pytest.raises(ValueError, match="cos sequence length"):
         P.apply_multimodal_rotary_pos_emb(q, k, cos[:, :, :3], sin[:, :, :3], [2, 3, 3])
-    with pytest.raises(RuntimeError, match="cos batch size"):
+    with pytest.raises(ValueError, match="cos batch size"):
         P.apply_multimodal_rotary_pos_emb(q, k, cos.repeat(1, 2, 1, 1), sin.repeat(1, 2, 1, 1),
                                           [2, 3, 3])
-    with pytest.raises(RuntimeError, match="3 axes"):
+    with pytest.raises(ValueError, match="3 axes"):
         P.apply_multimodal_rotary_pos_emb(q, k, cos[:2], sin[:2], [2, 3, 3])
-    with pytest.raises(RuntimeError, match="sin shape"):
+    with pytest.raises(ValueError, match="sin shape"):
         P.apply_multimodal_rotary_pos_emb(q, k, cos, sin[:, :1], [2, 3, 3])
-    with pytest.raises(RuntimeError, match="sin dtype"):
+    with pytest.raises(TypeError, match="sin dtype"):
         P.apply_multimodal_rotary_pos_emb(q, k, cos, sin.double(), [2, 3, 3])
     with pytest.raises(TypeError, match="cos"):
         P.apply_multimodal_rotary_pos_emb(q, k, cos.int(), sin, [2, 3, 3])
     with pytest.raises(TypeError, match="q"):
         P.apply_multimodal_rotary_pos_emb(q.int(), k, cos, sin, [2, 3, 3])
-    with pytest.raises(RuntimeError, match="k batch size"):
+    with pytest.raises(ValueError, match="k batch size"):
         P.apply_multimodal_rotary_pos_emb(q, k[:1], cos, sin, [2, 3, 3])
-    with pytest.raises(RuntimeError, match="k sequence length"):
+    with pytest.raises(ValueError, match="k sequence length"):
         P.apply_multimodal_rotary_pos_emb(q, k[:, :, :3], cos, sin, [2, 3, 3])
     with pytest.raises(ValueError, match="unsqueeze_dim"):
         P.apply_multimodal_rotary_pos_emb(q, k, cos, sin, [2, 3, 3], 3)
@@ -910,11 +910,11 @@ def test_bad_positions_and_inv_freq():
         P.apply_rope(q, k, pos3[0], torch.rand(9))            # R = 18 > head_dim 16
     with pytest.raises(ValueError, match="inv_freq"):
         P.apply_rope(q, k, pos3[0], torch.rand(2, 4))
-    with pytest.raises(RuntimeError, match="position_ids sequence length"):
+    with pytest.raises(ValueError, match="position_ids sequence length"):
         P.apply_rope(q, k, pos3[0, :, :3], inv)               # T mismatch
-    with pytest.raises(RuntimeError, match="position_ids batch size"):
+    with pytest.raises(ValueError, match="position_ids batch size"):
         P.apply_rope(q, k, torch.zeros(3, 4, dtype=torch.long), inv)   # B mismatch
-    with pytest.raises(RuntimeError, match="3 rows"):
+    with pytest.raises(ValueError, match="3 rows"):
         P.apply_rope(q, k, torch.zeros(4, 2, 4, dtype=torch.long), inv, mrope_section=[2, 3, 3])
     with pytest.raises(ValueError, match="position_ids"):
         P.apply_rope(q, k, torch.zeros(4, dtype=torch.long), inv)
@@ -931,9 +931,9 @@ def test_bad_vision_inputs():
     cos = torch.randn(5, 8)
     with pytest.raises(ValueError, match="q"):
         P.apply_rotary_pos_emb_vision(q[None], q, cos, cos)
-    with pytest.raises(RuntimeError, match="cos sequence length"):
+    with pytest.raises(ValueError, match="cos has 4 patches"):
         P.apply_rotary_pos_emb_vision(q, q, cos[:4], cos[:4])
-    with pytest.raises(RuntimeError, match="rotary width"):
+    with pytest.raises(ValueError, match=r"rotary width 10 \(the last dim of cos\)"):
         P.apply_rotary_pos_emb_vision(q, q, torch.randn(5, 10), torch.randn(5, 10))
 
 

@@ -500,21 +500,21 @@ BAD = [
     ("k-rank", lambda q, k, c, s: (q, k[None], c, s), {}, ValueError, "k must be 4-D"),
     ("cos-rank", lambda q, k, c, s: (q, k, c[0], s), {}, ValueError, "cos must be 3-D"),
     ("sin-rank", lambda q, k, c, s: (q, k, c, s[None]), {}, ValueError, "sin must be 3-D"),
-    ("k-batch", lambda q, k, c, s: (q, k[:1], c, s), {}, RuntimeError, "k batch size"),
-    ("k-seq", lambda q, k, c, s: (q, k[:, :, :3], c, s), {}, RuntimeError, "k sequence length"),
-    ("k-head-dim", lambda q, k, c, s: (q, k[..., :8], c, s), {}, RuntimeError, "k head_dim"),
+    ("k-batch", lambda q, k, c, s: (q, k[:1], c, s), {}, ValueError, "k batch size"),
+    ("k-seq", lambda q, k, c, s: (q, k[:, :, :3], c, s), {}, ValueError, "k sequence length"),
+    ("k-head-dim", lambda q, k, c, s: (q, k[..., :8], c, s), {}, ValueError, "k head_dim"),
     ("cos-batch", lambda q, k, c, s: (q, k, torch.randn(3, 5, 16), torch.randn(3, 5, 16)), {},
-     RuntimeError, "cos batch size"),
-    ("cos-seq", lambda q, k, c, s: (q, k, c[:, :4], s[:, :4]), {}, RuntimeError,
+     ValueError, "cos batch size"),
+    ("cos-seq", lambda q, k, c, s: (q, k, c[:, :4], s[:, :4]), {}, ValueError,
      "cos sequence length"),
-    ("sin-shape", lambda q, k, c, s: (q, k, c, s[..., :8]), {}, RuntimeError, "sin shape"),
-    ("odd-rotary", lambda q, k, c, s: (q, k, c[..., :7], s[..., :7]), {}, RuntimeError,
+    ("sin-shape", lambda q, k, c, s: (q, k, c, s[..., :8]), {}, ValueError, "sin shape"),
+    ("odd-rotary", lambda q, k, c, s: (q, k, c[..., :7], s[..., :7]), {}, ValueError,
      "must be even"),
     ("rotary-too-wide", lambda q, k, c, s: (q, k, torch.randn(2, 5, 18), torch.randn(2, 5, 18)),
-     {}, RuntimeError, "must not exceed head_dim"),
+     {}, ValueError, "must not exceed head_dim"),
     ("int-q", lambda q, k, c, s: (q.int(), k, c, s), {}, TypeError, "q must be float32"),
     ("int-cos", lambda q, k, c, s: (q, k, c.long(), s), {}, TypeError, "cos must be float32"),
-    ("cos-sin-dtype", lambda q, k, c, s: (q, k, c, s.double()), {}, RuntimeError, "sin dtype"),
+    ("cos-sin-dtype", lambda q, k, c, s: (q, k, c, s.double()), {}, TypeError, "sin dtype"),
     ("unsqueeze-dim", lambda q, k, c, s: (q, k, c, s), {"unsqueeze_dim": 3}, ValueError,
      "unsqueeze_dim must be 1"),
     ("pairing", lambda q, k, c, s: (q, k, c, s), {"pairing": "gptj"}, ValueError,
@@ -535,12 +535,12 @@ def test_bad_input_names_the_argument(name, mutate, kw, exc, msg):
 def test_op_called_directly_rejects_bad_sizes():
     q, k, c, s = _ok()
     qb, kb = q.transpose(1, 2), k.transpose(1, 2)
-    with pytest.raises(RuntimeError, match="pairing must be 0"):
+    with pytest.raises(ValueError, match="pairing must be 0"):
         torch.ops.posenc.rope(qb, kb, c, s, [], False, 5, False)
-    with pytest.raises(RuntimeError, match="mrope_section"):
+    with pytest.raises(ValueError, match="mrope_section"):
         torch.ops.posenc.rope(qb, kb, c[None].expand(3, -1, -1, -1), s[None].expand(3, -1, -1, -1),
                               [1, 2, 3], False, 0, False)
-    with pytest.raises(RuntimeError, match="q must be 4-D"):
+    with pytest.raises(ValueError, match="q must be 4-D"):
         torch.ops.posenc.rope(q[0], kb, c, s, [], False, 0, False)
-    with pytest.raises(RuntimeError, match="q_dtype must be float32"):
+    with pytest.raises(ValueError, match="^TypeError: q_dtype must be float32"):
         torch.ops.posenc.rope(qb, kb, c, s, [], False, 0, False, torch.int32)

@@ -126,8 +126,9 @@ def test_bad_arguments(kwargs, exc, pattern):
     ((1 << 62, 4, 10000.0, torch.float32), "overflow"),
 ])
 def test_op_rejects_bad_arguments(args, pattern):
-    """The op checks its arguments itself (it is callable without the Python wrapper)."""
-    with pytest.raises(RuntimeError, match=pattern):
+    """The op checks its arguments itself (it is callable without the Python wrapper);
+    a raw op raises ValueError for every bad argument (README, "Errors")."""
+    with pytest.raises(ValueError, match=pattern):
         torch.ops.posenc.sinusoidal(*args)
 
 

@@ -90,7 +90,7 @@ void check_cpu(const Meta& m, const Tensor& t, const char* name) {
     // only the CUDA entry points pass CUDA tensors (cuda_inputs)
     if (m.device_type == aoti_torch_device_type_cuda()) return;
 #endif
-    PE_CHECK(m.is_cpu(), name, " must be a CPU tensor, got device ", DeviceName{t});
+    PE_CHECK_VALUE(m.is_cpu(), name, " must be a CPU tensor, got device ", DeviceName{t});
 }
 
 void check_cpu(const Tensor& t, const char* name) { check_cpu(Meta(t), t, name); }
@@ -122,24 +122,26 @@ void fill_strides(int64_t dst[3], const Meta& m, const Layout& L) {  // batch, s
     dst[2] = m.strides[L.heads];
 }
 
-// Validates q, k (4-D in layout L) and returns the rotary problem without its angle source.
+// Validates q, k (4-D in layout L) and returns the rotary problem without its angle source;
+// `rot_source` names the argument the rotary width comes from.
 pe_rope_args problem(const Tensor& q, const Meta& qm, const Tensor& k, const Meta& km,
-                     int64_t rot_dim, int64_t pairing, bool transpose, const Layout& L) {
-    PE_CHECK(qm.dim() == 4, "q must be 4-D ", L.text, ", got ", qm.dim(), "-D");
-    PE_CHECK(km.dim() == 4, "k must be 4-D ", L.text, ", got ", km.dim(), "-D");
+                     int64_t rot_dim, const char* rot_source, int64_t pairing, bool transpose,
+                     const Layout& L) {
+    PE_CHECK_VALUE(qm.dim() == 4, "q must be 4-D ", L.text, ", got ", qm.dim(), "-D");
+    PE_CHECK_VALUE(km.dim() == 4, "k must be 4-D ", L.text, ", got ", km.dim(), "-D");
     check_cpu(qm, q, "q");
     check_cpu(km, k, "k");
     const IntList qs = qm.sizes, ks = km.sizes;
-    PE_CHECK(ks[0] == qs[0], "k batch size ", ks[0], " must equal q batch size ", qs[0]);
-    PE_CHECK(ks[L.seq] == qs[L.seq], "k sequence length ", ks[L.seq],
-             " must equal q sequence length ", qs[L.seq]);
-    PE_CHECK(ks[3] == qs[3], "k head_dim ", ks[3], " must equal q head_dim ", qs[3]);
-    PE_CHECK(pairing == PE_PAIR_HALF || pairing == PE_PAIR_ADJACENT,
-             "pairing must be 0 (half) or 1 (adjacent), got ", pairing);
-    PE_CHECK(rot_dim % 2 == 0 && rot_dim >= 2,
-             "rotary width (last dim of cos/sin, or 2 * len(inv_freq)) must be even and >= 2, "
-             "got ", rot_dim);
-    PE_CHECK(rot_dim <= qs[3], "rotary width ", rot_dim, " must not exceed head_dim ", qs[3]);
+    PE_CHECK_VALUE(ks[0] == qs[0], "k batch size ", ks[0], " must equal q batch size ", qs[0]);
+    PE_CHECK_VALUE(ks[L.seq] == qs[L.seq], "k sequence length ", ks[L.seq],
+                   " must equal q sequence length ", qs[L.seq]);
+    PE_CHECK_VALUE(ks[3] == qs[3], "k head_dim ", ks[3], " must equal q head_dim ", qs[3]);
+    PE_CHECK_VALUE(pairing == PE_PAIR_HALF || pairing == PE_PAIR_ADJACENT,
+                   "pairing must be 0 (half) or 1 (adjacent), got ", pairing);
+    PE_CHECK_VALUE(rot_dim % 2 == 0 && rot_dim >= 2, "rotary width (", rot_source,
+                   ") must be even and >= 2, got ", rot_dim);
+    PE_CHECK_VALUE(rot_dim <= qs[3], "rotary width ", rot_dim, " (", rot_source,
+                   ") must not exceed head_dim ", qs[3]);
     pe_rope_args a{};
     a.batch = qs[0];
     a.seq = qs[L.seq];
@@ -168,18 +170,18 @@ void bind(pe_rope_tensor& dst, const Tensor& in, const Meta& im, const Tensor& o
 // checked against the slot count before anything is added, so no sum can overflow.
 std::vector<uint8_t> axis_map(IntList sections, bool interleaved, int64_t rot_dim) {
     if (sections.empty()) return {};
-    PE_CHECK(sections.size() == 3, "mrope_section must have 3 entries (T, H, W), got ",
-             sections.size());
+    PE_CHECK_VALUE(sections.size() == 3, "mrope_section must have 3 entries (T, H, W), got ",
+                   sections.size());
     const Shape shown{sections};
-    PE_CHECK(sections[0] >= 0 && sections[1] >= 0 && sections[2] >= 0,
-             "mrope_section entries must be non-negative, got ", shown);
+    PE_CHECK_VALUE(sections[0] >= 0 && sections[1] >= 0 && sections[2] >= 0,
+                   "mrope_section entries must be non-negative, got ", shown);
     const int64_t slots = rot_dim / 2;
     for (int64_t s : sections)
-        PE_CHECK(s <= slots, "mrope_section ", shown, " must satisfy 2 * sum == ", rot_dim,
-                 " (the rotary width), got an entry larger than ", slots);
+        PE_CHECK_VALUE(s <= slots, "mrope_section ", shown, " must satisfy 2 * sum == ", rot_dim,
+                       " (the rotary width), got an entry larger than ", slots);
     const int64_t sum = sections[0] + sections[1] + sections[2];
-    PE_CHECK(sum == slots, "mrope_section ", shown, " must satisfy 2 * sum == ", rot_dim,
-             " (the rotary width), got 2 * ", sum, " = ", 2 * sum);
+    PE_CHECK_VALUE(sum == slots, "mrope_section ", shown, " must satisfy 2 * sum == ", rot_dim,
+                   " (the rotary width), got 2 * ", sum, " = ", 2 * sum);
     std::vector<uint8_t> map(static_cast<size_t>(slots));
     const std::array<int64_t, 3> s{sections[0], sections[1], sections[2]};
     check_status(pe_mrope_axis_map(slots, s.data(), interleaved ? 1 : 0, map.data()),
@@ -192,21 +194,21 @@ int64_t check_tables(const Tensor& cos, const Meta& cm, const Tensor& sin, const
                      int64_t B, int64_t T, bool mrope) {
     check_cpu(cm, cos, "cos");
     check_cpu(sm, sin, "sin");
-    PE_CHECK(same(sm.sizes, cm.sizes), "sin shape ", Shape{sm.sizes}, " must equal cos shape ",
-             Shape{cm.sizes});
-    PE_CHECK(sm.dtype == cm.dtype, "sin dtype ", scalar_type(sm.dtype), " must equal cos dtype ",
-             scalar_type(cm.dtype));
+    PE_CHECK_VALUE(same(sm.sizes, cm.sizes), "sin shape ", Shape{sm.sizes},
+                   " must equal cos shape ", Shape{cm.sizes});
+    PE_CHECK_TYPE(sm.dtype == cm.dtype, "sin dtype ", scalar_type(sm.dtype),
+                  " must equal cos dtype ", scalar_type(cm.dtype));
     const int64_t want = mrope ? 4 : 3;
-    PE_CHECK(cm.dim() == want, "cos must be ", want, "-D ",
-             mrope ? "(3, batch, seq, rot_dim)" : "(batch, seq, rot_dim)", ", got shape ",
-             Shape{cm.sizes});
+    PE_CHECK_VALUE(cm.dim() == want, "cos must be ", want, "-D ",
+                   mrope ? "(3, batch, seq, rot_dim)" : "(batch, seq, rot_dim)", ", got shape ",
+                   Shape{cm.sizes});
     if (mrope)
-        PE_CHECK(cm.size(0) == 3, "cos for MRoPE must have 3 axes (T, H, W) in dim 0, got ",
-                 cm.size(0));
+        PE_CHECK_VALUE(cm.size(0) == 3, "cos for MRoPE must have 3 axes (T, H, W) in dim 0, got ",
+                       cm.size(0));
     const int64_t Bc = cm.size(-3);
-    PE_CHECK(Bc == 1 || Bc == B, "cos batch size ", Bc, " must be 1 or the batch size ", B);
-    PE_CHECK(cm.size(-2) == T, "cos sequence length ", cm.size(-2),
-             " must equal the sequence length of q ", T);
+    PE_CHECK_VALUE(Bc == 1 || Bc == B, "cos batch size ", Bc, " must be 1 or the batch size ", B);
+    PE_CHECK_VALUE(cm.size(-2) == T, "cos sequence length ", cm.size(-2),
+                   " must equal the sequence length of q ", T);
     return Bc;
 }
 
@@ -238,14 +240,15 @@ TensorPair rope_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& cos_in
                     int64_t pairing, bool transpose, std::optional<ScalarType> q_dtype,
                     std::optional<ScalarType> k_dtype, bool heads_first) {
     const Meta qm(q_in), km(k_in), cm(cos_in), sm(sin_in);
-    PE_CHECK(cm.dim() >= 1, "cos must have a rotary dimension");
+    PE_CHECK_VALUE(cm.dim() >= 1, "cos must have a rotary dimension");
     const Layout L = layout(heads_first);
-    pe_rope_args a = problem(q_in, qm, k_in, km, cm.size(-1), pairing, transpose, L);
-    const bool mrope = !mrope_section.empty();
-    const int64_t Bc = check_tables(cos_in, cm, sin_in, sm, a.batch, a.seq, mrope);
+    pe_rope_args a =
+        problem(q_in, qm, k_in, km, cm.size(-1), "the last dim of cos", pairing, transpose, L);
     to_pe_dtype(qm.dtype, "q");
     to_pe_dtype(km.dtype, "k");
     to_pe_dtype(cm.dtype, "cos");
+    const bool mrope = !mrope_section.empty();
+    const int64_t Bc = check_tables(cos_in, cm, sin_in, sm, a.batch, a.seq, mrope);
     const auto map = axis_map(mrope_section, interleaved, a.rot_dim);
 
     const Dense q(q_in, qm), k(k_in, km);
@@ -272,15 +275,16 @@ TensorPair rope_table_grad_cpu(const Tensor& grad_q_in, const Tensor& grad_k_in,
                                const Tensor& q_in, const Tensor& k_in, const Tensor& cos,
                                IntList mrope_section, bool interleaved, int64_t pairing) {
     const Meta qm(q_in), km(k_in), cm(cos), gqm(grad_q_in), gkm(grad_k_in);
-    PE_CHECK(cm.dim() >= 1, "cos must have a rotary dimension");
+    PE_CHECK_VALUE(cm.dim() >= 1, "cos must have a rotary dimension");
     const Layout L = layout(false);
-    pe_rope_args a = problem(q_in, qm, k_in, km, cm.size(-1), pairing, false, L);
+    pe_rope_args a = problem(q_in, qm, k_in, km, cm.size(-1), "the last dim of cos", pairing,
+                             false, L);
     const bool mrope = !mrope_section.empty();
     const int64_t Bc = check_tables(cos, cm, cos, cm, a.batch, a.seq, mrope);
-    PE_CHECK(same(gqm.sizes, qm.sizes), "grad_q shape ", Shape{gqm.sizes},
-             " must equal q shape ", Shape{qm.sizes});
-    PE_CHECK(same(gkm.sizes, km.sizes), "grad_k shape ", Shape{gkm.sizes},
-             " must equal k shape ", Shape{km.sizes});
+    PE_CHECK_VALUE(same(gqm.sizes, qm.sizes), "grad_q shape ", Shape{gqm.sizes},
+                   " must equal q shape ", Shape{qm.sizes});
+    PE_CHECK_VALUE(same(gkm.sizes, km.sizes), "grad_k shape ", Shape{gkm.sizes},
+                   " must equal k shape ", Shape{km.sizes});
     check_cpu(gqm, grad_q_in, "grad_q");
     check_cpu(gkm, grad_k_in, "grad_k");
     const pe_dtype gdt = to_pe_dtype(gqm.dtype, "grad_q");
@@ -322,26 +326,27 @@ PositionSource position_source(pe_rope_source& src, const Tensor& position_ids,
     check_cpu(pm, position_ids, "position_ids");
     check_cpu(fm, inv_freq, "inv_freq");
     const DtypeCodes& codes = dtype_codes();
-    PE_CHECK(pm.dtype == codes.i64 || pm.dtype == codes.i32,
-             "position_ids must be int64 or int32, got ", scalar_type(pm.dtype));
+    PE_CHECK_TYPE(pm.dtype == codes.i64 || pm.dtype == codes.i32,
+                  "position_ids must be int64 or int32, got ", scalar_type(pm.dtype));
     const int64_t pdim = pm.dim();
-    PE_CHECK(pdim == 2 || pdim == 3,
-             "position_ids must be (batch, seq) or (3, batch, seq), got shape ", Shape{pm.sizes});
+    PE_CHECK_VALUE(pdim == 2 || pdim == 3,
+                   "position_ids must be (batch, seq) or (3, batch, seq), got shape ",
+                   Shape{pm.sizes});
     if (pdim == 3)
-        PE_CHECK(pm.size(0) == 3,
-                 "3-D position_ids must have 3 rows (T, H, W) in dim 0, got shape ",
-                 Shape{pm.sizes});
-    PE_CHECK(pdim == 2 || !mrope_section.empty(), "position_ids of shape ", Shape{pm.sizes},
-             " (3 axes) need mrope_section to pick an axis per frequency");
-    PE_CHECK(fm.dim() == 1 && fm.size(0) >= 1,
-             "inv_freq must be 1-D with at least one frequency, got shape ", Shape{fm.sizes});
-    PE_CHECK(fm.dtype == codes.f32 || is_floating(scalar_type(fm.dtype)),
-             "inv_freq must be floating point, got ", scalar_type(fm.dtype));
+        PE_CHECK_VALUE(pm.size(0) == 3,
+                       "3-D position_ids must have 3 rows (T, H, W) in dim 0, got shape ",
+                       Shape{pm.sizes});
+    PE_CHECK_VALUE(pdim == 2 || !mrope_section.empty(), "position_ids of shape ", Shape{pm.sizes},
+                   " (3 axes) need mrope_section to pick an axis per frequency");
+    PE_CHECK_VALUE(fm.dim() == 1 && fm.size(0) >= 1,
+                   "inv_freq must be 1-D with at least one frequency, got shape ", Shape{fm.sizes});
+    PE_CHECK_TYPE(fm.dtype == codes.f32 || is_floating(scalar_type(fm.dtype)),
+                  "inv_freq must be floating point, got ", scalar_type(fm.dtype));
     const int64_t Bp = pm.size(-2);
-    PE_CHECK(B < 0 || Bp == 1 || Bp == B, "position_ids batch size ", Bp,
-             " must be 1 or the batch size ", B);
-    PE_CHECK(T < 0 || pm.size(-1) == T, "position_ids sequence length ", pm.size(-1),
-             " must equal the sequence length of q ", T);
+    PE_CHECK_VALUE(B < 0 || Bp == 1 || Bp == B, "position_ids batch size ", Bp,
+                   " must be 1 or the batch size ", B);
+    PE_CHECK_VALUE(T < 0 || pm.size(-1) == T, "position_ids sequence length ", pm.size(-1),
+                   " must equal the sequence length of q ", T);
     const int64_t R = 2 * fm.size(0);
     Tensor f = fm.dtype == codes.f32 ? inv_freq : torch::stable::to(inv_freq, ScalarType::Float);
     if (fm.size(0) > 1 && f.stride(0) != 1) f = torch::stable::contiguous(f);
@@ -368,9 +373,10 @@ TensorPair rope_fused_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& 
                           bool heads_first) {
     const Meta qm(q_in), km(k_in);
     const int64_t fdim = inv_freq.dim();
-    PE_CHECK(fdim == 1, "inv_freq must be 1-D, got shape ", shape(inv_freq));
+    PE_CHECK_VALUE(fdim == 1, "inv_freq must be 1-D, got shape ", shape(inv_freq));
     const Layout L = layout(heads_first);
-    pe_rope_args a = problem(q_in, qm, k_in, km, 2 * inv_freq.size(0), pairing, transpose, L);
+    pe_rope_args a = problem(q_in, qm, k_in, km, 2 * inv_freq.size(0), "2 * len(inv_freq)",
+                             pairing, transpose, L);
     to_pe_dtype(qm.dtype, "q");
     to_pe_dtype(km.dtype, "k");
     PositionSource ps = position_source(a.src, position_ids, inv_freq, mrope_section, interleaved,
@@ -387,8 +393,8 @@ TensorPair rope_fused_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& 
 TensorPair rope_tables_cpu(const Tensor& position_ids, const Tensor& inv_freq,
                            IntList mrope_section, bool interleaved, double attention_scaling,
                            int64_t pairing, ScalarType dtype) {
-    PE_CHECK(pairing == PE_PAIR_HALF || pairing == PE_PAIR_ADJACENT,
-             "pairing must be 0 (half) or 1 (adjacent), got ", pairing);
+    PE_CHECK_VALUE(pairing == PE_PAIR_HALF || pairing == PE_PAIR_ADJACENT,
+                   "pairing must be 0 (half) or 1 (adjacent), got ", pairing);
     pe_rope_args a{};
     PositionSource ps = position_source(a.src, position_ids, inv_freq, mrope_section, interleaved,
                                         attention_scaling, -1, -1);
@@ -413,8 +419,7 @@ TensorPair rope_tables_cpu(const Tensor& position_ids, const Tensor& inv_freq,
 const char* const kModelNames[] = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"};
 
 void check_integer(const Tensor& t, const char* name) {
-    // TypeError in the Python layer, which checks this first.
-    PE_CHECK_VALUE(is_integral(t.scalar_type()), name,
+    PE_CHECK_TYPE(is_integral(t.scalar_type()), name,
                    " must be an integer tensor (int64 or int32), got ", t.scalar_type());
 }
 
@@ -557,8 +562,7 @@ TensorPair mrope_position_ids_cpu(
         check_cpu(m, "attention_mask");
         PE_CHECK_VALUE(same(m.sizes(), input_ids_in.sizes()), "attention_mask shape ",
                        shape(m), " must equal input_ids shape ", shape(input_ids_in));
-        // TypeError in the Python layer, which checks this first.
-        PE_CHECK_VALUE(!is_complex(m.scalar_type()),
+        PE_CHECK_TYPE(!is_complex(m.scalar_type()),
                        "attention_mask must be bool, integer or floating, got ",
                        m.scalar_type());
         if (is_floating(m.scalar_type()))
@@ -586,8 +590,7 @@ TensorPair mrope_position_ids_cpu(
                        "second_per_grid_ts is only used by qwen2_5_vl, got model ",
                        kModelNames[model]);
         check_cpu(s, "second_per_grid_ts");
-        // TypeError in the Python layer, which checks this first.
-        PE_CHECK_VALUE(is_floating(s.scalar_type()) || is_integral(s.scalar_type()),
+        PE_CHECK_TYPE(is_floating(s.scalar_type()) || is_integral(s.scalar_type()),
                        "second_per_grid_ts must be a real tensor, got ", s.scalar_type());
         PE_CHECK_VALUE(s.dim() == 1 && s.size(0) == n_videos,
                        "second_per_grid_ts must have shape (num_videos,) = (", n_videos,
@@ -648,7 +651,7 @@ Tensor vision_position_ids_cpu(const Tensor& grid_thw, int64_t spatial_merge_siz
                    ", and the patch count must fit in int64");
     check_status(rc, "posenc::vision_position_ids");
     const std::array<int64_t, 2> sizes{total, 2};
-    Tensor out = empty(sizes, ScalarType::Long, grid_thw);
+    Tensor out = empty(sizes, ScalarType::Long, grid_thw, "the (patches, 2) ids of grid_thw");
     rc = run_vision_position_ids(grid_thw, n, g, spatial_merge_size, total,
                                  out.mutable_data_ptr<int64_t>(), &err);
     check_status(rc, "posenc::vision_position_ids");
@@ -660,20 +663,16 @@ Tensor vision_position_ids_cpu(const Tensor& grid_thw, int64_t spatial_merge_siz
 // calls without a key, and it allocates on the CPU.
 
 Tensor sinusoidal_impl(int64_t num_positions, int64_t dim, double base, ScalarType dtype) {
-    PE_CHECK(num_positions >= 0, "num_positions must be >= 0, got ", num_positions);
-    PE_CHECK(dim >= 1, "dim must be >= 1, got ", dim);
-    PE_CHECK(num_positions <= INT64_MAX / dim, "num_positions * dim overflows: ", num_positions,
-             " * ", dim);
-    PE_CHECK(std::isfinite(base) && base > 0.0, "base must be finite and > 0, got ", base);
+    PE_CHECK_VALUE(num_positions >= 0, "num_positions must be >= 0, got ", num_positions);
+    PE_CHECK_VALUE(dim >= 1, "dim must be >= 1, got ", dim);
+    PE_CHECK_VALUE(num_positions <= INT64_MAX / dim, "num_positions * dim overflows: ",
+                   num_positions, " * ", dim);
+    PE_CHECK_VALUE(std::isfinite(base) && base > 0.0, "base must be finite and > 0, got ", base);
     const pe_dtype odt = to_pe_dtype(dtype, "dtype");
     const std::array<int64_t, 2> sizes{num_positions, dim};
     const std::array<int64_t, 2> strides{dim, 1};
-    AtenTensorHandle h = nullptr;
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(
-        2, sizes.data(), strides.data(),
-        torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype)),
-        aoti_torch_device_type_cpu(), 0, &h));
-    Tensor out(h);
+    Tensor out = empty_strided(sizes, strides, dtype_code(dtype), aoti_torch_device_type_cpu(), 0,
+                               "the (num_positions, dim) table");
     check_status(run_sinusoidal(out, num_positions, dim, base, odt), "posenc::sinusoidal");
     return out;
 }
@@ -689,9 +688,10 @@ torch::stable::accelerator::DeviceGuard cuda_inputs(std::initializer_list<Named>
     const Tensor& first = *tensors.begin()->first;
     const char* first_name = tensors.begin()->second;
     for (const Named& t : tensors)
-        PE_CHECK(t.first->is_cuda() && t.first->get_device_index() == first.get_device_index(),
-                 t.second, " is on ", DeviceName{*t.first}, " but ", first_name, " is on ",
-                 DeviceName{first}, "; all tensors must be on the same device");
+        PE_CHECK_VALUE(t.first->is_cuda() &&
+                           t.first->get_device_index() == first.get_device_index(),
+                       t.second, " is on ", DeviceName{*t.first}, " but ", first_name, " is on ",
+                       DeviceName{first}, "; all tensors must be on the same device");
     return torch::stable::accelerator::DeviceGuard(first.get_device_index());
 }
 

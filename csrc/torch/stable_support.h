@@ -33,9 +33,16 @@ using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 using IntList = torch::headeronly::IntHeaderOnlyArrayRef;
 
-// ---- Errors.  A failed check throws with exactly its message: std::runtime_error reaches
-// Python as RuntimeError and std::invalid_argument as ValueError.  (The stable ABI has no
-// TypeError; the Python layer raises that one before the op is called.)
+// ---- Errors.  Every check belongs to one class of the error policy (README, "Errors"):
+//   PE_CHECK_TYPE   a wrong dtype                          ValueError, message "TypeError: ..."
+//   PE_CHECK_VALUE  a wrong shape, size, section or value  ValueError
+//   PE_CHECK        allocation, threads, device failures   RuntimeError
+// std::invalid_argument reaches Python as ValueError and std::runtime_error as
+// RuntimeError.  The stable ABI has no way to raise TypeError, so a type failure is a
+// ValueError whose message starts with kTypeErrorTag; the public Python functions turn it
+// into a TypeError (posenc_torch/_checks.py, TYPE_ERROR_TAG) without checking anything again.
+
+inline constexpr const char* kTypeErrorTag = "TypeError: ";
 
 template <class... Args>
 std::string cat(const Args&... args) {
@@ -54,6 +61,11 @@ template <class... Args>
     throw std::invalid_argument(cat(args...));
 }
 
+template <class... Args>
+[[noreturn]] __attribute__((cold, noinline)) void fail_type(const Args&... args) {
+    throw std::invalid_argument(cat(kTypeErrorTag, args...));
+}
+
 // The message arguments are evaluated only when the check fails.
 #define PE_CHECK(cond, ...)                                                    \
     do {                                                                       \
@@ -62,6 +74,10 @@ template <class... Args>
 #define PE_CHECK_VALUE(cond, ...)                                              \
     do {                                                                       \
         if (__builtin_expect(!(cond), 0)) ::posenc::fail_value(__VA_ARGS__);   \
+    } while (0)
+#define PE_CHECK_TYPE(cond, ...)                                               \
+    do {                                                                       \
+        if (__builtin_expect(!(cond), 0)) ::posenc::fail_type(__VA_ARGS__);    \
     } while (0)
 
 // ---- Printing, as torch prints these in its own messages: [2, 3, 4], Float, cpu, cuda:0.
@@ -147,7 +163,7 @@ inline bool is_complex(ScalarType s) {
 }
 
 [[noreturn]] inline void fail_dtype(const char* name, ScalarType s) {
-    fail(name, " must be float32, float64, bfloat16 or float16, got ", s);
+    fail_type(name, " must be float32, float64, bfloat16 or float16, got ", s);
 }
 
 inline pe_dtype to_pe_dtype(int32_t code, const char* name) {
@@ -252,17 +268,27 @@ inline bool non_overlapping_and_dense(IntList sizes, IntList strides) {
     return true;
 }
 
+// A new tensor; `what` names it in the RuntimeError of a failed allocation (the C shim's
+// own message names its source line, not the argument that asked for the size).
 inline Tensor empty_strided(IntList sizes, IntList strides, int32_t dtype, int32_t device_type,
-                            int32_t device_index) {
+                            int32_t device_index, const char* what = "an output") {
     AtenTensorHandle h = nullptr;
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()),
-                                                           sizes.data(), strides.data(), dtype,
-                                                           device_type, device_index, &h));
+    if (aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(),
+                                 strides.data(), dtype, device_type, device_index,
+                                 &h) != AOTI_TORCH_SUCCESS) {
+        int64_t elements = 1;
+        bool overflow = false;
+        for (int64_t n : sizes) overflow |= __builtin_mul_overflow(elements, n, &elements);
+        if (overflow) fail("could not allocate ", what, " of shape ", Shape{sizes});
+        fail("could not allocate ", what, " of shape ", Shape{sizes}, " (", elements,
+             " elements)");
+    }
     return Tensor(h);
 }
 
 // Dense row-major tensor in dtype (a C shim code) on the device of `on`.
-inline Tensor empty(IntList sizes, int32_t dtype, const Meta& on) {
+inline Tensor empty(IntList sizes, int32_t dtype, const Meta& on,
+                    const char* what = "an output") {
     std::array<int64_t, 8> strides{};
     PE_CHECK(sizes.size() <= strides.size(), "posenc: too many dimensions");
     int64_t s = 1;
@@ -271,11 +297,12 @@ inline Tensor empty(IntList sizes, int32_t dtype, const Meta& on) {
         s *= std::max<int64_t>(sizes[i], 1);
     }
     return empty_strided(sizes, IntList(strides.data(), sizes.size()), dtype, on.device_type,
-                         on.device_index);
+                         on.device_index, what);
 }
 
-inline Tensor empty(IntList sizes, ScalarType dtype, const Tensor& on) {
-    return empty(sizes, dtype_code(dtype), Meta(on));
+inline Tensor empty(IntList sizes, ScalarType dtype, const Tensor& on,
+                    const char* what = "an output") {
+    return empty(sizes, dtype_code(dtype), Meta(on), what);
 }
 
 // A new tensor and its metadata.

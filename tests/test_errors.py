@@ -1,0 +1,532 @@
+"""The error policy (README, "Errors"), function by function and class by class.
+
+TypeError for a wrong type or dtype, ValueError for a wrong shape, size, section or value,
+RuntimeError only for failures of allocation, threads or a device (NotImplementedError, a
+RuntimeError, for a device without posenc kernels).  Each message names the argument.
+Raw ``torch.ops.posenc`` calls raise ValueError for every bad argument, a type failure's
+message starting with "TypeError: ".
+
+Also here: the checks run only when a call fails, for every device; the plain path taken
+when torch lacks a private name; the fake kernels' strides; vmap.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import posenc_torch as P
+from posenc_torch import _checks, ops, rope
+
+# ----------------------------------------------------------------------- valid arguments
+
+
+def _qk(b=2, hq=4, hk=2, t=5, d=16):
+    return torch.randn(b, hq, t, d), torch.randn(b, hk, t, d)
+
+
+def _tables(b=2, t=5, r=16):
+    return torch.randn(b, t, r), torch.randn(b, t, r)
+
+
+def _mrope_tables(b=2, t=5, d=16):
+    return torch.randn(3, b, t, d), torch.randn(3, b, t, d)
+
+
+POS = torch.arange(5).repeat(2, 1)          # (2, 5)
+POS3 = torch.arange(5).repeat(3, 2, 1)      # (3, 2, 5)
+INV = torch.rand(8)                         # rotary width 16
+IDS = torch.tensor([[1, 2, 3, 4]])
+
+
+def _rot(**kw):
+    q, k = _qk()
+    cos, sin = _tables()
+    args = dict(q=q, k=k, cos=cos, sin=sin)
+    args.update(kw)
+    return P.apply_rotary_pos_emb(**args)
+
+
+def _mrot(**kw):
+    q, k = _qk()
+    cos, sin = _mrope_tables()
+    args = dict(q=q, k=k, cos=cos, sin=sin, mrope_section=[2, 3, 3])
+    args.update(kw)
+    return P.apply_multimodal_rotary_pos_emb(**args)
+
+
+def _vision(**kw):
+    args = dict(q=torch.randn(6, 2, 16), k=torch.randn(6, 2, 16), cos=torch.randn(6, 16),
+                sin=torch.randn(6, 16))
+    args.update(kw)
+    return P.apply_rotary_pos_emb_vision(**args)
+
+
+def _fused(**kw):
+    q, k = _qk()
+    args = dict(q=q, k=k, position_ids=POS, inv_freq=INV)
+    args.update(kw)
+    return P.apply_rope(**args)
+
+
+def _tables_fn(**kw):
+    args = dict(position_ids=POS, inv_freq=INV)
+    args.update(kw)
+    return P.compute_mrope_cos_sin(**args)
+
+
+def _positions(**kw):
+    args = dict(input_ids=IDS, convention="5.17")
+    args.update(kw)
+    return P.compute_mrope_position_ids(**args)
+
+
+def _decode(**kw):
+    args = dict(mrope_position_deltas=torch.zeros(2, 1, dtype=torch.long), past_length=4)
+    args.update(kw)
+    return P.compute_mrope_decode_position_ids(**args)
+
+
+def _patch(**kw):
+    from posenc_torch import hf
+
+    handle = hf.patch(**kw)
+    handle.undo()
+
+
+B16 = torch.randn(2, 5, 16)
+
+# (id, call, exception, message fragment): every class of every public function.
+CASES = [
+    # apply_rotary_pos_emb
+    ("rot/q-type", lambda: _rot(q=[1.0]), TypeError, "q must be a torch.Tensor"),
+    ("rot/q-dtype", lambda: _rot(q=torch.ones(2, 4, 5, 16, dtype=torch.long)), TypeError,
+     "q must be float32"),
+    ("rot/cos-dtype", lambda: _rot(cos=B16.int()), TypeError, "cos must be float32"),
+    ("rot/sin-dtype", lambda: _rot(sin=B16.double()), TypeError, "sin dtype"),
+    ("rot/unsqueeze-type", lambda: _rot(unsqueeze_dim=1.0), TypeError, "unsqueeze_dim"),
+    ("rot/q-rank", lambda: _rot(q=torch.randn(4, 5, 16)), ValueError, "q must be 4-D"),
+    ("rot/cos-rank", lambda: _rot(cos=B16[0]), ValueError, "cos must be 3-D"),
+    ("rot/k-batch", lambda: _rot(k=torch.randn(1, 2, 5, 16)), ValueError, "k batch size"),
+    ("rot/k-head-dim", lambda: _rot(k=torch.randn(2, 2, 5, 8)), ValueError, "k head_dim"),
+    ("rot/cos-seq", lambda: _rot(cos=B16[:, :4], sin=B16[:, :4]), ValueError,
+     "cos sequence length"),
+    ("rot/sin-shape", lambda: _rot(sin=B16[..., :8]), ValueError, "sin shape"),
+    ("rot/odd-width", lambda: _rot(cos=B16[..., :7], sin=B16[..., :7]), ValueError,
+     r"rotary width \(the last dim of cos\) must be even"),
+    ("rot/too-wide", lambda: _rot(cos=torch.randn(2, 5, 18), sin=torch.randn(2, 5, 18)),
+     ValueError, "must not exceed head_dim"),
+    ("rot/unsqueeze-value", lambda: _rot(unsqueeze_dim=0), ValueError, "unsqueeze_dim"),
+    ("rot/pairing", lambda: _rot(pairing="gptj"), ValueError, "pairing"),
+    ("rot/devices", lambda: _rot(cos=B16.to("meta")), ValueError, "cos is on meta"),
+    # apply_multimodal_rotary_pos_emb
+    ("mrot/sections-type", lambda: _mrot(mrope_section=torch.tensor([2, 3, 3])), TypeError,
+     "mrope_section"),
+    ("mrot/section-entry", lambda: _mrot(mrope_section=[2.0, 3, 3]), TypeError,
+     "mrope_section"),
+    ("mrot/q-dtype", lambda: _mrot(q=torch.ones(2, 4, 5, 16, dtype=torch.int32)), TypeError,
+     "q must be float32"),
+    ("mrot/sections-sum", lambda: _mrot(mrope_section=[2, 3, 2]), ValueError,
+     r"mrope_section \[2, 3, 2\] must satisfy 2 \* sum == 16"),
+    ("mrot/sections-count", lambda: _mrot(mrope_section=[4, 4]), ValueError, "mrope_section"),
+    ("mrot/section-negative", lambda: _mrot(mrope_section=[-1, 5, 4]), ValueError,
+     "non-negative"),
+    ("mrot/cos-rank", lambda: _mrot(cos=B16, sin=B16), ValueError, "cos must be 4-D"),
+    ("mrot/cos-axes", lambda: _mrot(cos=torch.randn(2, 2, 5, 16), sin=torch.randn(2, 2, 5, 16)),
+     ValueError, "3 axes"),
+    # apply_rotary_pos_emb_vision
+    ("vision/q-type", lambda: _vision(q=None), TypeError, "q must be a torch.Tensor"),
+    ("vision/q-dtype", lambda: _vision(q=torch.ones(6, 2, 16, dtype=torch.long)), TypeError,
+     "q must be float32"),
+    ("vision/cos-dtype", lambda: _vision(cos=torch.ones(6, 16, dtype=torch.long)), TypeError,
+     "cos must be float32"),
+    ("vision/q-rank", lambda: _vision(q=torch.randn(1, 6, 2, 16)), ValueError,
+     r"q must be 3-D \(patches, heads, head_dim\)"),
+    ("vision/patches", lambda: _vision(cos=torch.randn(5, 16), sin=torch.randn(5, 16)),
+     ValueError, "cos has 5 patches"),
+    ("vision/too-wide", lambda: _vision(cos=torch.randn(6, 18), sin=torch.randn(6, 18)),
+     ValueError, "must not exceed head_dim"),
+    # apply_rope
+    ("fused/scaling-tensor", lambda: _fused(attention_scaling=torch.tensor(2.0,
+                                                                       requires_grad=True)),
+     TypeError, "attention_scaling must be a real number"),
+    ("fused/scaling-str", lambda: _fused(attention_scaling="2"), TypeError,
+     "attention_scaling"),
+    ("fused/scaling-bool", lambda: _fused(attention_scaling=True), TypeError,
+     "attention_scaling"),
+    ("fused/interleaved-str", lambda: _fused(position_ids=POS3, mrope_section=[2, 3, 3],
+                                             interleaved_mrope="no"), TypeError,
+     "interleaved_mrope must be a bool"),
+    ("fused/position-dtype", lambda: _fused(position_ids=POS.float()), TypeError,
+     "position_ids must be int64 or int32"),
+    ("fused/inv-freq-dtype", lambda: _fused(inv_freq=torch.arange(8)), TypeError,
+     "inv_freq must be floating point"),
+    ("fused/inv-freq-type", lambda: _fused(inv_freq=[1.0] * 8), TypeError,
+     "inv_freq must be a torch.Tensor"),
+    ("fused/q-rank", lambda: _fused(q=torch.randn(4, 5, 16)), ValueError, "q must be 4-D"),
+    ("fused/position-rank", lambda: _fused(position_ids=POS[0]), ValueError, "position_ids"),
+    ("fused/position-seq", lambda: _fused(position_ids=POS[:, :3]), ValueError,
+     "position_ids sequence length"),
+    ("fused/position-batch", lambda: _fused(position_ids=POS.repeat(2, 1)), ValueError,
+     "position_ids batch size"),
+    ("fused/no-sections", lambda: _fused(position_ids=POS3), ValueError, "mrope_section"),
+    ("fused/sections-sum", lambda: _fused(position_ids=POS3, mrope_section=[3, 3, 3]),
+     ValueError, "mrope_section"),
+    ("fused/too-wide", lambda: _fused(inv_freq=torch.rand(9)), ValueError,
+     r"rotary width 18 \(2 \* len\(inv_freq\)\) must not exceed head_dim 16"),
+    ("fused/inv-freq-grad", lambda: _fused(inv_freq=torch.rand(8, requires_grad=True)),
+     ValueError, "inv_freq requires grad"),
+    # compute_mrope_cos_sin
+    ("tables/dtype", lambda: _tables_fn(dtype=torch.int32), TypeError, "dtype must be float32"),
+    ("tables/dtype-type", lambda: _tables_fn(dtype="float32"), TypeError,
+     "dtype must be a torch.dtype"),
+    ("tables/scaling-tensor", lambda: _tables_fn(attention_scaling=torch.tensor(1.0)),
+     TypeError, "attention_scaling"),
+    ("tables/interleaved", lambda: _tables_fn(position_ids=POS3, mrope_section=[2, 3, 3],
+                                              interleaved=1), TypeError, "interleaved"),
+    ("tables/position-dtype", lambda: _tables_fn(position_ids=POS.double()), TypeError,
+     "position_ids"),
+    ("tables/position-rank", lambda: _tables_fn(position_ids=POS[0]), ValueError,
+     "position_ids"),
+    ("tables/inv-freq-rank", lambda: _tables_fn(inv_freq=INV[None]), ValueError, "inv_freq"),
+    ("tables/sections-sum", lambda: _tables_fn(position_ids=POS3, mrope_section=[1, 1, 1]),
+     ValueError, "mrope_section"),
+    # compute_mrope_position_ids
+    ("positions/ids-dtype", lambda: _positions(input_ids=IDS.float()), TypeError, "input_ids"),
+    ("positions/merge-type", lambda: _positions(spatial_merge_size="2"), TypeError,
+     "spatial_merge_size"),
+    ("positions/ids-rank", lambda: _positions(input_ids=IDS[0]), ValueError, "input_ids"),
+    ("positions/model", lambda: _positions(model="qwen9"), ValueError, "model"),
+    ("positions/convention", lambda: _positions(convention="4.0"), ValueError, "convention"),
+    ("positions/grid-shape", lambda: _positions(image_grid_thw=torch.ones(1, 2,
+                                                                        dtype=torch.long)),
+     ValueError, "image_grid_thw"),
+    ("positions/mask-shape", lambda: _positions(attention_mask=torch.ones(1, 3)), ValueError,
+     "attention_mask"),
+    ("positions/merge-value", lambda: _positions(spatial_merge_size=0), ValueError,
+     "spatial_merge_size"),
+    # compute_mrope_decode_position_ids
+    ("decode/deltas-dtype", lambda: _decode(mrope_position_deltas=torch.zeros(2, 1)), TypeError,
+     "mrope_position_deltas"),
+    ("decode/past-type", lambda: _decode(past_length="4"), TypeError, "past_length"),
+    ("decode/past-dtype", lambda: _decode(past_length=torch.tensor(4.0)), TypeError,
+     "past_length"),
+    ("decode/past-negative", lambda: _decode(past_length=-1), ValueError, "past_length"),
+    ("decode/past-negative-tensor", lambda: _decode(past_length=torch.tensor(-7)), ValueError,
+     "past_length must be >= 0, got -7"),
+    ("decode/past-overflow", lambda: _decode(past_length=2**63), ValueError, "past_length"),
+    ("decode/past-overflow-tensor", lambda: _decode(
+        past_length=torch.tensor(2**63 - 1), mrope_position_deltas=torch.ones(2, 1,
+                                                                               dtype=torch.long)),
+     ValueError, "past int64"),
+    ("decode/new-tokens", lambda: _decode(num_new_tokens=-1), ValueError, "num_new_tokens"),
+    ("decode/batch-size", lambda: _decode(batch_size=3), ValueError, "batch_size"),
+    ("decode/deltas-shape", lambda: _decode(mrope_position_deltas=torch.zeros(2, 2,
+                                                                              dtype=torch.long)),
+     ValueError, "mrope_position_deltas"),
+    # vision_rotary_position_ids
+    ("vision-ids/grid-dtype", lambda: P.vision_rotary_position_ids(torch.ones(1, 3)), TypeError,
+     "grid_thw"),
+    ("vision-ids/merge-type", lambda: P.vision_rotary_position_ids(
+        torch.tensor([[1, 2, 2]]), 1.5), TypeError, "spatial_merge_size"),
+    ("vision-ids/grid-shape", lambda: P.vision_rotary_position_ids(
+        torch.ones(1, 2, dtype=torch.long)), ValueError, "grid_thw"),
+    ("vision-ids/grid-value", lambda: P.vision_rotary_position_ids(torch.tensor([[1, 3, 4]])),
+     ValueError, r"grid_thw\[0\] = \(1, 3, 4\)"),
+    ("vision-ids/allocation", lambda: P.vision_rotary_position_ids(
+        torch.tensor([[1, 2**22, 2**22]])), RuntimeError,
+     r"could not allocate the \(patches, 2\) ids of grid_thw"),
+    # sinusoidal_position_encoding
+    ("sinusoidal/positions-type", lambda: P.sinusoidal_position_encoding(4.0, 8), TypeError,
+     "num_positions"),
+    ("sinusoidal/base-type", lambda: P.sinusoidal_position_encoding(4, 8, base="1e4"),
+     TypeError, "base"),
+    ("sinusoidal/dtype", lambda: P.sinusoidal_position_encoding(4, 8, dtype=torch.int64),
+     TypeError, "dtype must be float32"),
+    ("sinusoidal/positions-value", lambda: P.sinusoidal_position_encoding(-1, 8), ValueError,
+     "num_positions must be >= 0"),
+    ("sinusoidal/dim-value", lambda: P.sinusoidal_position_encoding(4, 0), ValueError,
+     "dim must be >= 1"),
+    ("sinusoidal/base-value", lambda: P.sinusoidal_position_encoding(4, 8, base=float("nan")),
+     ValueError, "base"),
+    ("sinusoidal/overflow", lambda: P.sinusoidal_position_encoding(2**62, 8), ValueError,
+     "num_positions \\* dim overflows"),
+    ("sinusoidal/allocation", lambda: P.sinusoidal_position_encoding(2**40, 8), RuntimeError,
+     r"could not allocate the \(num_positions, dim\) table"),
+    # set_kernel_isa
+    ("isa/type", lambda: P.set_kernel_isa(2), TypeError, "name must be a str"),
+    ("isa/value", lambda: P.set_kernel_isa("sse2"), ValueError, "isa must be"),
+    # hf.patch
+    ("patch/type", lambda: _patch(model_types=["llama", 3]), TypeError,
+     "model_types must be strings"),
+    ("patch/unknown", lambda: _patch(model_types="gpt99"), ValueError, "gpt99"),
+    ("patch/empty", lambda: _patch(model_types=[]), ValueError, "model_types is empty"),
+]
+
+
+@pytest.mark.parametrize("call,exc,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_error_policy(call, exc, fragment):
+    with pytest.raises(exc, match=fragment) as info:
+        call()
+    # the class itself, not a subclass standing in for it (NotImplementedError is not
+    # one of these cases); and never the shim's type tag in a public message
+    assert type(info.value) is exc
+    assert not str(info.value).startswith(_checks.TYPE_ERROR_TAG)
+
+
+def test_every_public_function_has_each_class():
+    """The table covers TypeError and ValueError for every public function taking tensors
+    or options, and RuntimeError where the function allocates from a size argument."""
+    functions = {}
+    for name, _, exc, _ in CASES:
+        functions.setdefault(name.split("/")[0], set()).add(exc)
+    assert set(functions) == {"rot", "mrot", "vision", "fused", "tables", "positions",
+                              "decode", "vision-ids", "sinusoidal", "isa", "patch"}
+    for name, classes in functions.items():
+        assert {TypeError, ValueError} <= classes, name
+    assert RuntimeError in functions["vision-ids"] and RuntimeError in functions["sinusoidal"]
+
+
+# ------------------------------------------------------------------------------ raw ops
+
+
+def test_raw_ops_raise_value_error_with_a_type_tag():
+    q, k = _qk()
+    cos, sin = _tables()
+    with pytest.raises(ValueError) as info:
+        torch.ops.posenc.rope(q.long(), k, cos, sin, [], False, 0, False, None, None, True)
+    assert str(info.value).startswith(_checks.TYPE_ERROR_TAG + "q must be float32")
+    with pytest.raises(ValueError) as info:
+        torch.ops.posenc.rope(q, k[:1], cos, sin, [], False, 0, False, None, None, True)
+    assert str(info.value).startswith("k batch size 1 must equal q batch size 2")
+    with pytest.raises(ValueError, match="^TypeError: dtype must be float32"):
+        torch.ops.posenc.rope_tables(POS, INV, [], False, 1.0, 0, torch.int64)
+    with pytest.raises(ValueError, match="^TypeError: input_ids must be an integer tensor"):
+        torch.ops.posenc.mrope_position_ids(IDS.float(), None, None, None, None, 0, 7, 8, 9, 2,
+                                            0.0)
+    with pytest.raises(RuntimeError, match="could not allocate"):
+        torch.ops.posenc.sinusoidal(2**40, 8, 10000.0, torch.float32)
+
+
+def test_op_error_translates_only_tagged_value_errors():
+    assert type(_checks.op_error(ValueError("TypeError: q must be"))) is TypeError
+    assert str(_checks.op_error(ValueError("TypeError: q must be"))) == "q must be"
+    plain = ValueError("k batch size")
+    assert _checks.op_error(plain) is plain
+    other = RuntimeError("TypeError: not from the shim's checks")
+    assert _checks.op_error(other) is other
+
+
+# --------------------------------------------------- the checks run only on failure
+
+
+@pytest.fixture
+def counted_checks(monkeypatch):
+    calls = []
+
+    def counting(original):
+        def check(*args):
+            calls.append(original.__name__)
+            return original(*args)
+        return check
+
+    for name in ("_check_table_call", "_check_vision_call", "_check_fused_call",
+                 "_check_positions"):
+        monkeypatch.setattr(rope, name, counting(getattr(rope, name)))
+    return calls
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_checks_do_not_run_when_the_call_succeeds(counted_checks, device):
+    """The public functions take one path for every device: the op first, the checks only
+    after it failed.  Meta tensors stand in for CUDA ones here (same path: no device test in
+    the functions); on CPU the kernels run."""
+    q, k = (t.to(device) for t in _qk())
+    cos, sin = (t.to(device) for t in _tables())
+    cos3, sin3 = (t.to(device) for t in _mrope_tables())
+    P.apply_rotary_pos_emb(q, k, cos, sin)
+    P.apply_multimodal_rotary_pos_emb(q, k, cos3, sin3, [2, 3, 3])
+    P.apply_rotary_pos_emb_vision(q[0], q[0], cos[0, :4], sin[0, :4])
+    P.apply_rope(q, k, POS.to(device), INV.to(device))
+    P.compute_mrope_cos_sin(POS.to(device), INV.to(device))
+    assert counted_checks == []
+
+
+def test_checks_run_once_when_the_call_fails(counted_checks):
+    q, k = _qk()
+    cos, sin = _tables()
+    with pytest.raises(ValueError, match="k batch size"):
+        P.apply_rotary_pos_emb(q, k[:1], cos, sin)
+    assert counted_checks == ["_check_table_call"]
+
+
+def test_fake_tensors_take_the_same_path(counted_checks):
+    with FakeTensorMode():
+        q, k = _qk()
+        cos, sin = _tables()
+        out_q, out_k = P.apply_rotary_pos_emb(q, k, cos, sin)
+    assert out_q.shape == q.shape and counted_checks == []
+
+
+# ------------------------------------------- private torch names: the plain fallback
+
+
+@pytest.fixture
+def plain_path():
+    ops._bind(None)
+    try:
+        yield
+    finally:
+        ops._bind(ops.PRIVATE)
+
+
+def _grads(fn, *tensors):
+    tensors = [t.detach().clone().requires_grad_(True) for t in tensors]
+    out_q, out_k = fn(*tensors)
+    (out_q.square().sum() + (out_k * 3).sum()).backward()
+    return (out_q.detach(), out_k.detach(), *(t.grad for t in tensors))
+
+
+CALLS = {
+    "rope": (lambda q, k, c, s: P.apply_rotary_pos_emb(q, k, c, s), lambda: (*_qk(), *_tables())),
+    "mrope": (lambda q, k, c, s: P.apply_multimodal_rotary_pos_emb(q, k, c, s, [2, 3, 3]),
+              lambda: (*_qk(), *_mrope_tables())),
+    "fused": (lambda q, k: P.apply_rope(q, k, POS3, INV, mrope_section=[2, 3, 3],
+                                        interleaved_mrope=True, attention_scaling=0.5),
+              _qk),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_plain_path_gives_the_same_results_and_gradients(name, plain_path):
+    assert ops.PRIVATE is not None, "this torch has the names: the fast path is the default"
+    fn, make = CALLS[name]
+    torch.manual_seed(0)
+    inputs = make()
+    plain = _grads(fn, *inputs)
+    assert ops.rope is torch.ops.posenc.rope  # the dispatcher, no private name
+    ops._bind(ops.PRIVATE)
+    assert ops.rope is not torch.ops.posenc.rope
+    fast = _grads(fn, *inputs)
+    for a, b in zip(plain, fast):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_plain_path_without_a_name(monkeypatch):
+    """A torch without one of the names gets no fast path (the lookup returns None)."""
+    monkeypatch.delattr(torch._C, "_AutoDispatchBelowAutograd")
+    assert ops._lookup_private() is None
+
+
+# ------------------------------------------------------------ fake kernels' strides
+
+
+def _layouts():
+    for (b, h, t, d), heads_first, kind in itertools.product(
+            itertools.product((1, 2), (1, 3), (1, 4), (2, 8)), (True, False),
+            ("projection", "contiguous", "slice")):
+        if kind == "projection":  # transformers: view of (B, T, H * D), then transposed
+            x = torch.randn(b, t, h * d).view(b, t, h, d)
+        elif kind == "contiguous":
+            x = torch.randn(b, t, h, d)
+        else:  # a slice of a wider buffer (fused qkv)
+            x = torch.randn(b, t, h, 2 * d)[..., :d]
+        yield (x.transpose(1, 2) if heads_first else x), heads_first
+
+
+def test_fake_strides_equal_the_real_kernel_strides():
+    for x, heads_first in _layouts():
+        t, d = x.shape[2 if heads_first else 1], x.shape[-1]
+        cos = torch.randn(1, t, d)
+        pos, inv = torch.zeros(1, t, dtype=torch.long), torch.rand(d // 2)
+        real = (torch.ops.posenc.rope(x, x, cos, cos, [], False, 0, False, None, None,
+                                      heads_first),
+                torch.ops.posenc.rope_fused(x, x, pos, inv, [], False, 1.0, 0, False,
+                                            heads_first))
+        with FakeTensorMode() as mode:
+            fx, fc, fp, fi = (mode.from_tensor(a) for a in (x, cos, pos, inv))
+            fake = (torch.ops.posenc.rope(fx, fx, fc, fc, [], False, 0, False, None, None,
+                                          heads_first),
+                    torch.ops.posenc.rope_fused(fx, fx, fp, fi, [], False, 1.0, 0, False,
+                                                heads_first))
+        for r, f in zip(real, fake):
+            assert r[0].stride() == f[0].stride(), (tuple(x.shape), x.stride(), heads_first)
+            assert r[1].stride() == f[1].stride()
+
+
+# -------------------------------------------------------------------------------- vmap
+
+
+def test_vmap_of_the_rotations_equals_the_unbatched_calls():
+    torch.manual_seed(0)
+    qs, ks = torch.randn(3, 2, 4, 5, 16), torch.randn(3, 2, 2, 5, 16)
+    cos, sin = torch.randn(3, 1, 5, 16), torch.randn(3, 1, 5, 16)
+    cases = [
+        (lambda q, k, c, s: P.apply_rotary_pos_emb(q, k, c, s), (qs, ks, cos, sin),
+         (0, 0, 0, 0)),
+        (lambda q, k, c, s: P.apply_rotary_pos_emb(q, k, c, s), (qs, ks, cos[0], sin[0]),
+         (0, 0, None, None)),
+        (lambda q, k, c, s: P.apply_rotary_pos_emb(q, k, c, s, unsqueeze_dim=2),
+         (qs.transpose(2, 3), ks.transpose(2, 3), cos, sin), (0, 0, 0, 0)),
+        (lambda q, k, c, s: P.apply_multimodal_rotary_pos_emb(q, k, c, s, [2, 3, 3]),
+         (qs, ks, torch.randn(3, 2, 5, 16).expand(3, 3, 2, 5, 16).movedim(1, 0) + 0,
+          torch.randn(3, 3, 2, 5, 16)), (0, 0, 0, 0)),
+        (lambda q, k, p: P.apply_rope(q, k, p, INV, mrope_section=[2, 3, 3]),
+         (qs, ks, torch.randint(0, 50, (3, 3, 1, 5))), (0, 0, 0)),
+        (lambda q, k, p: P.apply_rope(q, k, p, INV), (qs, ks, POS[:1]), (0, 0, None)),
+        (lambda q, k, i: P.apply_rope(q, k, POS, i), (qs, ks, torch.rand(3, 8)), (0, 0, 0)),
+    ]
+    for fn, args, in_dims in cases:
+        batched = torch.vmap(fn, in_dims=in_dims)(*args)
+        for i in range(3):
+            one = fn(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
+            for b, o in zip(batched, one):
+                torch.testing.assert_close(b[i], o, rtol=0, atol=0)
+
+
+def test_vmap_of_the_raw_op():
+    qs, ks = torch.randn(3, 2, 5, 4, 16), torch.randn(3, 2, 5, 2, 16)
+    cos = torch.randn(2, 5, 16)
+    out = torch.vmap(lambda q, k: torch.ops.posenc.rope(q, k, cos, cos, [], False, 0, False))(
+        qs, ks)
+    for i in range(3):
+        ref = torch.ops.posenc.rope(qs[i], ks[i], cos, cos, [], False, 0, False)
+        torch.testing.assert_close(out[0][i], ref[0], rtol=0, atol=0)
+        torch.testing.assert_close(out[1][i], ref[1], rtol=0, atol=0)
+
+
+def test_vmap_over_a_patched_model():
+    """torch.vmap over a patched transformers attention layer gives the unbatched layer's
+    outputs (the patched rotary function runs under vmap)."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama
+
+    from posenc_torch import hf
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, num_hidden_layers=1, vocab_size=32)
+    config._attn_implementation = "eager"
+    attention = modeling_llama.LlamaAttention(config, layer_idx=0).eval()
+    rotary = modeling_llama.LlamaRotaryEmbedding(config)
+    x = torch.randn(3, 1, 6, 64)
+    positions = torch.arange(6)[None]
+    with torch.no_grad():
+        cos, sin = rotary(x[0], positions)
+        handle = hf.patch("llama")
+        try:
+            def layer(h):
+                return attention(h, position_embeddings=(cos, sin), attention_mask=None)[0]
+            batched = torch.vmap(layer)(x)
+            calls = int(handle.calls["llama.apply_rotary_pos_emb"])
+            unbatched = torch.stack([layer(x[i]) for i in range(3)])
+        finally:
+            handle.undo()
+        reference = torch.stack([layer(x[i]) for i in range(3)])  # transformers' own
+    assert calls >= 1
+    torch.testing.assert_close(batched, unbatched, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(batched, reference, rtol=1e-5, atol=1e-5)
