@@ -7,6 +7,7 @@ The schemas and CPU kernels are registered in C++ (csrc/torch/ops.cpp); importin
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections.abc import Callable
 from typing import NamedTuple
@@ -347,13 +348,14 @@ def _lookup_private() -> _Private | None:
     return found
 
 
-def _functions(name: str, op, setup_context, backward, vmap, private: _Private
+def _functions(name: str, op, setup_context, backward, vmap, private: _Private | None
                ) -> tuple[type, type]:
     """Two autograd.Functions with the same formula: ``setup_context`` style, which functorch
     transforms (torch.func.grad / vjp / vmap) need, and the legacy ``forward(ctx, ...)``
     style for plain eager autograd, whose ``apply`` skips the per-call signature binding of
-    the other (that binding costs several times a decode-size rotation)."""
-    below_autograd = private.below_autograd
+    the other (that binding costs several times a decode-size rotation).  Without the
+    private names the op runs through the dispatcher (in no-grad mode, as forward does)."""
+    below_autograd = contextlib.nullcontext if private is None else private.below_autograd
 
     def forward(*args):
         with below_autograd():
@@ -458,10 +460,38 @@ def _fast_entry_points(p: _Private) -> dict[str, Callable]:
 
 
 def _plain_entry_points() -> dict[str, Callable]:
-    """Every call through the dispatcher (its autograd key runs the registered formulas)."""
-    ops = torch.ops.posenc
-    return {"rope": ops.rope, "rope_table_grad": ops.rope_table_grad,
-            "rope_fused": ops.rope_fused, "rope_tables": ops.rope_tables}
+    """Public torch API only: every call applies the ``setup_context`` autograd.Function
+    (which serves plain autograd, torch.func transforms and vmap, and raises for forward
+    mode: it has no jvp), whose forward calls the op through the dispatcher."""
+    is_compiling = torch.compiler.is_compiling
+    rope_fn = _functions("Rope", _ROPE, _rope_setup_context, _rope_backward,
+                         _rope_vmap(lambda *a: rope(*a)), None)[0]
+    grad_fn = _functions("RopeTableGrad", _ROPE_TABLE_GRAD, _rope_table_grad_setup_context,
+                         _rope_table_grad_backward,
+                         _per_sample_vmap(lambda *a: rope_table_grad(*a)), None)[0]
+    fused_fn = _functions("RopeFused", _ROPE_FUSED, _rope_fused_setup_context,
+                          _rope_fused_backward, _rope_fused_vmap(lambda *a: rope_fused(*a)),
+                          None)[0]
+
+    def rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False,
+             q_dtype=None, k_dtype=None, heads_first=False):
+        args = (q, k, cos, sin, mrope_section, interleaved, pairing, transpose, q_dtype,
+                k_dtype, heads_first)
+        return torch.ops.posenc.rope(*args) if is_compiling() else rope_fn.apply(*args)
+
+    def rope_table_grad(grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing):
+        args = (grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing)
+        return (torch.ops.posenc.rope_table_grad(*args) if is_compiling()
+                else grad_fn.apply(*args))
+
+    def rope_fused(q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+                   pairing, transpose=False, heads_first=False):
+        args = (q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+                pairing, transpose, heads_first)
+        return torch.ops.posenc.rope_fused(*args) if is_compiling() else fused_fn.apply(*args)
+
+    return {"rope": rope, "rope_table_grad": rope_table_grad, "rope_fused": rope_fused,
+            "rope_tables": torch.ops.posenc.rope_tables}
 
 
 def _bind(private: _Private | None) -> None:

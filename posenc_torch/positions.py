@@ -48,6 +48,7 @@ _TIME_TRUNC_SECONDS, _TIME_F32, _TIME_F64_INTERVAL = 1, 2, 3
 QWEN2_5_VL_TOKENS_PER_SECOND = 2
 
 _INT64_MAX = 2**63 - 1
+_is_compiling = torch.compiler.is_compiling
 
 
 def _installed_transformers_version() -> str | None:
@@ -362,7 +363,7 @@ def compute_mrope_decode_position_ids(
     pass ``prompt_position_ids`` for generate's positions.
     ``batch_size`` B' (a multiple of B) repeats every row's delta B'/B times, for beam search
     or several samples per prompt; default B (or the mask's rows).
-    A negative ``past_length`` and ids past int64 are ``ValueError``s; a tensor
+    A negative ``past_length`` and ids past int64 are ``ValueError``s; in eager mode a tensor
     ``past_length`` and the deltas are read for that check (a sync for CUDA tensors).
     """
     check_tensor("mrope_position_deltas", mrope_position_deltas, (1, 2), "(batch, 1) or (batch,)")
@@ -391,8 +392,8 @@ def compute_mrope_decode_position_ids(
             raise ValueError("past_length as a tensor must be 0-d, or 1-D cache_position "
                              f"with at least one entry, got shape {tuple(past_length.shape)}")
         start = past_length.reshape(-1)[:1].to(device=deltas.device, dtype=torch.int64)
-        first = int(start)  # read once to check it (a device sync for a CUDA cache_position)
-        if first < 0:
+        first = None if _is_compiling() else int(start)  # a sync for CUDA cache_position
+        if first is not None and first < 0:
             raise ValueError(f"past_length must be >= 0, got {first}")
     else:
         start = first = _check_int_arg("past_length", past_length, 0)
@@ -430,10 +431,13 @@ def compute_mrope_decode_position_ids(
     return ids.unsqueeze(0).repeat(3, 1, 1)
 
 
-def _check_no_overflow(past_length: int, num_new_tokens: int, offsets: torch.Tensor,
+def _check_no_overflow(past_length: int | None, num_new_tokens: int, offsets: torch.Tensor,
                        shift: int) -> None:
     """The largest id, past_length + num_new_tokens - 1 + max(offsets) + shift, computed in
-    Python ints, must fit in int64 (the ids are int64: they would wrap around)."""
+    Python ints, must fit in int64 (the ids are int64: they would wrap around).  Eager only:
+    the values are not known while tracing (past_length is None then)."""
+    if past_length is None or _is_compiling():
+        return
     largest = past_length + num_new_tokens - 1 + shift + (
         int(offsets.max()) if offsets.numel() else 0)
     if largest > _INT64_MAX:

@@ -407,17 +407,34 @@ def test_plain_path_gives_the_same_results_and_gradients(name, plain_path):
     torch.manual_seed(0)
     inputs = make()
     plain = _grads(fn, *inputs)
-    assert ops.rope is torch.ops.posenc.rope  # the dispatcher, no private name
+    with torch.no_grad():
+        plain_no_grad = fn(*inputs)
     ops._bind(ops.PRIVATE)
-    assert ops.rope is not torch.ops.posenc.rope
     fast = _grads(fn, *inputs)
-    for a, b in zip(plain, fast):
+    with torch.no_grad():
+        fast_no_grad = fn(*inputs)
+    for a, b in zip((*plain, *plain_no_grad), (*fast, *fast_no_grad)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_plain_path_without_a_name(monkeypatch):
-    """A torch without one of the names gets no fast path (the lookup returns None)."""
-    monkeypatch.delattr(torch._C, "_AutoDispatchBelowAutograd")
+def test_plain_path_serves_torch_func_and_rejects_forward_mode(plain_path):
+    q, k = _qk()
+    cos, sin = _tables()
+    grad = torch.func.grad(lambda x: P.apply_rotary_pos_emb(x, k, cos, sin)[0].square().sum())
+    ops._bind(ops.PRIVATE)
+    want = grad(q)
+    ops._bind(None)
+    torch.testing.assert_close(grad(q), want, rtol=0, atol=0)
+    with pytest.raises((NotImplementedError, RuntimeError), match="jvp|forward"):
+        torch.func.jvp(lambda x: P.apply_rotary_pos_emb(x, k, cos, sin)[0], (q,), (q,))
+
+
+@pytest.mark.parametrize("name", ["_AutoDispatchBelowAutograd",
+                                  "_are_functorch_transforms_active"])
+def test_lookup_finds_no_fast_path_without_a_name(monkeypatch, name):
+    """A torch without one of the names gets the plain path (the lookup returns None)."""
+    assert ops._lookup_private() is not None
+    monkeypatch.delattr(torch._C, name)
     assert ops._lookup_private() is None
 
 
