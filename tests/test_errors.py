@@ -504,6 +504,31 @@ def test_vmap_of_the_rotations_equals_the_unbatched_calls():
                 torch.testing.assert_close(b[i], o, rtol=0, atol=0)
 
 
+def test_vmap_of_tables_and_gradients():
+    torch.manual_seed(0)
+    pos, inv = torch.randint(0, 50, (4, 3, 2, 5)), torch.rand(8)
+    cos, sin = torch.vmap(lambda p: P.compute_mrope_cos_sin(p, inv, [2, 3, 3],
+                                                            interleaved=True))(pos)
+    for i in range(4):
+        want = P.compute_mrope_cos_sin(pos[i], inv, [2, 3, 3], interleaved=True)
+        assert torch.equal(cos[i], want[0]) and torch.equal(sin[i], want[1])
+
+    q = torch.randn(3, 2, 4, 5, 16)
+    c, s = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+
+    def loss(x, c=c):
+        return P.apply_rotary_pos_emb(x, x, c, s)[0].square().sum()
+
+    per_sample = torch.vmap(torch.func.grad(loss))(q)
+    for i in range(3):
+        torch.testing.assert_close(per_sample[i], torch.func.grad(loss)(q[i]), rtol=0, atol=0)
+    # the table gradient through a vmapped call (the vmapped rows are summed in another order)
+    c.requires_grad_(True)
+    batched = torch.autograd.grad(torch.vmap(lambda x: loss(x, c))(q).sum(), c)[0]
+    looped = torch.autograd.grad(sum(loss(q[i], c) for i in range(3)), c)[0]
+    torch.testing.assert_close(batched, looped)
+
+
 def test_vmap_of_the_raw_op():
     qs, ks = torch.randn(3, 2, 5, 4, 16), torch.randn(3, 2, 5, 2, 16)
     cos = torch.randn(2, 5, 16)
