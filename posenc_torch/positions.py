@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import check_same_device, check_tensor
+from ._checks import check_same_device, check_tensor, explain
 
 MROPE_MODELS = {"qwen2_vl": 0, "qwen2_5_vl": 1, "qwen3_vl": 2, "qwen3_vl_moe": 2}
 
@@ -459,10 +459,15 @@ def vision_rotary_position_ids(grid_thw: torch.Tensor,
     frequencies with.  ValueError for values <= 0 or h, w not divisible by m;
     RuntimeError naming grid_thw when the (N, 2) ids cannot be allocated.
     """
-    _check_integer_tensor("grid_thw", grid_thw, 2, "2-D (num_grids, 3) of (t, h, w)")
-    if grid_thw.shape[1] != 3:
-        raise ValueError(f"grid_thw must have shape (num_grids, 3), got "
-                         f"{tuple(grid_thw.shape)}")
     _check_int_arg("spatial_merge_size", spatial_merge_size, 1)
+    if _is_compiling():
+        _check_grid_thw(grid_thw)
+    try:  # the op checks the grids (dtype, shape, values) first; see rope.py
+        return torch.ops.posenc.vision_position_ids(grid_thw, spatial_merge_size)
+    except Exception as err:
+        raise explain(err, _check_grid_thw, grid_thw) from None
+
+
+def _check_grid_thw(grid_thw: object) -> None:
+    check_tensor("grid_thw", grid_thw, 2, "2-D (num_grids, 3) of (t, h, w)")
     check_same_device(grid_thw=grid_thw)
-    return torch.ops.posenc.vision_position_ids(grid_thw, spatial_merge_size)
