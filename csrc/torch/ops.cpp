@@ -703,7 +703,8 @@ Tensor lengths_tensor(const Tensor& t, const char* name) {
     if (e.problem == PE_POS_CUT_RUN)
         fail_value(where, "the ", kind, " run that starts at input_ids[", e.row, ", ", e.token,
                    "] needs ", e.expected, " tokens (", grid_name, "[", e.grid, "] = ",
-                   grid_text(e.video ? in.videos : in.images, e.grid), "), ", e.found,
+                   grid_text(e.video ? in.videos : in.images, e.grid),
+                   e.frame >= 0 ? cat(", frame ", e.frame) : std::string(), "), ", e.found,
                    " of them in the example, and goes on past its end: a vision run cut by an "
                    "example boundary (are the example lengths right?)");
     if (e.problem == PE_POS_GRID_COUNT)
