@@ -245,6 +245,20 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.posenc.mrope_packed_position_ids, (*common, types, 1, 2))
 
 
+def test_compile_fullgraph():
+    """One op node under torch.compile (the lengths are Python ints: constants of the graph)."""
+    model_type = "qwen2_5_vl"
+    kw, seq_lens = pack(examples_for(model_type), LAYOUTS["rows"][0], 2)
+    args = api_kwargs(model_type, kw)
+    tensors = [args.pop(k) for k in ("input_ids", "image_grid_thw", "video_grid_thw")]
+
+    def fn(ids, images, videos):
+        return compute_packed_mrope_position_ids(ids, seq_lens, images, videos, **args)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(*tensors), fn(*tensors))
+
+
 def test_exported():
     assert "compute_packed_mrope_position_ids" in posenc_torch.__all__
 
