@@ -947,7 +947,8 @@ static void packed_example(void) {
             expect_row("packed example T", pos + 2 * L, T, L);
             expect_row("packed example H", pos + 4 * L, H, L);
             expect_row("packed example W", pos + 6 * L, W, L);
-            for (int r = 0; r < 4; ++r) expect_row("packed example row 1", pos + (2 * r + 1) * L, row1, L);
+            for (int r = 0; r < 4; ++r)
+                expect_row("packed example row 1", pos + (2 * r + 1) * L, row1, L);
         }
     }
     /* no grids: text positions per example; a row without examples is all padding */
@@ -992,7 +993,8 @@ static void packed_random(pe_mrope_model model, int rules5, int64_t B, int64_t L
         const int64_t room = L - (b % 2 ? (int64_t)rnd((unsigned)(L / 8 + 1)) : 0);
         while (used < room && pc.ni < 4000 && pc.nv < 4000) {
             const int64_t left = room - used;
-            const int64_t len = rnd(4) == 0 ? 1 : 1 + (int64_t)rnd((unsigned)(left < 300 ? left : 300));
+            const unsigned most = (unsigned)(left < 300 ? left : 300);
+            const int64_t len = rnd(4) == 0 ? 1 : 1 + (int64_t)rnd(most);
             random_batch(bt, model, 1, len, 0);
             int64_t *row_types = malloc(sizeof(int64_t) * (size_t)len);
             types_of(bt->ids, len, row_types);
@@ -1009,7 +1011,8 @@ static void packed_random(pe_mrope_model model, int rules5, int64_t B, int64_t L
             CHECK(pe_mrope_position_ids(&a, alone, &delta, &e) == PE_OK, "example alone");
             for (int64_t j = 0; j < len; ++j) {
                 want[b * L + used + j] = j;
-                for (int r = 0; r < 3; ++r) want[((r + 1) * B + b) * L + used + j] = alone[r * len + j];
+                for (int r = 0; r < 3; ++r)
+                    want[((r + 1) * B + b) * L + used + j] = alone[r * len + j];
             }
             memcpy(pc.ids + b * L + used, bt->ids, sizeof(int64_t) * (size_t)len);
             memcpy(pc.types + b * L + used, row_types, sizeof(int64_t) * (size_t)len);
@@ -1067,11 +1070,13 @@ static void packed_bad(void) {
         const int64_t cut[3] = {4, 4, 1};
         CHECK(run_packed(&a, 3, cut, &three, &e) == PE_ERR_GRID && e.problem == PE_POS_CUT_RUN &&
                   e.example == 0 && e.row == 0 && e.token == 2 && e.expected == 4 && e.found == 2,
-              "cut run, rules %d: problem %d example %lld", rules5, e.problem, (long long)e.example);
+              "cut run, rules %d: problem %d example %lld", rules5, e.problem,
+              (long long)e.example);
         /* the last example ends inside the run, padding follows */
         const int64_t short_len[1] = {4};
-        CHECK(run_packed(&a, 1, short_len, &one, &e) == PE_ERR_GRID && e.problem == PE_POS_CUT_RUN &&
-                  e.example == 0, "run cut by the end of the last example: problem %d", e.problem);
+        CHECK(run_packed(&a, 1, short_len, &one, &e) == PE_ERR_GRID &&
+                  e.problem == PE_POS_CUT_RUN && e.example == 0,
+              "run cut by the end of the last example: problem %d", e.problem);
         /* lengths: over the row, negative, more examples than listed */
         const int64_t over[2] = {8, 5}, neg[2] = {8, -1};
         CHECK(run_packed(&a, 2, over, &two, &e) == PE_ERR_ARG && e.problem == PE_POS_BAD_LENGTH &&

@@ -746,7 +746,8 @@ Tensor mrope_packed_position_ids_cpu(
     }
     PE_CHECK_VALUE(listed == n, "row_examples sums to ", listed, " but example_lens has ", n,
                    " entries");
-    PE_CHECK_VALUE(L == 0 || B <= INT64_MAX / 4 / L, "input_ids is too large: ", shape(input_ids_in));
+    PE_CHECK_VALUE(L == 0 || B <= INT64_MAX / 4 / L, "input_ids is too large: ",
+                   shape(input_ids_in));
     const std::array<int64_t, 3> sizes{4, B, L};
     Tensor pos = empty(sizes, ScalarType::Long, input_ids_in);
     pe_pos_error err{};
