@@ -332,7 +332,7 @@ def test_bad_grids():
         call(kw, seq_lens=[4])
     # grids left over: two grids, one image
     two = dict(kw, image_grid_thw=torch.tensor([[1, 4, 4], [1, 4, 4]]))
-    with pytest.raises(ValueError, match=r"image_grid_thw has 2 rows, but the examples hold "
+    with pytest.raises(ValueError, match=r"image_grid_thw has 2 rows, but the 3 examples hold "
                                          r"only 1 image runs"):
         call(two, **ok)
     # grids running out: a second image in example 1, one grid

@@ -687,7 +687,8 @@ Tensor lengths_tensor(const Tensor& t, const char* name) {
             const char* grid_name = e.video ? "video_grid_thw" : "image_grid_thw";
             fail_value(grid_name, e.video && model == PE_MROPE_QWEN3_VL ? " describes " : " has ",
                        e.expected, e.video && model == PE_MROPE_QWEN3_VL ? " frames" : " rows",
-                       ", but the examples hold only ", e.found, e.video ? " video" : " image",
+                       ", but the ", lens.size(0), " examples hold only ", e.found,
+                       e.video ? " video" : " image",
                        e.video && model == PE_MROPE_QWEN3_VL ? " frame" : "",
                        " runs (grids are taken in example order across the batch)");
         }
