@@ -353,6 +353,13 @@ int pe_mrope_position_ids(const pe_mrope_args *a, int64_t *position_ids, int64_t
  * one more sequence (a text-only example), so anything that splits a row where the text
  * position does not grow by one, or where it is 0, never joins them to an example.
  *
+ * Example (Qwen2-VL, m = 2; one row of L = 14: the tokens of Example 1 above, a one-token
+ *   example, a text example of two tokens, three padding slots; example_lens 8 1 2):
+ *      row 0 (text)  0 1 2 3 4 5 6 7 | 0 | 0 1 | 0 1 2
+ *      T             0 1 2 2 2 2 4 5 | 0 | 0 1 | 0 1 2
+ *      H             0 1 2 2 3 3 4 5 | 0 | 0 1 | 0 1 2
+ *      W             0 1 2 3 2 3 4 5 | 0 | 0 1 | 0 1 2
+ *
  * Grids (and second_per_grid_ts) are taken in example order, the order their items appear
  * in the batch, as for pe_mrope_position_ids.  a->attention_mask must be NULL; everything
  * else in a is read as there; no deltas are computed.  Examples run on up to nthreads
