@@ -34,6 +34,7 @@ sys.path.insert(0, str(HERE))
 import bench_layer  # noqa: E402
 import bench_mrope  # noqa: E402
 import bench_overhead  # noqa: E402
+import bench_packing  # noqa: E402
 import bench_positions  # noqa: E402
 import bench_rope  # noqa: E402
 import bench_rotary_step  # noqa: E402
@@ -47,6 +48,7 @@ TOPICS = {m.TOPIC: m for m in (
     bench_rotary_step,
     bench_overhead,
     bench_layer,
+    bench_packing,
 )}
 DEFAULT_THREADS = {"quick": "all", "full": "1,all", "smoke": "all"}
 
@@ -209,6 +211,13 @@ def evaluate_targets(results: list[H.Result], threads: int) -> list[dict]:
         [(f"B={r.batch} L={r.seq}", r.posenc_speedup)
          for r in _ok(results, op="mrope_position_ids", batch=8, seq=8192, method="hf_eager",
                       threads=threads)], 30.0, "min"))
+    out.append(_target(
+        "6. compute_packed_mrope_position_ids (64 examples, rows of <= 64k tokens) >= 30x "
+        "faster than the per-example loop over HF get_rope_index",
+        [(f"B={r.batch} L={r.seq} {r.transformers}", r.posenc_speedup)
+         for r in _ok(results, op="packed_position_ids", method="hf_eager", threads=threads,
+                      extra=lambda e: e.startswith("examples=64,"))],
+        30.0, "min"))
     for variant, bound, tag in (("no grad", 8.0, "5a"), ("grad recording", 12.0, "5b")):
         out.append(_target(
             f"{tag}. decode call (Qwen2-VL-7B heads, B=8, T=1, bf16, {variant}): "

@@ -290,6 +290,11 @@ typedef enum pe_pos_problem {
     PE_POS_STRAY_TOKEN,  /* placeholder token at (row, token) belongs to no item */
     PE_POS_BAD_TYPE,     /* mm_token_type_ids[row, token] (kept) is `found`, not 0, 1 or 2
                             (PE_ERR_ARG) */
+    /* packed rows (pe_mrope_packed_position_ids) only: */
+    PE_POS_BAD_LENGTH,   /* example `example` of row `row` has `found` tokens: negative, or
+                            more than the `expected` left in the row (PE_ERR_ARG) */
+    PE_POS_CUT_RUN,      /* the item at (row, token) of grid `grid` needs `expected` tokens;
+                            `found` are in its example, the run goes on past its end */
 } pe_pos_problem;
 
 typedef struct pe_pos_error {
@@ -299,6 +304,7 @@ typedef struct pe_pos_error {
     int64_t frame;      /* Qwen3-VL: frame of that video, else -1 */
     int64_t row, token; /* batch row and token index (padded), or -1 */
     int64_t expected, found;
+    int64_t example;    /* packed rows: the example at fault (numbered across the batch), or -1 */
 } pe_pos_error;
 
 typedef struct pe_mrope_args {
@@ -331,6 +337,50 @@ typedef struct pe_mrope_args {
  * PE_ERR_GRID or PE_ERR_NOMEM. */
 int pe_mrope_position_ids(const pe_mrope_args *a, int64_t *position_ids, int64_t *deltas,
                           pe_pos_error *err);
+
+/*
+ * Packed rows (padding-free batches): several examples laid end to end in each row of
+ * input_ids, each given the ids it would get alone.  Row b holds row_examples[b] examples;
+ * numbering them across the batch (row 0 first, left to right), example e has
+ * example_lens[e] >= 0 tokens and starts where the previous example of its row ends (the
+ * first at token 0).  Tokens of a row after its last example are padding.
+ *
+ * position_ids: (4, B, L) dense int64.  For token k (0-based) of an example:
+ *   row 0      k: the text positions, restarting at 0 in each example;
+ *   rows 1..3  T, H, W of pe_mrope_position_ids run on that example alone (one row of
+ *              example_lens[e] tokens, no mask) under the same rules.
+ * The P padding tokens after a row's last example get 0 .. P-1 on all four rows: they form
+ * one more sequence (a text-only example), so anything that splits a row where the text
+ * position does not grow by one, or where it is 0, never joins them to an example.
+ *
+ * Example (Qwen2-VL, m = 2; one row of L = 14: the tokens of Example 1 above, a one-token
+ *   example, a text example of two tokens, three padding slots; example_lens 8 1 2):
+ *      row 0 (text)  0 1 2 3 4 5 6 7 | 0 | 0 1 | 0 1 2
+ *      T             0 1 2 2 2 2 4 5 | 0 | 0 1 | 0 1 2
+ *      H             0 1 2 2 3 3 4 5 | 0 | 0 1 | 0 1 2
+ *      W             0 1 2 3 2 3 4 5 | 0 | 0 1 | 0 1 2
+ *
+ * Grids (and second_per_grid_ts) are taken in example order, the order their items appear
+ * in the batch, as for pe_mrope_position_ids.  a->attention_mask must be NULL; everything
+ * else in a is read as there; no deltas are computed.  Examples run on up to nthreads
+ * threads from 2^18 tokens on.
+ *
+ * Errors are those of pe_mrope_position_ids, with err->example the example at fault (the
+ * lowest one) and err->token its position in the padded row, plus:
+ *   PE_POS_BAD_LENGTH (PE_ERR_ARG)  a negative length, or examples that need more than L
+ *                                   tokens in their row;
+ *   PE_POS_CUT_RUN (PE_ERR_GRID)    an item still open at its example's end, whose run goes
+ *                                   on in the next token of the row (a vision run cut by
+ *                                   an example boundary);
+ *   PE_POS_GRID_COUNT               with example >= 0: an item of that example finds no
+ *                                   grid left (found = items up to it, expected = grids);
+ *                                   with example -1: grids left over after the last example.
+ * n_examples < 0, row_examples negative or not summing to n_examples, a mask, or 4*B*L
+ * overflowing int64 are PE_ERR_ARG (PE_POS_BAD_ARG).
+ */
+int pe_mrope_packed_position_ids(const pe_mrope_args *a, int64_t n_examples,
+                                 const int64_t *example_lens, const int64_t *row_examples,
+                                 int64_t *position_ids, pe_pos_error *err);
 
 /*
  * Vision tower rotary positions (Qwen2-VL / Qwen2.5-VL / Qwen3-VL ViT): for grids

@@ -12,6 +12,7 @@ from . import _C  # noqa: F401  (registers torch.ops.posenc)
 from . import ops  # noqa: F401  (fake kernels and autograd formulas)
 from .positions import (
     compute_mrope_decode_position_ids,
+    compute_packed_mrope_position_ids,
     compute_mrope_position_ids,
     vision_rotary_position_ids,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "compute_mrope_cos_sin",
     "compute_mrope_position_ids",
     "compute_mrope_decode_position_ids",
+    "compute_packed_mrope_position_ids",
     "vision_rotary_position_ids",
     "sinusoidal_position_encoding",
     "kernel_isa",

@@ -228,6 +228,15 @@ def _mrope_position_ids_fake(input_ids, image_grid_thw, video_grid_thw, attentio
             input_ids.new_empty((batch, 1), dtype=torch.int64))
 
 
+@torch.library.register_fake("posenc::mrope_packed_position_ids")
+def _mrope_packed_position_ids_fake(input_ids, example_lens, row_examples, image_grid_thw,
+                                    video_grid_thw, second_per_grid_ts, model, image_token_id,
+                                    video_token_id, vision_start_token_id, spatial_merge_size,
+                                    tokens_per_second, mm_token_type_ids, rules, time_rule):
+    batch, seq = input_ids.shape
+    return input_ids.new_empty((4, batch, seq), dtype=torch.int64)
+
+
 @torch.library.register_fake("posenc::vision_position_ids")
 def _vision_position_ids_fake(grid_thw, spatial_merge_size):
     # The patch count sum(t * h * w) depends on the values of grid_thw.

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import math
+import operator
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -227,6 +229,47 @@ def compute_mrope_position_ids(
     grids, a run shorter or longer than its grid, a placeholder without vision start
     (``"4.57"``), h or w not divisible by ``spatial_merge_size``, or values <= 0.
     """
+    walk = _walk_arguments(
+        input_ids, image_grid_thw, video_grid_thw, model=model, convention=convention,
+        mm_token_type_ids=mm_token_type_ids, image_token_id=image_token_id,
+        video_token_id=video_token_id, vision_start_token_id=vision_start_token_id,
+        spatial_merge_size=spatial_merge_size, second_per_grid_ts=second_per_grid_ts,
+        tokens_per_second=tokens_per_second)
+    if attention_mask is not None:
+        walk.tensors["attention_mask"] = _check_mask(attention_mask, input_ids)
+    check_same_device(**walk.tensors)
+    return torch.ops.posenc.mrope_position_ids(
+        input_ids, walk.image_grid_thw, walk.video_grid_thw, attention_mask,
+        walk.second_per_grid_ts, *walk.op_args)
+
+
+class _WalkArguments(NamedTuple):
+    """The checked arguments of the position walk, as its ops take them."""
+
+    image_grid_thw: torch.Tensor | None
+    video_grid_thw: torch.Tensor | None
+    second_per_grid_ts: torch.Tensor | None
+    op_args: tuple  # model .. time_rule, as the ops list them after second_per_grid_ts
+    tensors: dict[str, torch.Tensor]  # the tensor arguments by name, for the device check
+
+
+def _walk_arguments(
+    input_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None,
+    *,
+    model: str,
+    convention: str,
+    mm_token_type_ids: torch.Tensor | None,
+    image_token_id: int | None,
+    video_token_id: int | None,
+    vision_start_token_id: int | None,
+    spatial_merge_size: int,
+    second_per_grid_ts: torch.Tensor | Sequence[float] | None,
+    tokens_per_second: float | None,
+) -> _WalkArguments:
+    """Checks what compute_mrope_position_ids and compute_packed_mrope_position_ids share
+    (everything but the mask and the example lengths) and converts it for the ops."""
     if not isinstance(model, str) or model not in MROPE_MODELS:
         raise ValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")
     convention = resolve_convention(convention, model)
@@ -249,8 +292,6 @@ def compute_mrope_position_ids(
                              f"be distinct, got {given}")
     _check_int_arg("spatial_merge_size", spatial_merge_size, 1)
     tensors = {"input_ids": input_ids}
-    if attention_mask is not None:
-        tensors["attention_mask"] = _check_mask(attention_mask, input_ids)
     has_grids = image_grid_thw is not None or video_grid_thw is not None
     if image_grid_thw is not None:
         tensors["image_grid_thw"] = image_grid_thw
@@ -309,11 +350,11 @@ def compute_mrope_position_ids(
             raise ValueError(f"tokens_per_second applies only to model='qwen2_5_vl', "
                              f"got model={model!r}")
         tokens_per_second = 0.0
-    check_same_device(**tensors)
-    return torch.ops.posenc.mrope_position_ids(
-        input_ids, image_grid_thw, video_grid_thw, attention_mask, second_per_grid_ts,
-        MROPE_MODELS[model], *token_ids, spatial_merge_size, float(tokens_per_second),
-        types, _RULES[convention], time_rule)
+    return _WalkArguments(
+        image_grid_thw, video_grid_thw, second_per_grid_ts,
+        (MROPE_MODELS[model], *token_ids, spatial_merge_size, float(tokens_per_second), types,
+         _RULES[convention], time_rule),
+        tensors)
 
 
 def compute_mrope_decode_position_ids(
@@ -471,3 +512,226 @@ def vision_rotary_position_ids(grid_thw: torch.Tensor,
 def _check_grid_thw(grid_thw: object) -> None:
     check_tensor("grid_thw", grid_thw, 2, "2-D (num_grids, 3) of (t, h, w)")
     check_same_device(grid_thw=grid_thw)
+
+
+# ---------------------------------------------------------------------------------------
+# Packed rows (padding-free batches).
+
+
+def _length(name: str, value: object) -> int:
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (
+            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def _rows_of(name: str, value: object, batch: int) -> list[list[int]]:
+    """``value`` as one list of ints per row of input_ids: a (B, n) tensor or a sequence of
+    B sequences; for B = 1 also a 1-D tensor or a flat sequence."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
+        if value.dim() == 1 and batch == 1:
+            return [value.tolist()]
+        if value.dim() != 2 or value.shape[0] != batch:
+            raise ValueError(f"{name} as a tensor must be (batch, n) with batch = {batch} (the "
+                             f"rows of input_ids){' or 1-D' if batch == 1 else ''}, got shape "
+                             f"{tuple(value.shape)}")
+        return value.tolist()
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise TypeError(f"{name} must be a tensor or a list of lists of ints (one list per row), "
+                        f"got {type(value).__name__}")
+    if batch == 1 and all(not isinstance(v, Sequence | torch.Tensor) or
+                          (isinstance(v, torch.Tensor) and v.dim() == 0) for v in value):
+        value = [value]
+    if len(value) != batch:
+        raise ValueError(f"{name} must have one list per row of input_ids ({batch}), got "
+                         f"{len(value)}")
+    rows = []
+    for b, row in enumerate(value):
+        if isinstance(row, torch.Tensor):
+            row = row.tolist() if row.dim() == 1 else row
+        if not isinstance(row, Sequence) or isinstance(row, str):
+            raise TypeError(f"{name}[{b}] must be a list of ints, got {type(row).__name__}")
+        rows.append([_length(f"{name}[{b}][{k}]", v) for k, v in enumerate(row)])
+    return rows
+
+
+def _packed_layout(input_ids: torch.Tensor, seq_lens: object, cu_seqlens: object,
+                   attention_mask: object) -> tuple[list[int], list[int]]:
+    """Example lengths (in example order across the batch) and examples per row, from
+    whichever of the three descriptions was given, checked against the rows of input_ids."""
+    given = [name for name, v in (("seq_lens", seq_lens), ("cu_seqlens", cu_seqlens),
+                                  ("attention_mask", attention_mask)) if v is not None]
+    if len(given) != 1:
+        raise TypeError("pass exactly one of seq_lens, cu_seqlens and attention_mask, got "
+                        f"{', '.join(given) if given else 'none'}")
+    batch, length = input_ids.shape
+    if attention_mask is not None:
+        return _mask_layout(attention_mask, input_ids)
+    lens: list[int] = []
+    per_row: list[int] = []
+    if seq_lens is not None:
+        for b, row in enumerate(_rows_of("seq_lens", seq_lens, batch)):
+            used = 0
+            for k, n in enumerate(row):
+                where = f"seq_lens[{b}][{k}] (example {len(lens)})"
+                if n < 0:
+                    raise ValueError(f"{where} is {n}; lengths must be >= 0")
+                used += n
+                if used > length:
+                    raise ValueError(f"{where}: the examples of row {b} up to this one need "
+                                     f"{used} tokens, but input_ids rows have {length}")
+                lens.append(n)
+            per_row.append(len(row))
+        return lens, per_row
+    for b, row in enumerate(_rows_of("cu_seqlens", cu_seqlens, batch)):
+        if not row or row[0] != 0:
+            raise ValueError(f"cu_seqlens[{b}] must start with 0 (cumulative lengths "
+                             f"[0, l0, l0 + l1, ...]), got {row[:3]}")
+        for k in range(1, len(row)):
+            where = f"cu_seqlens[{b}][{k}] (end of example {len(lens)})"
+            if row[k] < row[k - 1]:
+                raise ValueError(f"{where} is {row[k]}, below cu_seqlens[{b}][{k - 1}] = "
+                                 f"{row[k - 1]}; cumulative lengths must not decrease")
+            if row[k] > length:
+                raise ValueError(f"{where} is {row[k]}, past the {length} tokens of the "
+                                 "input_ids rows")
+            lens.append(row[k] - row[k - 1])
+        per_row.append(len(row) - 1)
+    return lens, per_row
+
+
+def _mask_layout(mask: object, input_ids: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Example lengths of a packed attention mask: per row example numbers 1, 2, 3, ... in
+    order, 0 for padding after the last example."""
+    check_tensor("attention_mask", mask, 2, "2-D (batch, seq) of example numbers")
+    if mask.is_floating_point() or mask.is_complex():
+        raise TypeError(f"attention_mask must hold integer example numbers (1, 2, 3, ... per "
+                        f"row, 0 for padding), got {mask.dtype}")
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(mask.shape)} must equal input_ids shape "
+                         f"{tuple(input_ids.shape)}")
+    m = mask.long()
+    if m.numel() == 0:
+        return [], [0] * m.shape[0]
+    prev = torch.cat([torch.zeros_like(m[:, :1]), m[:, :-1]], dim=1)
+    first = torch.zeros_like(m, dtype=torch.bool)
+    first[:, 0] = True
+    # a token continues its example, starts the next one, or (after an example) starts the
+    # padding; the first token of a row is example 1 or padding
+    ok = (m == prev) | ((m == prev + 1) & ((prev > 0) | first)) | ((m == 0) & (prev > 0))
+    if not bool(ok.all()):
+        b, j = divmod(int((~ok).flatten().int().argmax()), m.shape[1])
+        after = int(m[b, j - 1]) if j else 0
+        where = (f"after example {after} of row {b} (example "
+                 f"{int(m[:b].amax(dim=1).sum()) + after - 1} of the batch)" if after > 0 else
+                 "after padding" if j else "at the start of the row")
+        raise ValueError(
+            f"attention_mask[{b}, {j}] is {int(m[b, j])} {where}: a packed mask numbers the "
+            "examples of each row 1, 2, 3, ... in order, each example's tokens together, and "
+            "holds 0 only for padding after the last example")
+    top = int(m.max())
+    counts = torch.bincount((m + (top + 1) * torch.arange(m.shape[0], device=m.device)[:, None])
+                            .flatten(), minlength=m.shape[0] * (top + 1)).view(-1, top + 1)
+    per_row = m.amax(dim=1).tolist()
+    lens = [n for b, k in enumerate(per_row) for n in counts[b, 1:k + 1].tolist()]
+    return lens, per_row
+
+
+def compute_packed_mrope_position_ids(
+    input_ids: torch.Tensor,
+    seq_lens: torch.Tensor | Sequence[Sequence[int]] | Sequence[int] | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    *,
+    model: str,
+    convention: str = "installed",
+    cu_seqlens: torch.Tensor | Sequence[Sequence[int]] | Sequence[int] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
+    image_token_id: int | None = None,
+    video_token_id: int | None = None,
+    vision_start_token_id: int | None = None,
+    spatial_merge_size: int = 2,
+    second_per_grid_ts: torch.Tensor | Sequence[float] | None = None,
+    tokens_per_second: float | None = None,
+) -> torch.Tensor:
+    """Position ids of packed rows (padding-free batches): several examples laid end to end
+    in each row, every one given the ids it would get alone, in the (4, B, L) layout that
+    transformers' Qwen-VL models take for packed rows.
+
+    Shapes:
+        input_ids:          (B, L) integer token ids; row b holds its examples one after
+                            the other from token 0, then (optionally) padding
+        seq_lens:           the example lengths of each row: a list of B lists of ints, or
+                            a (B, n) integer tensor (every row n examples; 0 is a valid
+                            length); for B = 1 also a flat list or a 1-D tensor
+        cu_seqlens:         instead of seq_lens, cumulative lengths per row as
+                            flash-attention's varlen functions take them, ``[0, l0, l0 + l1,
+                            ...]``: for B = 1 a 1-D tensor or list (n + 1,); for B > 1 one
+                            such list per row (a list of lists, or a (B, n + 1) tensor).
+                            Each row starts at 0 (a row's offsets, not offsets into the
+                            flattened batch); its last value may be below L (padding follows)
+        attention_mask:     instead of seq_lens, (B, L) integer example numbers as
+                            LLaMA-Factory's packed collator makes them: 1, 2, 3, ... for the
+                            examples of a row in order, 0 for padding after the last one
+        image_grid_thw:     (n_images, 3) patch grids (t, h, w) before merging, in example
+                            order across the batch (row 0's examples first, left to right)
+        video_grid_thw:     (n_videos, 3), likewise
+        mm_token_type_ids:  (B, L) integer, 0 text, 1 image, 2 video (5.x conventions), as
+                            for :func:`compute_mrope_position_ids`
+        second_per_grid_ts: (n_videos,) seconds per temporal grid step (Qwen2.5-VL), in
+                            example order
+    Exactly one of ``seq_lens``, ``cu_seqlens`` and ``attention_mask`` (else TypeError).
+    Returns int64 (4, B, L).  For token k (0-based) of an example:
+
+    - row 0: k, the text positions restarting at 0 in every example;
+    - rows 1-3: the T, H, W ids that transformers' ``get_rope_index`` of ``model`` gives for
+      that example alone (one row of its tokens, no padding, its own grids) under
+      ``convention``, bit for bit; i.e. what :func:`compute_mrope_position_ids` gives for it.
+
+    Padding: the P tokens after a row's last example get 0, 1, ..., P-1 on all four rows,
+    i.e. they form one more (text-only) sequence and never join an example.  That is what
+    transformers needs to keep them apart: for eager and sdpa attention it splits a packed
+    row where row 0 does not grow by exactly 1 (``find_packed_sequence_indices`` in
+    ``masking_utils``, 4.57 and 5.x; the padding's 0 follows an example's last position, which
+    is >= 0), and for flash-attention it starts a sequence wherever row 0 holds its minimum,
+    0 (``prepare_fa_kwargs_from_position_ids``; transformers reads packed boundaries from
+    position ids there only for B = 1).  Both block-diagonal forms need no attention mask:
+    pass none to the model (and no cache: transformers builds the packed mask only when
+    ``past_key_values`` is empty).
+
+    All other keywords (``model``, ``convention``, token ids, ``spatial_merge_size``,
+    ``tokens_per_second``, ...) mean what they mean for :func:`compute_mrope_position_ids`,
+    and the convention is resolved the same way (:func:`resolve_convention`).  The whole
+    batch is one call into the C walk, its examples spread over threads.
+
+    Bad input raises ``ValueError`` naming the argument and the example (numbered from 0
+    across the batch, row 0's first): a negative length, examples longer than their row,
+    cumulative lengths that decrease or do not start at 0, a mask whose example numbers do
+    not run 1, 2, 3, ... with padding only at the end; a grid that does not fit its example
+    (grids running out at an example, grids left over, a run longer or shorter than its
+    grid, a placeholder outside every vision run), and a vision run cut by an example
+    boundary; every error of :func:`compute_mrope_position_ids` besides.  ``TypeError`` for
+    wrong types or dtypes (a float length, a float mask, ...).  Examples of length 1 and
+    text-only examples are valid; so is a row with no example (all padding).
+    """
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    walk = _walk_arguments(
+        input_ids, image_grid_thw, video_grid_thw, model=model, convention=convention,
+        mm_token_type_ids=mm_token_type_ids, image_token_id=image_token_id,
+        video_token_id=video_token_id, vision_start_token_id=vision_start_token_id,
+        spatial_merge_size=spatial_merge_size, second_per_grid_ts=second_per_grid_ts,
+        tokens_per_second=tokens_per_second)
+    lens, per_row = _packed_layout(input_ids, seq_lens, cu_seqlens, attention_mask)
+    check_same_device(**walk.tensors)
+    example_lens = torch.tensor(lens, dtype=torch.int64, device=input_ids.device)
+    row_examples = torch.tensor(per_row, dtype=torch.int64, device=input_ids.device)
+    return torch.ops.posenc.mrope_packed_position_ids(
+        input_ids, example_lens, row_examples, walk.image_grid_thw, walk.video_grid_thw,
+        walk.second_per_grid_ts, *walk.op_args)

@@ -197,7 +197,7 @@ def test_driver_writes_results_and_plots(tmp_path):
                if r["status"] == "ok")
     assert all(r["status"] == "skipped" for r in rows if r["method"] == "liger")
     assert [t["target"][:2] for t in payload["targets"]] == \
-        ["1.", "1b", "1c", "2a", "2b", "3.", "4.", "5a", "5b"]
+        ["1.", "1b", "1c", "2a", "2b", "3.", "4.", "6.", "5a", "5b"]
     assert "x clone" in proc.stdout and "x copy_" in proc.stdout
     assert (tmp_path / "smoke.csv").read_text().startswith("topic,op,model")
     plots = sorted(p.name for p in (tmp_path / "plots-smoke").glob("*.png"))
@@ -249,3 +249,35 @@ def test_plots_of_a_sweep(tmp_path):
     made = sorted(Path(p).name for p in plot.main([str(path), "--out", str(tmp_path / "png")]))
     assert made == ["mrope-Qwen2-VL-7B-ratio.png", "mrope-Qwen2-VL-7B-time.png",
                     "other-time.png"]
+
+
+@pytest.mark.any_transformers
+def test_packing_topic_checks_against_per_example_get_rope_index():
+    """The packed position-id case under the installed transformers: posenc's one call and
+    the per-example loop over get_rope_index are both timed, after their results were found
+    equal; the examples hold images, videos and text only, and fit the rows."""
+    import transformers
+
+    import bench_packing
+
+    part = "qwen2_5_vl" if transformers.__version__.startswith("4.") else "qwen2_5_vl_5x"
+    opts = H.Options(part, "smoke", 1, "cpu", None)
+    planned = [c for c, _ in bench_packing.plan(opts) if c.op == "packed_position_ids"]
+    rep = H.Reporter(sum(len(m) for _, m in bench_packing.plan(opts)), to_driver=True)
+    bench_packing.run(opts, rep)
+    by = {r.method: r for r in rep.results if r.op == "packed_position_ids"}
+    assert by["hf_eager"].status == "ok", by["hf_eager"].reason
+    assert by["posenc"].status == "ok", by["posenc"].reason
+    assert by["posenc"].max_rel_err == 0.0  # exact comparison with the per-example loop
+    assert len(planned) == 1 and (planned[0].batch, planned[0].seq) == (by["posenc"].batch,
+                                                                        by["posenc"].seq)
+    examples = bench_packing.make_examples(*bench_packing.SHAPES["quick"][:3])
+    assert len(examples) == 64
+    assert all(128 <= len(ex["ids"]) <= 4096 for ex in examples)
+    kinds = [(bool(ex["images"]), bool(ex["videos"])) for ex in examples]
+    assert {(False, False), (True, False), (False, True)} <= set(kinds)
+    assert any(s % 1 for ex in examples for s in ex["seconds"])  # fractional seconds
+    _, rows, ids, images, videos, _ = bench_packing.pack(examples, 65536)
+    assert ids.shape[1] <= 65536 and sorted(i for r in rows for i in r) == list(range(64))
+    n_image = int((ids == bench_packing.IMAGE_PAD).sum())
+    assert n_image == int((images[:, 0] * images[:, 1] * images[:, 2]).sum()) // 4

@@ -18,7 +18,7 @@ static void set_error(pe_pos_error *err, pe_pos_problem problem) {
     if (!err) return;
     memset(err, 0, sizeof *err);
     err->problem = problem;
-    err->grid = err->frame = err->row = err->token = -1;
+    err->grid = err->frame = err->row = err->token = err->example = -1;
 }
 
 /* ---- grids ---------------------------------------------------------------------------- */
@@ -93,8 +93,10 @@ typedef struct item {
 typedef struct walk_ctx {
     const pe_mrope_args *a;
     const int64_t *frame_start; /* Qwen3-VL: n_videos + 1 prefix sums of t */
-    int64_t *pos;               /* (3, B, L) */
+    int64_t *pos;               /* rows T, H, W of (B, L), axis_stride apart */
     int64_t *deltas;
+    int64_t axis_stride;
+    int64_t n_video_items;      /* videos, or (Qwen3-VL) frames */
 } walk_ctx;
 
 static int64_t time_index(const walk_ctx *c, const item *it, int64_t ti) {
@@ -131,13 +133,14 @@ static const int64_t *row_of(const int64_t *p, int64_t stride, int64_t b) {
     return p ? p + b * stride : NULL;
 }
 
-/* Counts the vision items of row b. */
-static void count_row(const pe_mrope_args *a, int64_t b, int64_t *images, int64_t *videos) {
+/* Counts the vision items in tokens [j0, j1) of row b. */
+static void count_span(const pe_mrope_args *a, int64_t b, int64_t j0, int64_t j1, int64_t *images,
+                       int64_t *videos) {
     const int64_t *ids = row_of(a->input_ids, a->ids_row_stride, b);
     const int64_t *types = row_of(a->mm_token_type_ids, a->types_row_stride, b);
     const int64_t *mask = row_of(a->attention_mask, a->mask_row_stride, b);
     int64_t ni = 0, nv = 0, prev = -1;
-    for (int64_t j = 0; j < a->seq; ++j) {
+    for (int64_t j = j0; j < j1; ++j) {
         if (!is_kept(mask, j)) continue;
         int start;
         const int kind = token_kind(a, ids, types, j, &prev, &start);
@@ -208,22 +211,24 @@ static void item_error(const walk_ctx *c, pe_pos_error *e, pe_pos_problem p, int
     }
 }
 
-/* Walks row b; grids of this row start at image img0 and video (or frame) vid0.  Returns
- * 0 and fills *e on a mismatch. */
-static int walk_row(const walk_ctx *c, int64_t b, int64_t img0, int64_t vid0, pe_pos_error *e) {
+/* Walks tokens [j0, j1) of row b as one sequence whose positions start at 0; its items
+ * take the grids from image img0 and video (or frame) vid0 on.  *end gets next, top and
+ * kept tokens after the span.  Returns 0 and fills *e on a mismatch. */
+static int walk_span(const walk_ctx *c, int64_t b, int64_t j0, int64_t j1, int64_t img0,
+                     int64_t vid0, int64_t end[3], pe_pos_error *e) {
     const pe_mrope_args *a = c->a;
-    const int64_t L = a->seq, BL = a->batch * L;
+    const int64_t L = a->seq;
     const int64_t *ids = row_of(a->input_ids, a->ids_row_stride, b);
     const int64_t *types = row_of(a->mm_token_type_ids, a->types_row_stride, b);
     const int64_t *mask = row_of(a->attention_mask, a->mask_row_stride, b);
     const int64_t pad = v5(a) ? 0 : 1;
-    int64_t *pt = c->pos + b * L, *ph = pt + BL, *pw = ph + BL;
+    int64_t *pt = c->pos + b * L, *ph = pt + c->axis_stride, *pw = ph + c->axis_stride;
     int64_t next = 0, top = -1, kept = 0, img = img0, vid = vid0, prev = -1;
     item it = {0};
     int64_t item_token = -1, item_index = -1;
     int item_video = 0;
 
-    for (int64_t j = 0; j < L; ++j) {
+    for (int64_t j = j0; j < j1; ++j) {
         if (!is_kept(mask, j)) {
             pt[j] = ph[j] = pw[j] = pad;
             continue;
@@ -235,6 +240,13 @@ static int walk_row(const walk_ctx *c, int64_t b, int64_t img0, int64_t vid0, pe
             item_video = kind == 2;
             item_index = item_video ? vid++ : img++;
             item_token = j;
+            const int64_t have = item_video ? c->n_video_items : a->n_images;
+            if (item_index >= have) { /* only when the caller did not count first */
+                item_error(c, e, PE_POS_GRID_COUNT, item_video, -1, b, j);
+                e->expected = have;
+                e->found = item_index + 1;
+                return 0;
+            }
             start_item(c, &it, kind, item_index, next);
         }
         if (it.left > 0) {
@@ -269,26 +281,40 @@ static int walk_row(const walk_ctx *c, int64_t b, int64_t img0, int64_t vid0, pe
         }
     }
     if (it.left > 0) {
-        item_error(c, e, PE_POS_SHORT_RUN, item_video, item_index, b, item_token);
+        /* the next token of the row going on with the run: a run cut at j1 */
+        const int cut = j1 < L && (v5(a) ? types[j1] : ids[j1]) == it.placeholder;
+        item_error(c, e, cut ? PE_POS_CUT_RUN : PE_POS_SHORT_RUN, item_video, item_index, b,
+                   item_token);
         e->expected = it.n;
         e->found = it.n - it.left;
         return 0;
     }
-    c->deltas[b] = v5(a) ? (kept ? top + 1 - kept : 0) : next - L;
+    end[0] = next, end[1] = top, end[2] = kept;
     return 1;
 }
 
-/* transformers' branch without grids: cumsum(mask) - 1, or arange. */
-static int plain_row(const walk_ctx *c, int64_t b, pe_pos_error *e) {
+/* Walks row b; grids of this row start at image img0 and video (or frame) vid0. */
+static int walk_row(const walk_ctx *c, int64_t b, int64_t img0, int64_t vid0, pe_pos_error *e) {
+    int64_t end[3];
+    if (!walk_span(c, b, 0, c->a->seq, img0, vid0, end, e)) return 0;
+    const int64_t next = end[0], top = end[1], kept = end[2];
+    c->deltas[b] = v5(c->a) ? (kept ? top + 1 - kept : 0) : next - c->a->seq;
+    return 1;
+}
+
+/* transformers' branch without grids over tokens [j0, j1) of row b: cumsum(mask) - 1, or
+ * arange.  *top gets the largest position written. */
+static int plain_span(const walk_ctx *c, int64_t b, int64_t j0, int64_t j1, int64_t *top_out,
+                      pe_pos_error *e) {
     const pe_mrope_args *a = c->a;
-    const int64_t L = a->seq, BL = a->batch * L;
+    const int64_t L = a->seq;
     const int64_t *ids = row_of(a->input_ids, a->ids_row_stride, b);
     const int64_t *types = row_of(a->mm_token_type_ids, a->types_row_stride, b);
     const int64_t *mask = row_of(a->attention_mask, a->mask_row_stride, b);
     const int64_t pad = v5(a) ? 0 : 1;
-    int64_t *pt = c->pos + b * L, *ph = pt + BL, *pw = ph + BL;
+    int64_t *pt = c->pos + b * L, *ph = pt + c->axis_stride, *pw = ph + c->axis_stride;
     int64_t next = 0, top = -1, prev = -1;
-    for (int64_t j = 0; j < L; ++j) {
+    for (int64_t j = j0; j < j1; ++j) {
         int64_t p = pad;
         if (is_kept(mask, j)) {
             int start = 0;
@@ -305,18 +331,24 @@ static int plain_row(const walk_ctx *c, int64_t b, pe_pos_error *e) {
         pt[j] = ph[j] = pw[j] = p;
         if (p > top) top = p;
     }
-    c->deltas[b] = (mask && !v5(a)) ? top + 1 - L : 0;
+    *top_out = top;
     return 1;
 }
 
-static int args_valid(const pe_mrope_args *a, int64_t *position_ids, int64_t *deltas) {
+static int plain_row(const walk_ctx *c, int64_t b, pe_pos_error *e) {
+    int64_t top;
+    if (!plain_span(c, b, 0, c->a->seq, &top, e)) return 0;
+    c->deltas[b] = (c->a->attention_mask && !v5(c->a)) ? top + 1 - c->a->seq : 0;
+    return 1;
+}
+
+static int args_valid(const pe_mrope_args *a, const int64_t *position_ids) {
     if (!a || a->batch < 0 || a->seq < 0) return 0;
     if (a->rules != PE_MROPE_RULES_4_57 && a->rules != PE_MROPE_RULES_5) return 0;
     const int need_ids = !v5(a), need_types = v5(a) && a->has_grids;
     if (a->batch > 0 && a->seq > 0 &&
         ((need_ids && !a->input_ids) || (need_types && !a->mm_token_type_ids) || !position_ids))
         return 0;
-    if (a->batch > 0 && !deltas) return 0;
     if (a->batch > INT64_MAX / 3 / (a->seq > 0 ? a->seq : 1)) return 0;
     if (a->model != PE_MROPE_QWEN2_VL && a->model != PE_MROPE_QWEN2_5_VL &&
         a->model != PE_MROPE_QWEN3_VL)
@@ -373,6 +405,42 @@ static void keep_first(pe_pos_error *dst, int *have, const pe_pos_error *src) {
     }
 }
 
+/* Checks the grids and Qwen2.5-VL's seconds; for Qwen3-VL fills frame_start (n_videos + 1
+ * prefix sums of t) and points c at it.  Sets c->n_video_items. */
+static int grids_valid(walk_ctx *c, int64_t *frame_start, pe_pos_error *err) {
+    const pe_mrope_args *a = c->a;
+    const int64_t m = a->spatial_merge_size;
+    if (!check_grids(a->image_grid_thw, a->n_images, m, 0, err) ||
+        !check_grids(a->video_grid_thw, a->n_videos, m, 1, err))
+        return 0;
+    if (a->model == PE_MROPE_QWEN2_5_VL) {
+        for (int64_t v = 0; v < a->n_videos; ++v) {
+            const double s = a->second_per_grid_ts ? a->second_per_grid_ts[v] : 1.0;
+            if (!seconds_ok(s, a->tokens_per_second, a->video_grid_thw[3 * v])) {
+                set_error(err, PE_POS_BAD_SECONDS);
+                if (err) err->video = 1, err->grid = v;
+                return 0;
+            }
+        }
+    }
+    c->n_video_items = a->n_videos;
+    if (a->model == PE_MROPE_QWEN3_VL) {
+        frame_start[0] = 0;
+        for (int64_t v = 0; v < a->n_videos; ++v) {
+            if (__builtin_add_overflow(frame_start[v], a->video_grid_thw[3 * v],
+                                       &frame_start[v + 1])) {
+                /* more frames than int64 counts: they cannot all have tokens */
+                set_error(err, PE_POS_GRID_COUNT);
+                if (err) err->video = 1, err->expected = INT64_MAX, err->found = -1;
+                return 0;
+            }
+        }
+        c->frame_start = frame_start;
+        c->n_video_items = frame_start[a->n_videos];
+    }
+    return 1;
+}
+
 static int run_threads(const pe_mrope_args *a) {
     if (a->nthreads <= 1 || a->batch < 2 || a->batch * a->seq < PE_POSITIONS_SERIAL_TOKENS) return 1;
     return a->nthreads < a->batch ? a->nthreads : (int)a->batch;
@@ -381,13 +449,13 @@ static int run_threads(const pe_mrope_args *a) {
 int pe_mrope_position_ids(const pe_mrope_args *a, int64_t *position_ids, int64_t *deltas,
                           pe_pos_error *err) {
     set_error(err, PE_POS_NONE);
-    if (!args_valid(a, position_ids, deltas)) {
+    if (!args_valid(a, position_ids) || (a->batch > 0 && !deltas)) {
         set_error(err, PE_POS_BAD_ARG);
         return PE_ERR_ARG;
     }
     if (!values_valid(a, err)) return PE_ERR_ARG;
-    const int64_t B = a->batch, m = a->spatial_merge_size;
-    walk_ctx c = {a, NULL, position_ids, deltas};
+    const int64_t B = a->batch;
+    walk_ctx c = {a, NULL, position_ids, deltas, a->batch * a->seq, a->n_videos};
     const int nt = run_threads(a);
     pe_pos_error first;
     int have = 0;
@@ -409,20 +477,6 @@ int pe_mrope_position_ids(const pe_mrope_args *a, int64_t *position_ids, int64_t
         return PE_OK;
     }
 
-    if (!check_grids(a->image_grid_thw, a->n_images, m, 0, err) ||
-        !check_grids(a->video_grid_thw, a->n_videos, m, 1, err))
-        return PE_ERR_GRID;
-    if (a->model == PE_MROPE_QWEN2_5_VL) {
-        for (int64_t v = 0; v < a->n_videos; ++v) {
-            const double s = a->second_per_grid_ts ? a->second_per_grid_ts[v] : 1.0;
-            if (!seconds_ok(s, a->tokens_per_second, a->video_grid_thw[3 * v])) {
-                set_error(err, PE_POS_BAD_SECONDS);
-                if (err) err->video = 1, err->grid = v;
-                return PE_ERR_GRID;
-            }
-        }
-    }
-
     /* counts[b] = images of rows < b, counts[B + 1 + b] = videos (frames) of rows < b */
     int64_t *counts = malloc(sizeof(int64_t) * (size_t)(2 * (B + 1) + a->n_videos + 1));
     if (!counts) {
@@ -430,25 +484,15 @@ int pe_mrope_position_ids(const pe_mrope_args *a, int64_t *position_ids, int64_t
         return PE_ERR_NOMEM;
     }
     int64_t *img_start = counts, *vid_start = counts + B + 1, *frame_start = vid_start + B + 1;
-    frame_start[0] = 0;
-    int64_t n_video_items = a->n_videos;
-    if (a->model == PE_MROPE_QWEN3_VL) {
-        for (int64_t v = 0; v < a->n_videos; ++v) {
-            if (__builtin_add_overflow(frame_start[v], a->video_grid_thw[3 * v],
-                                       &frame_start[v + 1])) {
-                /* more frames than int64 counts: they cannot all have tokens */
-                set_error(err, PE_POS_GRID_COUNT);
-                if (err) err->video = 1, err->expected = INT64_MAX, err->found = -1;
-                free(counts);
-                return PE_ERR_GRID;
-            }
-        }
-        n_video_items = frame_start[a->n_videos];
-        c.frame_start = frame_start;
+    if (!grids_valid(&c, frame_start, err)) {
+        free(counts);
+        return PE_ERR_GRID;
     }
+    const int64_t n_video_items = c.n_video_items;
 
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (int64_t b = 0; b < B; ++b) count_row(a, b, &img_start[b + 1], &vid_start[b + 1]);
+    for (int64_t b = 0; b < B; ++b)
+        count_span(a, b, 0, a->seq, &img_start[b + 1], &vid_start[b + 1]);
     img_start[0] = vid_start[0] = 0;
     for (int64_t b = 0; b < B; ++b) {
         img_start[b + 1] += img_start[b];
@@ -479,6 +523,125 @@ int pe_mrope_position_ids(const pe_mrope_args *a, int64_t *position_ids, int64_t
         }
     }
     free(counts);
+    return status;
+}
+
+/* ---- packed rows ---------------------------------------------------------------------- */
+
+/* Keeps the error of the lowest example. */
+static void keep_first_example(pe_pos_error *dst, int *have, const pe_pos_error *src) {
+    if (!*have || src->example < dst->example) {
+        *dst = *src;
+        *have = 1;
+    }
+}
+
+static int packed_args_valid(const pe_mrope_args *a, int64_t n_examples,
+                             const int64_t *example_lens, const int64_t *row_examples,
+                             const int64_t *position_ids) {
+    if (!args_valid(a, position_ids) || a->attention_mask || n_examples < 0) return 0;
+    if ((a->batch > 0 && !row_examples) || (n_examples > 0 && !example_lens)) return 0;
+    if (a->seq > 0 && a->batch > INT64_MAX / 4 / a->seq) return 0;
+    int64_t total = 0;
+    for (int64_t b = 0; b < a->batch; ++b) {
+        if (row_examples[b] < 0 || row_examples[b] > n_examples - total) return 0;
+        total += row_examples[b];
+    }
+    return total == n_examples;
+}
+
+int pe_mrope_packed_position_ids(const pe_mrope_args *a, int64_t n_examples,
+                                 const int64_t *example_lens, const int64_t *row_examples,
+                                 int64_t *position_ids, pe_pos_error *err) {
+    set_error(err, PE_POS_NONE);
+    if (!packed_args_valid(a, n_examples, example_lens, row_examples, position_ids)) {
+        set_error(err, PE_POS_BAD_ARG);
+        return PE_ERR_ARG;
+    }
+    const int64_t B = a->batch, L = a->seq, BL = B * L, N = n_examples;
+    /* where example e lies (row, first token); items of the examples before e (images,
+     * videos or frames); Qwen3-VL frame sums */
+    int64_t *buf = malloc(sizeof(int64_t) * (size_t)(4 * N + 2 + a->n_videos + 1));
+    if (!buf) return PE_ERR_NOMEM;
+    int64_t *ex_row = buf, *ex_start = ex_row + N, *img_start = ex_start + N;
+    int64_t *vid_start = img_start + N + 1, *frame_start = vid_start + N + 1;
+    int status = PE_OK;
+
+    for (int64_t b = 0, e = 0; b < B && status == PE_OK; ++b) {
+        int64_t used = 0;
+        for (int64_t k = 0; k < row_examples[b]; ++k, ++e) {
+            if (example_lens[e] < 0 || example_lens[e] > L - used) {
+                set_error(err, PE_POS_BAD_LENGTH);
+                if (err) err->row = b, err->example = e, err->expected = L - used,
+                         err->found = example_lens[e];
+                status = PE_ERR_ARG;
+                break;
+            }
+            ex_row[e] = b;
+            ex_start[e] = used;
+            used += example_lens[e];
+        }
+        for (int64_t j = used; j < L; ++j) /* padding: one more text-only sequence */
+            for (int r = 0; r < 4; ++r) position_ids[r * BL + b * L + j] = j - used;
+    }
+    if (status == PE_OK && !values_valid(a, err)) status = PE_ERR_ARG;
+    walk_ctx c = {a, NULL, position_ids + BL, NULL, BL, a->n_videos};
+    if (status == PE_OK && a->has_grids && !grids_valid(&c, frame_start, err))
+        status = PE_ERR_GRID;
+    if (status != PE_OK) {
+        free(buf);
+        return status;
+    }
+
+    const int nt = (a->nthreads > 1 && N > 1 && BL >= PE_POSITIONS_SERIAL_TOKENS)
+                       ? (a->nthreads < N ? a->nthreads : (int)N) : 1;
+    pe_pos_error first;
+    int have = 0;
+    set_error(&first, PE_POS_NONE);
+    img_start[0] = vid_start[0] = 0;
+    if (a->has_grids) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+        for (int64_t e = 0; e < N; ++e)
+            count_span(a, ex_row[e], ex_start[e], ex_start[e] + example_lens[e], &img_start[e + 1],
+                       &vid_start[e + 1]);
+        for (int64_t e = 0; e < N; ++e) {
+            img_start[e + 1] += img_start[e];
+            vid_start[e + 1] += vid_start[e];
+        }
+    }
+    /* With counts that disagree with the grids, a serial walk finds the first example at
+     * fault (walk_span stops where the grids run out). */
+    const int counted = !a->has_grids ||
+                        (img_start[N] == a->n_images && vid_start[N] == c.n_video_items);
+#pragma omp parallel for num_threads(counted ? nt : 1) schedule(dynamic, 1) if (counted && nt > 1)
+    for (int64_t e = 0; e < N; ++e) {
+        if (!counted && have) continue;
+        const int64_t b = ex_row[e], j0 = ex_start[e], j1 = j0 + example_lens[e];
+        for (int64_t j = j0; j < j1; ++j) position_ids[b * L + j] = j - j0;
+        pe_pos_error pe;
+        int64_t end[3];
+        const int ok = a->has_grids ? walk_span(&c, b, j0, j1, img_start[e], vid_start[e], end, &pe)
+                                    : plain_span(&c, b, j0, j1, &end[1], &pe);
+        if (!ok) {
+            pe.example = e;
+#pragma omp critical(pe_positions_error)
+            keep_first_example(&first, &have, &pe);
+        }
+    }
+    if (have) {
+        if (err) *err = first;
+        status = PE_ERR_GRID;
+    } else if (!counted) {
+        const int video = img_start[N] == a->n_images;
+        set_error(err, PE_POS_GRID_COUNT);
+        if (err) {
+            err->video = video;
+            err->found = video ? vid_start[N] : img_start[N];
+            err->expected = video ? c.n_video_items : a->n_images;
+        }
+        status = PE_ERR_GRID;
+    }
+    free(buf);
     return status;
 }
 

@@ -1,6 +1,7 @@
 /*
  * libFuzzer harness for the position walk (pe_mrope_position_ids) and the vision tower ids
- * (pe_vision_position_count / pe_vision_position_ids), through the public API only, built
+ * (pe_vision_position_count / pe_vision_position_ids), and the packed-row walk
+ * (pe_mrope_packed_position_ids), through the public API only, built
  * with ASan + UBSan.  The input bytes build token streams of text, vision-start tokens and
  * placeholder runs that usually match their grids (and sometimes do not: short or long
  * runs, stray placeholders, bad grids), padding with or without a mask, for each model.
@@ -181,6 +182,90 @@ static void fuzz_walk(fuzz_bytes *in) {
     check_ids(&s, &a, use_mask ? mask : NULL, pos, deltas);
 }
 
+/* Packed rows: the rows of build_row cut into examples of fuzzed lengths (some cutting a
+ * run, running past the row or negative).  On success: row 0 counts 0.. in every example
+ * and in the padding, rows 1-3 of the padding too, and inside an example the 4.57 rules
+ * of check_ids hold with positions restarting at the example. */
+static void fuzz_packed(fuzz_bytes *in) {
+    stream s;
+    memset(&s, 0, sizeof s);
+    const pe_mrope_model model = (pe_mrope_model)fuzz_below(in, 3);
+    const int64_t m = 1 + fuzz_below(in, 3);
+    const int64_t B = 1 + fuzz_below(in, MAX_B);
+    for (int64_t b = 0; b < B; ++b) build_row(&s, in, b, m, model);
+    int64_t L = 0;
+    for (int64_t b = 0; b < B; ++b)
+        if (s.len[b] > L) L = s.len[b];
+    int64_t ids[MAX_B * MAX_L], lens[MAX_B * MAX_L], per_row[MAX_B];
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        for (int64_t i = 0; i < L; ++i) ids[b * L + i] = i < s.len[b] ? s.ids[b][i] : TEXT;
+        int64_t used = 0;
+        per_row[b] = 0;
+        while (used < s.len[b] && fuzz_below(in, 8) != 0) {
+            int64_t len = 1 + fuzz_below(in, 24);
+            if (fuzz_below(in, 32) == 0) len = -len;
+            if (len > 0 && used + len > s.len[b] && fuzz_below(in, 4)) len = s.len[b] - used;
+            lens[n++] = len;
+            ++per_row[b];
+            used += len > 0 ? len : 0;
+        }
+    }
+    double seconds[MAX_G];
+    for (int i = 0; i < MAX_G; ++i) seconds[i] = 0.5 * fuzz_below(in, 5);
+    const int has_grids = fuzz_below(in, 8) != 0;
+    const pe_mrope_args a = {
+        .batch = B,
+        .seq = L,
+        .input_ids = ids,
+        .ids_row_stride = L,
+        .mask_row_stride = L,
+        .has_grids = has_grids,
+        .image_grid_thw = has_grids && s.n_images ? &s.images[0][0] : NULL,
+        .n_images = has_grids ? s.n_images : 0,
+        .video_grid_thw = has_grids && s.n_videos ? &s.videos[0][0] : NULL,
+        .n_videos = has_grids ? s.n_videos : 0,
+        .second_per_grid_ts = model == PE_MROPE_QWEN2_5_VL && fuzz_below(in, 2) ? seconds : NULL,
+        .model = model,
+        .image_token_id = IMAGE,
+        .video_token_id = VIDEO,
+        .vision_start_token_id = VSTART,
+        .spatial_merge_size = m,
+        .tokens_per_second = 2.0,
+        .nthreads = 1 + (int)fuzz_below(in, 2),
+    };
+    int64_t pos[4 * MAX_B * MAX_L + 1];
+    pe_pos_error err;
+    memset(&err, 0, sizeof err);
+    const int rc = pe_mrope_packed_position_ids(&a, n, lens, per_row, pos, &err);
+    REQUIRE(rc == PE_OK || rc == PE_ERR_ARG || rc == PE_ERR_GRID);
+    if (rc != PE_OK) {
+        REQUIRE(err.problem != PE_POS_NONE);
+        REQUIRE(err.example >= -1 && err.example < n);
+        return;
+    }
+    const int64_t BL = B * L;
+    for (int64_t b = 0, e = 0; b < B; ++b) {
+        int64_t start = 0;
+        for (int64_t k = 0; k < per_row[b]; ++k, ++e) {
+            int64_t next = 0;
+            for (int64_t i = start; i < start + lens[e]; ++i) {
+                const int64_t t = pos[BL + b * L + i], h = pos[2 * BL + b * L + i],
+                              w = pos[3 * BL + b * L + i];
+                REQUIRE(pos[b * L + i] == i - start);
+                const int64_t id = ids[b * L + i];
+                if (id != IMAGE && id != VIDEO) REQUIRE(t == next && h == next && w == next);
+                REQUIRE(t >= 0 && h >= 0 && w >= 0);
+                const int64_t top = t > h ? (t > w ? t : w) : (h > w ? h : w);
+                if (top + 1 > next) next = top + 1;
+            }
+            start += lens[e];
+        }
+        for (int64_t i = start; i < L; ++i)
+            for (int r = 0; r < 4; ++r) REQUIRE(pos[r * BL + b * L + i] == i - start);
+    }
+}
+
 static void fuzz_vision(fuzz_bytes *in) {
     int64_t grids[MAX_G][3];
     const int64_t n = fuzz_below(in, 5), m = 1 + fuzz_below(in, 3);
@@ -214,7 +299,9 @@ static void fuzz_vision(fuzz_bytes *in) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fuzz_bytes in = {data, size};
-    if (fuzz_below(&in, 4) == 0) fuzz_vision(&in);
+    const unsigned what = fuzz_below(&in, 4);
+    if (what == 0) fuzz_vision(&in);
+    else if (what == 1) fuzz_packed(&in);
     else fuzz_walk(&in);
     return 0;
 }

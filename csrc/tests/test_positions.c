@@ -909,6 +909,255 @@ static void vision_ids(void) {
     CHECK(pe_vision_position_count(0, NULL, 2, &total, &e) == PE_OK && total == 0, "vision empty");
 }
 
+/* ---- packed rows ---------------------------------------------------------------------- */
+
+static int run_packed(pe_mrope_args *a, int64_t n, const int64_t *lens, const int64_t *per_row,
+                      pe_pos_error *e) {
+    int64_t *pos = malloc(sizeof(int64_t) * (size_t)(4 * a->batch * a->seq + 1));
+    const int rc = pe_mrope_packed_position_ids(a, n, lens, per_row, pos, e);
+    free(pos);
+    return rc;
+}
+
+/* Spec example 1 then a one-token example and a text-only one in row 0, padding after;
+ * row 1: one example cut short by padding. */
+static void packed_example(void) {
+    enum { L = 14 };
+    const int64_t ids[2 * L] = {1, VS, IMG, IMG, IMG, IMG, VE, 2, 7, 8, 9, PAD, PAD, PAD,
+                                3, 4, 5, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD};
+    const int64_t grid[3] = {1, 4, 4}, lens[4] = {8, 1, 2, 3}, per_row[2] = {3, 1};
+    const int64_t text[L] = {0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 1, 0, 1, 2};
+    const int64_t T[L] = {0, 1, 2, 2, 2, 2, 4, 5, 0, 0, 1, 0, 1, 2},
+                  H[L] = {0, 1, 2, 2, 3, 3, 4, 5, 0, 0, 1, 0, 1, 2},
+                  W[L] = {0, 1, 2, 3, 2, 3, 4, 5, 0, 0, 1, 0, 1, 2};
+    const int64_t row1[L] = {0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+    int64_t types[2 * L];
+    types_of(ids, 2 * L, types);
+    for (int rules5 = 0; rules5 < 2; ++rules5) {
+        for (int model = 0; model < 3; ++model) {
+            pe_mrope_args a = rules5 ? v5_args((pe_mrope_model)model, 2, L, types)
+                                     : base_args((pe_mrope_model)model, 2, L, ids);
+            a.image_grid_thw = grid;
+            a.n_images = 1;
+            int64_t pos[4 * 2 * L];
+            pe_pos_error e;
+            CHECK(pe_mrope_packed_position_ids(&a, 4, lens, per_row, pos, &e) == PE_OK,
+                  "packed example, model %d rules %d: problem %d", model, rules5, e.problem);
+            expect_row("packed example text", pos, text, L);
+            expect_row("packed example T", pos + 2 * L, T, L);
+            expect_row("packed example H", pos + 4 * L, H, L);
+            expect_row("packed example W", pos + 6 * L, W, L);
+            for (int r = 0; r < 4; ++r)
+                expect_row("packed example row 1", pos + (2 * r + 1) * L, row1, L);
+        }
+    }
+    /* no grids: text positions per example; a row without examples is all padding */
+    const int64_t text_ids[2 * L] = {0};
+    const int64_t lens2[2] = {5, 9}, per_row2[2] = {2, 0};
+    pe_mrope_args a = base_args(PE_MROPE_QWEN2_VL, 2, L, text_ids);
+    a.has_grids = 0;
+    int64_t pos[4 * 2 * L];
+    pe_pos_error e;
+    CHECK(pe_mrope_packed_position_ids(&a, 2, lens2, per_row2, pos, &e) == PE_OK, "packed text");
+    const int64_t want[L] = {0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8};
+    const int64_t pad_row[L] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13};
+    for (int r = 0; r < 4; ++r) {
+        expect_row("packed text row 0", pos + 2 * r * L, want, L);
+        expect_row("packed text row 1", pos + (2 * r + 1) * L, pad_row, L);
+    }
+}
+
+typedef struct packed_case {
+    int64_t B, L, n;
+    int64_t *ids, *types, *lens, *per_row, *igrid, *vgrid;
+    double *secs;
+    int64_t ni, nv;
+} packed_case;
+
+/* Random examples (random_batch rows of random length), packed first-fit into B rows of L
+ * tokens.  Each example's own ids come from pe_mrope_position_ids on it alone into want. */
+static void packed_random(pe_mrope_model model, int rules5, int64_t B, int64_t L, int threads) {
+    packed_case pc = {.B = B, .L = L};
+    pc.ids = calloc((size_t)(B * L), sizeof(int64_t));
+    pc.types = calloc((size_t)(B * L), sizeof(int64_t));
+    pc.lens = malloc(sizeof(int64_t) * (size_t)(B * L));
+    pc.per_row = calloc((size_t)B, sizeof(int64_t));
+    pc.igrid = malloc(sizeof(int64_t) * 3 * 4096);
+    pc.vgrid = malloc(sizeof(int64_t) * 3 * 4096);
+    pc.secs = malloc(sizeof(double) * 4096);
+    int64_t *want = malloc(sizeof(int64_t) * (size_t)(4 * B * L));
+    batch *bt = malloc(sizeof *bt);
+    for (int64_t b = 0; b < B; ++b) {
+        int64_t used = 0;
+        /* leave some rows with padding after their last example */
+        const int64_t room = L - (b % 2 ? (int64_t)rnd((unsigned)(L / 8 + 1)) : 0);
+        while (used < room && pc.ni < 4000 && pc.nv < 4000) {
+            const int64_t left = room - used;
+            const unsigned most = (unsigned)(left < 300 ? left : 300);
+            const int64_t len = rnd(4) == 0 ? 1 : 1 + (int64_t)rnd(most);
+            random_batch(bt, model, 1, len, 0);
+            int64_t *row_types = malloc(sizeof(int64_t) * (size_t)len);
+            types_of(bt->ids, len, row_types);
+            pe_mrope_args a = rules5 ? v5_args(model, 1, len, row_types)
+                                     : base_args(model, 1, len, bt->ids);
+            if (rules5) a.time_rule = PE_TIME_F32;
+            a.image_grid_thw = bt->igrid;
+            a.n_images = bt->ni;
+            a.video_grid_thw = bt->vgrid;
+            a.n_videos = bt->nv;
+            a.second_per_grid_ts = model == PE_MROPE_QWEN2_5_VL ? bt->secs : NULL;
+            int64_t *alone = malloc(sizeof(int64_t) * (size_t)(3 * len)), delta;
+            pe_pos_error e;
+            CHECK(pe_mrope_position_ids(&a, alone, &delta, &e) == PE_OK, "example alone");
+            for (int64_t j = 0; j < len; ++j) {
+                want[b * L + used + j] = j;
+                for (int r = 0; r < 3; ++r)
+                    want[((r + 1) * B + b) * L + used + j] = alone[r * len + j];
+            }
+            memcpy(pc.ids + b * L + used, bt->ids, sizeof(int64_t) * (size_t)len);
+            memcpy(pc.types + b * L + used, row_types, sizeof(int64_t) * (size_t)len);
+            memcpy(pc.igrid + 3 * pc.ni, bt->igrid, sizeof(int64_t) * (size_t)(3 * bt->ni));
+            memcpy(pc.vgrid + 3 * pc.nv, bt->vgrid, sizeof(int64_t) * (size_t)(3 * bt->nv));
+            memcpy(pc.secs + pc.nv, bt->secs, sizeof(double) * (size_t)bt->nv);
+            pc.ni += bt->ni;
+            pc.nv += bt->nv;
+            pc.lens[pc.n++] = len;
+            pc.per_row[b] += 1;
+            used += len;
+            free(alone), free(row_types), free(bt->ids), free(bt->mask);
+        }
+        for (int64_t j = used; j < L; ++j) {
+            pc.ids[b * L + j] = PAD;
+            for (int r = 0; r < 4; ++r) want[(r * B + b) * L + j] = j - used;
+        }
+    }
+    pe_mrope_args a = rules5 ? v5_args(model, B, L, pc.types) : base_args(model, B, L, pc.ids);
+    if (rules5) a.time_rule = PE_TIME_F32;
+    a.image_grid_thw = pc.igrid;
+    a.n_images = pc.ni;
+    a.video_grid_thw = pc.vgrid;
+    a.n_videos = pc.nv;
+    a.second_per_grid_ts = model == PE_MROPE_QWEN2_5_VL ? pc.secs : NULL;
+    a.nthreads = threads;
+    int64_t *pos = malloc(sizeof(int64_t) * (size_t)(4 * B * L));
+    pe_pos_error e;
+    const int rc = pe_mrope_packed_position_ids(&a, pc.n, pc.lens, pc.per_row, pos, &e);
+    CHECK(rc == PE_OK, "packed random model %d rules %d: status %d problem %d example %lld", model,
+          rules5, rc, e.problem, (long long)e.example);
+    char what[96];
+    snprintf(what, sizeof what, "packed random model %d rules %d B %lld L %lld threads %d", model,
+             rules5, (long long)B, (long long)L, threads);
+    if (rc == PE_OK) expect_row(what, pos, want, 4 * B * L);
+    free(pos), free(want), free(bt);
+    free(pc.ids), free(pc.types), free(pc.lens), free(pc.per_row), free(pc.igrid), free(pc.vgrid),
+        free(pc.secs);
+}
+
+static void packed_bad(void) {
+    enum { L = 12 };
+    /* row 0: [x VS I I | I I VE y] + [z]: the image run is cut by the first boundary */
+    const int64_t ids[L] = {1, VS, IMG, IMG, IMG, IMG, VE, 2, 3, PAD, PAD, PAD};
+    const int64_t grid[3] = {1, 4, 4};
+    int64_t types[L];
+    types_of(ids, L, types);
+    pe_pos_error e;
+    for (int rules5 = 0; rules5 < 2; ++rules5) {
+        pe_mrope_args a = rules5 ? v5_args(PE_MROPE_QWEN2_VL, 1, L, types)
+                                 : base_args(PE_MROPE_QWEN2_VL, 1, L, ids);
+        a.image_grid_thw = grid;
+        a.n_images = 1;
+        const int64_t one = 1, two = 2, three = 3;
+        const int64_t cut[3] = {4, 4, 1};
+        CHECK(run_packed(&a, 3, cut, &three, &e) == PE_ERR_GRID && e.problem == PE_POS_CUT_RUN &&
+                  e.example == 0 && e.row == 0 && e.token == 2 && e.expected == 4 && e.found == 2,
+              "cut run, rules %d: problem %d example %lld", rules5, e.problem,
+              (long long)e.example);
+        /* the last example ends inside the run, padding follows */
+        const int64_t short_len[1] = {4};
+        CHECK(run_packed(&a, 1, short_len, &one, &e) == PE_ERR_GRID &&
+                  e.problem == PE_POS_CUT_RUN && e.example == 0,
+              "run cut by the end of the last example: problem %d", e.problem);
+        /* lengths: over the row, negative, more examples than listed */
+        const int64_t over[2] = {8, 5}, neg[2] = {8, -1};
+        CHECK(run_packed(&a, 2, over, &two, &e) == PE_ERR_ARG && e.problem == PE_POS_BAD_LENGTH &&
+                  e.example == 1 && e.row == 0 && e.expected == 4 && e.found == 5,
+              "length over the row: problem %d", e.problem);
+        CHECK(run_packed(&a, 2, neg, &two, &e) == PE_ERR_ARG && e.problem == PE_POS_BAD_LENGTH &&
+                  e.example == 1 && e.found == -1, "negative length");
+        CHECK(run_packed(&a, 2, over, &one, &e) == PE_ERR_ARG && e.problem == PE_POS_BAD_ARG,
+              "row_examples not summing to n_examples");
+        const int64_t minus = -1;
+        CHECK(run_packed(&a, 0, over, &minus, &e) == PE_ERR_ARG, "negative row_examples");
+        /* a mask is not allowed */
+        const int64_t mask[L] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+        a.attention_mask = mask;
+        const int64_t ok[2] = {8, 1};
+        CHECK(run_packed(&a, 2, ok, &two, &e) == PE_ERR_ARG, "mask with packed rows");
+        a.attention_mask = NULL;
+        CHECK(run_packed(&a, 2, ok, &two, &e) == PE_OK, "the same without a mask");
+        /* a second example holding another image: no grid left for it */
+        const int64_t ids2[L] = {1, VS, IMG, IMG, IMG, IMG, VE, VS, IMG, IMG, IMG, IMG};
+        int64_t types2[L];
+        types_of(ids2, L, types2);
+        a.input_ids = ids2;
+        if (rules5) a.mm_token_type_ids = types2;
+        const int64_t split[2] = {7, 5};
+        CHECK(run_packed(&a, 2, split, &two, &e) == PE_ERR_GRID && e.problem == PE_POS_GRID_COUNT &&
+                  e.example == 1 && e.token == 8 && e.expected == 1 && e.found == 2,
+              "grids run out in example 1, rules %d: problem %d example %lld token %lld", rules5,
+              e.problem, (long long)e.example, (long long)e.token);
+        /* two grids, one image: left over after the last example */
+        const int64_t grids2[6] = {1, 4, 4, 1, 4, 4};
+        a.input_ids = ids;
+        if (rules5) a.mm_token_type_ids = types;
+        a.image_grid_thw = grids2;
+        a.n_images = 2;
+        CHECK(run_packed(&a, 2, ok, &two, &e) == PE_ERR_GRID && e.problem == PE_POS_GRID_COUNT &&
+                  e.example == -1 && e.expected == 2 && e.found == 1, "grids left over");
+        /* a run longer than its grid in example 1 (two examples: the error names the second) */
+        const int64_t grid_small[6] = {1, 4, 4, 1, 2, 4};
+        a.image_grid_thw = grid_small;
+        a.input_ids = ids2;
+        if (rules5) a.mm_token_type_ids = types2;
+        CHECK(run_packed(&a, 2, split, &two, &e) == PE_ERR_GRID && e.example == 1 &&
+                  e.problem == PE_POS_STRAY_TOKEN, "long run in example 1: problem %d example %lld",
+              e.problem, (long long)e.example);
+    }
+    /* no grids but an image in example 1 */
+    const int64_t ids3[L] = {1, 2, 3, VS, IMG, VE, 4, 5, 6, 7, 8, 9};
+    pe_mrope_args a = base_args(PE_MROPE_QWEN2_VL, 1, L, ids3);
+    a.has_grids = 0;
+    const int64_t lens[2] = {3, 9}, two = 2;
+    CHECK(run_packed(&a, 2, lens, &two, &e) == PE_ERR_GRID && e.problem == PE_POS_NO_GRIDS &&
+              e.example == 1 && e.token == 4, "no grids: problem %d", e.problem);
+}
+
+/* Many examples on 4 threads, several of them bad: the lowest example is reported. */
+static void packed_threaded_errors(void) {
+    enum { B = 4, L = 1 << 16, N = 512 };
+    int64_t *ids = malloc(sizeof(int64_t) * B * L);
+    int64_t lens[N], per_row[B];
+    for (int64_t i = 0; i < (int64_t)B * L; ++i) ids[i] = 1;
+    for (int b = 0; b < B; ++b) per_row[b] = N / B;
+    for (int i = 0; i < N; ++i) lens[i] = L / (N / B);
+    /* examples 300 and 400 start with a stray placeholder */
+    for (int bad = 300; bad <= 400; bad += 100) {
+        const int64_t b = bad / (N / B), k = bad % (N / B);
+        ids[b * L + k * lens[0]] = IMG;
+    }
+    pe_mrope_args a = base_args(PE_MROPE_QWEN2_VL, B, L, ids);
+    const int64_t grid[3] = {1, 2, 2};
+    a.image_grid_thw = grid;
+    a.n_images = 0;
+    a.nthreads = 4;
+    pe_pos_error e;
+    for (int rep = 0; rep < 5; ++rep)
+        CHECK(run_packed(&a, N, lens, per_row, &e) == PE_ERR_GRID && e.example == 300 &&
+                  e.problem == PE_POS_STRAY_TOKEN, "threaded packed error: example %lld problem %d",
+              (long long)e.example, e.problem);
+    free(ids);
+}
+
 int main(void) {
     example_image();
     example_left_padding();
@@ -929,6 +1178,15 @@ int main(void) {
             /* large enough for the threaded path; threaded and serial must both match */
             random_case((pe_mrope_model)model, 8, 40000, 1, 4, rules5);
             random_case((pe_mrope_model)model, 8, 6000, 0, 1, rules5);
+        }
+    }
+    packed_example();
+    packed_bad();
+    packed_threaded_errors();
+    for (int rules5 = 0; rules5 < 2; ++rules5) {
+        for (int model = 0; model < 3; ++model) {
+            packed_random((pe_mrope_model)model, rules5, 1 + rnd(3), 200 + rnd(600), 1);
+            packed_random((pe_mrope_model)model, rules5, 4, 1 << 16, 4);
         }
     }
     return check_report("test_positions");

@@ -9,6 +9,7 @@
 #include <Python.h>
 
 #include <cmath>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 
@@ -521,7 +522,16 @@ bool binary_values(const Tensor& m) {
     return true;
 }
 
-TensorPair mrope_position_ids_cpu(
+// The checked arguments of the position-id ops as C arguments; the tensors own the memory
+// that `a` points into.
+struct MropeInputs {
+    Tensor input_ids;
+    std::optional<Tensor> mask, types, images, videos, seconds;
+    pe_mrope_args a;
+    bool v5;
+};
+
+MropeInputs mrope_inputs(
     const Tensor& input_ids_in, const std::optional<Tensor>& image_grid_thw,
     const std::optional<Tensor>& video_grid_thw, const std::optional<Tensor>& attention_mask,
     const std::optional<Tensor>& second_per_grid_ts, int64_t model, int64_t image_token_id,
@@ -622,17 +632,137 @@ TensorPair mrope_position_ids_cpu(
     a.mm_token_type_ids = types.has_value() ? types->const_data_ptr<int64_t>() : nullptr;
     a.types_row_stride = types.has_value() ? types->stride(0) : 0;
     a.time_rule = static_cast<pe_mrope_time>(time_rule);
+    return {input_ids, mask, types, images, videos, seconds, a, v5};
+}
 
+TensorPair mrope_position_ids_cpu(
+    const Tensor& input_ids_in, const std::optional<Tensor>& image_grid_thw,
+    const std::optional<Tensor>& video_grid_thw, const std::optional<Tensor>& attention_mask,
+    const std::optional<Tensor>& second_per_grid_ts, int64_t model, int64_t image_token_id,
+    int64_t video_token_id, int64_t vision_start_token_id, int64_t spatial_merge_size,
+    double tokens_per_second, const std::optional<Tensor>& mm_token_type_ids, int64_t rules,
+    int64_t time_rule) {
+    const MropeInputs in = mrope_inputs(
+        input_ids_in, image_grid_thw, video_grid_thw, attention_mask, second_per_grid_ts, model,
+        image_token_id, video_token_id, vision_start_token_id, spatial_merge_size,
+        tokens_per_second, mm_token_type_ids, rules, time_rule);
+    const int64_t B = in.a.batch, L = in.a.seq;
     const std::array<int64_t, 3> pos_sizes{3, B, L};
     const std::array<int64_t, 2> delta_sizes{B, 1};
     Tensor pos = empty(pos_sizes, ScalarType::Long, input_ids_in);
     Tensor deltas = empty(delta_sizes, ScalarType::Long, input_ids_in);
     pe_pos_error err{};
-    const int rc = run_mrope_position_ids(input_ids_in, a, pos.mutable_data_ptr<int64_t>(),
+    const int rc = run_mrope_position_ids(input_ids_in, in.a, pos.mutable_data_ptr<int64_t>(),
                                           deltas.mutable_data_ptr<int64_t>(), &err);
     if (rc != PE_OK)
-        raise_position_error(err, rc, images, videos, spatial_merge_size, model, v5);
+        raise_position_error(err, rc, in.images, in.videos, spatial_merge_size, model, in.v5);
     return {pos, deltas};
+}
+
+// ---- Packed rows: example_lens (N,) and row_examples (B,) say where the examples lie
+// (posenc.h, pe_mrope_packed_position_ids).
+
+// A 1-D integer tensor as contiguous int64.
+Tensor lengths_tensor(const Tensor& t, const char* name) {
+    check_cpu(t, name);
+    check_integer(t, name);
+    PE_CHECK_VALUE(t.dim() == 1, name, " must be 1-D, got shape ", shape(t));
+    Tensor out = converted(t, ScalarType::Long);
+    return out.is_contiguous() ? out : torch::stable::contiguous(out);
+}
+
+// Turns the error of example e into a ValueError that names it and where it lies.
+[[noreturn]] void raise_packed_error(const pe_pos_error& e, int rc, const MropeInputs& in,
+                                     const Tensor& lens, const Tensor& rows, int64_t merge,
+                                     int64_t model) {
+    const int64_t* len = lens.const_data_ptr<int64_t>();
+    const int64_t* per_row = rows.const_data_ptr<int64_t>();
+    const int64_t L = in.a.seq;
+    if (e.problem == PE_POS_BAD_LENGTH)
+        fail_value("example_lens[", e.example, "] (example ", e.example, ", in row ", e.row,
+                   ") is ", e.found, e.found < 0 ? "; lengths must be >= 0"
+                                                 : " but only " + std::to_string(e.expected) +
+                                                       " tokens of the row are left after the "
+                                                       "examples before it (L = " +
+                                                       std::to_string(L) + ")");
+    if (e.problem == PE_POS_BAD_ARG || e.example < 0) {
+        if (e.problem == PE_POS_GRID_COUNT) {
+            const char* grid_name = e.video ? "video_grid_thw" : "image_grid_thw";
+            fail_value(grid_name, e.video && model == PE_MROPE_QWEN3_VL ? " describes " : " has ",
+                       e.expected, e.video && model == PE_MROPE_QWEN3_VL ? " frames" : " rows",
+                       ", but the ", lens.size(0), " examples hold only ", e.found,
+                       e.video ? " video" : " image",
+                       e.video && model == PE_MROPE_QWEN3_VL ? " frame" : "",
+                       " runs (grids are taken in example order across the batch)");
+        }
+        raise_position_error(e, rc, in.images, in.videos, merge, model, in.v5);
+    }
+    int64_t start = 0, first = 0;  // where example e starts in its row
+    for (int64_t b = 0; b < e.row; ++b) first += per_row[b];
+    for (int64_t k = first; k < e.example; ++k) start += len[k];
+    const std::string where = cat("example ", e.example, " (row ", e.row, ", input_ids[", e.row,
+                                  ", ", start, ":", start + len[e.example], "]): ");
+    const char* kind = e.video ? "video" : "image";
+    const char* grid_name = e.video ? "video_grid_thw" : "image_grid_thw";
+    if (e.problem == PE_POS_CUT_RUN)
+        fail_value(where, "the ", kind, " run that starts at input_ids[", e.row, ", ", e.token,
+                   "] needs ", e.expected, " tokens (", grid_name, "[", e.grid, "] = ",
+                   grid_text(e.video ? in.videos : in.images, e.grid),
+                   e.frame >= 0 ? cat(", frame ", e.frame) : std::string(), "), ", e.found,
+                   " of them in the example, and goes on past its end: a vision run cut by an "
+                   "example boundary (are the example lengths right?)");
+    if (e.problem == PE_POS_GRID_COUNT)
+        fail_value(where, "input_ids[", e.row, ", ", e.token, "] starts ", kind, " run number ",
+                   e.found, " of the batch, but ", grid_name, e.video &&
+                   model == PE_MROPE_QWEN3_VL ? " describes only " : " has only ", e.expected,
+                   e.video && model == PE_MROPE_QWEN3_VL ? " frames" : " rows",
+                   " (grids are taken in example order across the batch)");
+    try {
+        raise_position_error(e, rc, in.images, in.videos, merge, model, in.v5);
+    } catch (const std::invalid_argument& ex) {
+        fail_value(where, ex.what());
+    }
+}
+
+Tensor mrope_packed_position_ids_cpu(
+    const Tensor& input_ids_in, const Tensor& example_lens, const Tensor& row_examples,
+    const std::optional<Tensor>& image_grid_thw, const std::optional<Tensor>& video_grid_thw,
+    const std::optional<Tensor>& second_per_grid_ts, int64_t model, int64_t image_token_id,
+    int64_t video_token_id, int64_t vision_start_token_id, int64_t spatial_merge_size,
+    double tokens_per_second, const std::optional<Tensor>& mm_token_type_ids, int64_t rules,
+    int64_t time_rule) {
+    const MropeInputs in = mrope_inputs(
+        input_ids_in, image_grid_thw, video_grid_thw, std::nullopt, second_per_grid_ts, model,
+        image_token_id, video_token_id, vision_start_token_id, spatial_merge_size,
+        tokens_per_second, mm_token_type_ids, rules, time_rule);
+    const int64_t B = in.a.batch, L = in.a.seq;
+    const Tensor lens = lengths_tensor(example_lens, "example_lens");
+    const Tensor rows = lengths_tensor(row_examples, "row_examples");
+    PE_CHECK_VALUE(rows.size(0) == B, "row_examples must have one entry per row of input_ids (",
+                   B, "), got shape ", shape(row_examples));
+    const int64_t n = lens.size(0);
+    int64_t listed = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t k = rows.const_data_ptr<int64_t>()[b];
+        PE_CHECK_VALUE(k >= 0 && k <= n - listed, "row_examples must be >= 0 and sum to the ", n,
+                       " entries of example_lens; row ", b, " has ", k, " after ", listed);
+        listed += k;
+    }
+    PE_CHECK_VALUE(listed == n, "row_examples sums to ", listed, " but example_lens has ", n,
+                   " entries");
+    PE_CHECK_VALUE(L == 0 || B <= INT64_MAX / 4 / L, "input_ids is too large: ",
+                   shape(input_ids_in));
+    const std::array<int64_t, 3> sizes{4, B, L};
+    Tensor pos = empty(sizes, ScalarType::Long, input_ids_in);
+    pe_pos_error err{};
+    const int rc = pe_mrope_packed_position_ids(&in.a, n, lens.const_data_ptr<int64_t>(),
+                                                rows.const_data_ptr<int64_t>(),
+                                                pos.mutable_data_ptr<int64_t>(), &err);
+    if (rc != PE_OK) {
+        if (rc == PE_ERR_NOMEM) check_status(rc, "posenc::mrope_packed_position_ids");
+        raise_packed_error(err, rc, in, lens, rows, spatial_merge_size, model);
+    }
+    return pos;
 }
 
 Tensor vision_position_ids_cpu(const Tensor& grid_thw, int64_t spatial_merge_size) {
@@ -750,6 +880,11 @@ STABLE_TORCH_LIBRARY(posenc, m) {
           "int video_token_id, int vision_start_token_id, int spatial_merge_size, "
           "float tokens_per_second, Tensor? mm_token_type_ids=None, int rules=0, "
           "int time_rule=0) -> (Tensor, Tensor)");
+    m.def("mrope_packed_position_ids(Tensor input_ids, Tensor example_lens, Tensor row_examples, "
+          "Tensor? image_grid_thw, Tensor? video_grid_thw, Tensor? second_per_grid_ts, int model, "
+          "int image_token_id, int video_token_id, int vision_start_token_id, "
+          "int spatial_merge_size, float tokens_per_second, Tensor? mm_token_type_ids, int rules, "
+          "int time_rule) -> Tensor");
     m.def("vision_position_ids(Tensor grid_thw, int spatial_merge_size) -> Tensor");
     m.def("sinusoidal(SymInt num_positions, SymInt dim, float base, ScalarType dtype) -> Tensor");
 }
@@ -760,6 +895,7 @@ STABLE_TORCH_LIBRARY_IMPL(posenc, CPU, m) {
     m.impl("rope_fused", TORCH_BOX(&posenc::rope_fused_cpu));
     m.impl("rope_tables", TORCH_BOX(&posenc::rope_tables_cpu));
     m.impl("mrope_position_ids", TORCH_BOX(&posenc::mrope_position_ids_cpu));
+    m.impl("mrope_packed_position_ids", TORCH_BOX(&posenc::mrope_packed_position_ids_cpu));
     m.impl("vision_position_ids", TORCH_BOX(&posenc::vision_position_ids_cpu));
 }
 
