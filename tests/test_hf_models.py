@@ -138,8 +138,9 @@ def test_every_known_type_is_supported_or_has_a_reason():
 
 
 def test_an_unknown_source_form_is_not_patched(monkeypatch):
-    """A function whose source differs from the recognised forms (here: a sign flipped)
-    is refused, even though its name and call are the same."""
+    """A function whose source differs from the recognised forms and that computes
+    something else (here: a sign flipped) is refused, even though its name and call are
+    the same (tests/test_hf_probe.py has more edits, refused and accepted)."""
     tiny_config("mistral")
     module = modeling("mistral")
     rotate_half = module.rotate_half
@@ -152,7 +153,8 @@ def test_an_unknown_source_form_is_not_patched(monkeypatch):
         return q_embed, k_embed
 
     monkeypatch.setattr(module, "apply_rotary_pos_emb", apply_rotary_pos_emb)
-    with pytest.raises(RuntimeError, match="not one of the source forms"):
+    with pytest.raises(RuntimeError, match="not one of the forms posenc_torch knows, and it "
+                                           "computes what none of them does"):
         hf.patch("mistral")
     assert module.apply_rotary_pos_emb is apply_rotary_pos_emb
 
