@@ -312,7 +312,10 @@ def installed_convention(model_type: str) -> str:
                          "explicitly") from None
     decided = _DECIDED.get((model_type, module))
     if decided is None:
-        decided = _DECIDED[(model_type, module)] = _decide(model_type, module)
+        from .hf import _plain_mode
+
+        with _plain_mode():
+            decided = _DECIDED[(model_type, module)] = _decide(model_type, module)
     convention, reason = decided
     if convention is None:
         import transformers

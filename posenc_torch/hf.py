@@ -44,8 +44,9 @@ cos/sin bit-identical to the unpatched one.
 
 Calls the posenc kernels do not take (tensors on another device than the CPU, dtypes or
 shapes other than the model's own layouts, other argument forms, calls under functorch
-transforms or forward AD) go to the original transformers function unchanged, with the caller's own arguments (``fallback=True``, the
-default), so the patch never changes what a model computes or which errors it raises;
+transforms or forward AD) go to the original transformers function unchanged, with the
+caller's own arguments (``fallback=True``, the default), so the patch never changes what
+a model computes or which errors it raises;
 ``handle.fallbacks`` counts those calls.  With ``fallback=False`` inputs posenc does not
 take raise posenc's error instead.
 
@@ -58,6 +59,7 @@ patching first compiles once.  Exported or ahead-of-time compiled programs
 from __future__ import annotations
 
 import ast
+import contextlib
 import dis
 import functools
 import importlib
@@ -979,6 +981,15 @@ def _bindings(func: object, seen: frozenset = frozenset()) -> tuple:
     return tuple(out)
 
 
+@contextlib.contextmanager
+def _plain_mode():
+    """The probe runs as in plain eager code, whatever the caller's context: CPU default
+    device, autograd on, no inference mode, no autocast."""
+    with (torch.device("cpu"), torch.inference_mode(False), torch.enable_grad(),
+          torch.autocast("cpu", enabled=False)):
+        yield
+
+
 def _probed(kind: str, func: Callable, run: Callable[[], object]) -> object:
     """``run()``'s outcome for ``func``, computed once per function object (while the names
     it reads stay bound to the same objects) and once per behaviour key."""
@@ -995,7 +1006,8 @@ def _probed(kind: str, func: Callable, run: Callable[[], object]) -> object:
         outcome = _PROBED_BY_KEY[(kind, key)]
     else:
         start = time.perf_counter()
-        outcome = run()
+        with _plain_mode():
+            outcome = run()
         _PROBE_SECONDS[0] += time.perf_counter() - start
         if key is not None:
             _PROBED_BY_KEY[(kind, key)] = outcome

@@ -84,6 +84,10 @@ def convention_for_version(version: str) -> str:
 
 @torch.compiler.assume_constant_result  # traced code gets the answer, not the check
 def _installed_convention(model: str) -> str:
+    if _installed_transformers_version() is None:
+        raise ValueError(
+            "convention='installed' needs transformers installed; without it pass "
+            f"convention= one of {MROPE_CONVENTIONS}")
     from ._hf_positions import installed_convention
 
     return installed_convention(model)
@@ -101,10 +105,6 @@ def resolve_convention(convention: str, model: str | None = None) -> str:
     ValueError when transformers is not installed, or when no convention (or more than
     one) gives its results on every prompt."""
     if convention == "installed":
-        if _installed_transformers_version() is None:
-            raise ValueError(
-                "convention='installed' needs transformers installed; without it pass "
-                f"convention= one of {MROPE_CONVENTIONS}")
         if model is not None and model not in MROPE_MODELS:
             raise ValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")
         return _installed_convention(model or "qwen2_vl")

@@ -124,3 +124,46 @@ def test_patch_and_undo_are_serialized_across_threads(monkeypatch):
     assert "already patched" in str(results["second"])
     first.undo()
     assert module.apply_rotary_pos_emb is original
+
+
+FRESH = """
+import weakref, torch
+import posenc_torch.hf as hf
+from posenc_torch import _hf_positions, compute_mrope_position_ids
+
+# first use under torch.compile: the convention check runs at trace time, once
+ids = torch.tensor([[1, 151652, 151655, 151655, 151655, 151655, 151653, 2]])
+fn = lambda ids: compute_mrope_position_ids(
+    ids, torch.tensor([[1, 4, 4]]), model="qwen2_vl", image_token_id=151655,
+    video_token_id=151656, vision_start_token_id=151652,
+    mm_token_type_ids=(ids == 151655).long())
+compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+assert torch.equal(compiled(ids)[0], fn(ids)[0])
+
+# the probes run as plain eager code whatever context patch() is called in
+modes = {"inference": torch.inference_mode, "no_grad": torch.no_grad,
+         "meta": lambda: torch.device("meta"),
+         "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}
+for name, mode in modes.items():
+    hf._PROBED = weakref.WeakKeyDictionary()
+    hf._PROBED_BY_KEY.clear()
+    _hf_positions._DECIDED.clear()
+    with mode():
+        handle = hf.patch(["llama", "qwen2_vl"])
+    assert "qwen2_vl.get_rope_index" in handle.targets, (name, handle.targets)
+    assert "llama.apply_rotary_pos_emb" in handle.targets, (name, handle.targets)
+    handle.undo()
+print("ok")
+"""
+
+
+def test_first_use_under_compile_and_other_modes(tmp_path):
+    """In a fresh process (nothing probed yet): the first convention='installed' call inside
+    torch.compile(fullgraph=True), and patch() under inference mode, no_grad, a meta
+    default device and autocast, decide as in plain eager code."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", FRESH], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

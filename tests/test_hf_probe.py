@@ -110,14 +110,16 @@ SAME_MEANING = {
         ("cos.unsqueeze(unsqueeze_dim)", "cos.unsqueeze(dim=unsqueeze_dim)"),
         ("sin.unsqueeze(unsqueeze_dim)", "sin.unsqueeze(dim=unsqueeze_dim)")]},
     "one-line return": {"apply_rotary_pos_emb": [
-        (ROTATION, "    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)")]},
+        (ROTATION, "    return (q * cos) + (rotate_half(q) * sin), "
+                   "(k * cos) + (rotate_half(k) * sin)")]},
     "list in torch.cat": {"rotate_half": [("torch.cat((-x2, x1), dim=-1)",
                                            "torch.cat([-x2, x1], dim=-1)")]},
     # not Llama's meaning, but OLMo's (results cast back to q's and k's dtypes)
     "casts posenc also computes": {"apply_rotary_pos_emb": [
         ("return q_embed, k_embed", "return q_embed.to(q.dtype), k_embed.to(k.dtype)")]},
     "hoisted half": {"rotate_half": [
-        ("    x1 = x[..., : x.shape[-1] // 2]", "    half = x.shape[-1] // 2\n    x1 = x[..., :half]"),
+        ("    x1 = x[..., : x.shape[-1] // 2]",
+         "    half = x.shape[-1] // 2\n    x1 = x[..., :half]"),
         ("x[..., x.shape[-1] // 2 :]", "x[..., half:]")]},
 }
 
