@@ -59,9 +59,11 @@ pytest: build
 pytest-hf4: build
 	cd tests && PYTHONPATH=$(abspath $(HF4)) POSENC_EXPECT_TRANSFORMERS=4 $(PYTEST) -m "transformers4 or any_transformers" .
 
-# Position ids and the get_rope_index patch against the other transformers 5.x releases
-# (the version of each requirements file exactly).
-HF5_TESTS := test_positions.py test_hf_positions.py test_packed_positions.py
+# Position ids (packed rows too), the get_rope_index patch and which model types are patched
+# (test_hf_probe) against the other transformers 5.x releases (the version of each
+# requirements file exactly); the newest also runs the tiny model of every supported type.
+HF5_TESTS := test_positions.py test_hf_positions.py test_packed_positions.py test_hf_probe.py
+HF5_LATEST_TESTS := $(HF5_TESTS) test_hf_models.py
 pytest-hf5_18: build
 	cd tests && PYTHONPATH=$(abspath $(HF5_18)) \
 		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_18.txt) \
@@ -70,7 +72,7 @@ pytest-hf5_18: build
 pytest-hf5_latest: build
 	cd tests && PYTHONPATH=$(abspath $(HF5_LATEST)) \
 		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_latest.txt) \
-		$(PYTEST) -m "not transformers4" $(HF5_TESTS)
+		$(PYTEST) -m "not transformers4" $(HF5_LATEST_TESTS)
 
 $(COMPAT_STAMP): requirements-compat.txt
 	$(PYTHON) -m venv $(COMPAT)

@@ -4,9 +4,12 @@
 ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` and ``qwen3_vl_moe`` it replaces the
 ``get_rope_index`` method of the class that defines it in the installed transformers
 (``<Model>Model`` in 4.57 and 5.x) with a wrapper that computes the same position ids and
-deltas with :func:`posenc_torch.compute_mrope_position_ids` under the installed release's
-convention (4.57, 5.17 or 5.18+; bit for bit, dtypes included).  ``handle.undo()`` puts
-the original back.
+deltas with :func:`posenc_torch.compute_mrope_position_ids` under the convention ("4.57",
+"5.17" or "5.18") the installed method follows, bit for bit, dtypes included.  Which one
+is decided by running it (:func:`installed_convention`): the installed method and the
+walk of each convention on a fixed set of small prompts that tells the conventions apart;
+exactly one must give the method's results on all of them, else the method is kept, with
+one warning.  ``handle.undo()`` puts the original back.
 
 Inputs on another device are copied to the CPU once, walked there, and the results copied
 back once.  Calls the walk does not take go to the original method unchanged and count in
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import types
 import warnings
 from collections.abc import Callable
 
@@ -123,6 +127,8 @@ def _walk(self, arguments: dict, model: str, convention: str):
 
 
 def _make(original: Callable, handle, target: str, model: str, convention: str) -> Callable:
+    from .hf import bump  # hf imports this module: imported when patch() runs
+
     signature = inspect.signature(original)
     calls, fallbacks = handle._calls.get(target), handle._fallbacks.get(target)
     count, fallback = handle.count, handle.fallback
@@ -135,40 +141,210 @@ def _make(original: Callable, handle, target: str, model: str, convention: str) 
             if not fallback and not isinstance(e, _Skip):
                 raise
             if count:
-                fallbacks.add_(1)
+                bump(fallbacks)
             return original(self, *args, **kwargs)
         if count:
-            calls.add_(1)
+            bump(calls)
         return result
 
     get_rope_index.__signature__ = signature
     return get_rope_index
 
 
-def install(handle, model_types: tuple[str, ...]) -> None:
-    """Replace ``get_rope_index`` for the Qwen-VL types among ``model_types`` (the
-    ``posenc_torch.hf.INSTALLERS`` interface); ``handle.undo()`` restores it."""
-    wanted = [mt for mt in model_types if mt in MODEL_TYPES]
-    if not wanted:
-        return
+# ---------------------------------------------------------------------------------------
+# Which convention the installed get_rope_index follows, decided by running it.
+
+
+def _stand_in(owner: type, config) -> types.SimpleNamespace:
+    """An object holding ``config`` and the owner class's other methods (5.x's
+    get_rope_index calls ``self.get_vision_position_ids``), on which get_rope_index runs
+    without building a model."""
+    obj = types.SimpleNamespace(config=config)
+    for name, value in vars(owner).items():
+        if isinstance(value, types.FunctionType) and not name.startswith("__"):
+            setattr(obj, name, value.__get__(obj))
+    return obj
+
+
+def _probe_prompts(model: str, config) -> list[tuple[str, dict]]:
+    """get_rope_index keyword arguments, as the processors lay prompts out, that tell the
+    conventions apart: left padding (padded slots, deltas over padded or real length);
+    a video of more frames than rows and columns followed by text (where text resumes);
+    an image of two frames (Qwen2.5-VL's image temporal index); Qwen2.5-VL's 0.5 seconds
+    per grid (truncated by 4.57 and 5.17, kept by 5.18); a row without vision and the
+    call without grids (the no-grid branch); no mask.  Vision runs are marked both ways
+    (vision start before the placeholders, and ``mm_token_type_ids``)."""
+    image, video, start = config.image_token_id, config.video_token_id, config.vision_start_token_id
+    end = getattr(config, "vision_end_token_id", None)
+    end = start + 1 if end is None else end
+    special = {image, video, start, end}
+    text_ids = [i for i in range(3, 60) if i not in special]
+    merge = config.vision_config.spatial_merge_size
+    per_frame = model == "qwen3_vl"
+
+    def text(n: int, offset: int) -> list[int]:
+        return [text_ids[(offset + j) % len(text_ids)] for j in range(n)]
+
+    def vision(token: int, grid: tuple[int, int, int]) -> list[int]:
+        t, h, w = grid
+        run = (h // merge) * (w // merge)
+        if token == video and per_frame:  # <timestamp> <vision_start> frame <vision_end>
+            return [tok for f in range(t) for tok in text(2, f) + [start] + [token] * run + [end]]
+        return [start] + [token] * (t * run) + [end]
+
+    def batch(rows: list[list[int]], images, videos, mask=True, seconds=None) -> dict:
+        width = max(map(len, rows))
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+        kw = dict(input_ids=ids,
+                  image_grid_thw=torch.tensor(images) if images else None,
+                  video_grid_thw=torch.tensor(videos) if videos else None,
+                  attention_mask=torch.tensor([[0] * (width - len(r)) + [1] * len(r)
+                                               for r in rows]) if mask else None,
+                  mm_token_type_ids=(ids == image).long() + 2 * (ids == video).long())
+        if model == "qwen2_5_vl":
+            kw["second_per_grid_ts"] = (torch.tensor(seconds, dtype=torch.float32)
+                                        if seconds else None)
+        return kw
+
+    img, img2, vid = (1, 4, 8), (2, 4, 4), (6, 4, 4)
+    mixed = [text(3, 0) + vision(image, img) + text(2, 1) + vision(video, vid) + text(3, 2),
+             text(5, 3) + vision(image, img2) + text(2, 4)]
+    seconds = [0.5] if model == "qwen2_5_vl" else None
+    return [
+        ("image and video rows, left padding", batch(mixed, [img, img2], [vid], True, seconds)),
+        ("the same without attention_mask", batch(mixed, [img, img2], [vid], False, seconds)),
+        ("a text row beside an image row", batch([text(4, 5), text(2, 6) + vision(image, img)],
+                                                 [img], None)),
+        ("text only, left padding, no grids", batch([text(6, 7), text(3, 8)], None, None)),
+    ]
+
+
+def _identical(ours: tuple, theirs: object) -> bool:
+    if not (isinstance(theirs, tuple) and len(theirs) == 2
+            and all(isinstance(t, torch.Tensor) for t in theirs)):
+        return False
+    return all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+               for a, b in zip(ours, theirs, strict=True))
+
+
+# The special tokens of the released Qwen-VL checkpoints, for configs that leave them unset.
+_QWEN_TOKEN_IDS = {"image_token_id": 151655, "video_token_id": 151656,
+                   "vision_start_token_id": 151652, "vision_end_token_id": 151653}
+# Conventions whose rules are the same for a model (Qwen2.5-VL alone reads the seconds
+# that 5.17 and 5.18 treat differently): the first is not probed, the second stands for it.
+_SAME_RULES = {"qwen2_vl": {"5.17": "5.18"}, "qwen3_vl": {"5.17": "5.18"}}
+_DECIDED: dict[tuple[str, types.ModuleType], tuple[str | None, str]] = {}
+
+
+def _decide(model_type: str, module: types.ModuleType) -> tuple[str | None, str]:
+    """(the convention whose walk gives what the module's get_rope_index gives on every
+    probe prompt, "") or (None, why none or several do)."""
+    model = MODEL_TYPES[model_type]
+    try:
+        owner = _owner_class(module)
+    except RuntimeError as e:
+        return None, str(e)
+    original = vars(owner)[_NAME]
+    original = getattr(original, "posenc_original", original)
     import transformers
 
     try:
-        convention = _positions.convention_for_version(transformers.__version__)
-    except ValueError as e:
-        warnings.warn(f"posenc_torch.hf.patch leaves {_NAME} to transformers: {e}",
-                      RuntimeWarning, stacklevel=3)
-        return
-    for mt in wanted:
+        config = transformers.AutoConfig.for_model(model_type)
+        for name, value in _QWEN_TOKEN_IDS.items():  # some releases leave them unset
+            if getattr(config, name, None) is None:
+                setattr(config, name, value)
+        obj = _stand_in(owner, config)
+        params = inspect.signature(original).parameters
+        prompts = _probe_prompts(model, config)
+    except Exception as e:  # noqa: BLE001 -- reported as the reason
+        return None, (f"the probe of {owner.__qualname__}.{_NAME} could not be set up "
+                      f"({type(e).__name__}: {e})")
+    aliases = _SAME_RULES.get(model, {})
+    candidates = [c for c in _positions.MROPE_CONVENTIONS if c not in aliases]
+    for label, kw in prompts:
+        kw = {name: value for name, value in kw.items() if name in params}
+        try:
+            theirs = original(obj, **kw)
+        except Exception as e:  # noqa: BLE001 -- reported as the reason
+            return None, (f"{owner.__qualname__}.{_NAME} raised {type(e).__name__} on the probe "
+                          f"prompt '{label}': {e}")
+        arguments = inspect.signature(original).bind(obj, **kw).arguments
+        kept = []
+        for convention in candidates:
+            try:
+                ours = _walk(obj, arguments, model, convention)
+            except Exception:  # noqa: BLE001 -- _Skip, or the walk refusing: no match
+                continue
+            if _identical(ours, theirs):
+                kept.append(convention)
+        candidates = kept
+        if not candidates:
+            return None, (f"{owner.__qualname__}.{_NAME} gives, on the probe prompt '{label}', "
+                          "what none of the conventions "
+                          f"{', '.join(_positions.MROPE_CONVENTIONS)} gives")
+    if len(candidates) > 1:
+        return None, (f"{owner.__qualname__}.{_NAME} matches several conventions "
+                      f"({', '.join(candidates)}) on the probe prompts")
+    convention = candidates[0]
+    if convention in aliases.values():
+        # The same rules under two names: the one of the installed version's release.
+        try:
+            named = _positions.convention_for_version(transformers.__version__)
+        except ValueError:
+            named = convention
+        if aliases.get(named) == convention:
+            convention = named
+    return convention, ""
+
+
+def installed_convention(model_type: str) -> str:
+    """The convention whose rules the installed transformers' ``get_rope_index`` of
+    ``model_type`` follows, found by running it on fixed prompts (cached per model type
+    and modeling module).  ValueError when none, or more than one, gives its results."""
+    name = f"transformers.models.{model_type}.modeling_{model_type}"
+    try:
+        module = importlib.import_module(name)
+    except ImportError as e:
+        import transformers
+
+        raise ValueError(f"transformers {transformers.__version__} has no {model_type} model "
+                         f"({e}); pass convention= one of {_positions.MROPE_CONVENTIONS} "
+                         "explicitly") from None
+    decided = _DECIDED.get((model_type, module))
+    if decided is None:
+        from .hf import _plain_mode
+
+        with _plain_mode():
+            decided = _DECIDED[(model_type, module)] = _decide(model_type, module)
+    convention, reason = decided
+    if convention is None:
+        import transformers
+
+        raise ValueError(f"the position-id rules of transformers {transformers.__version__} "
+                         f"for {model_type} are not one posenc_torch follows: {reason}; pass "
+                         f"convention= one of {_positions.MROPE_CONVENTIONS} explicitly")
+    return convention
+
+
+def install(handle, model_types: tuple[str, ...]) -> None:
+    """Replace ``get_rope_index`` for the Qwen-VL types among ``model_types`` (the
+    ``posenc_torch.hf.INSTALLERS`` interface); ``handle.undo()`` restores it.  A type whose
+    installed ``get_rope_index`` follows none of the conventions (or several) keeps it,
+    with one warning."""
+    from .hf import UnsupportedModelWarning
+
+    for mt in model_types:
+        if mt not in MODEL_TYPES:
+            continue
+        try:
+            convention = installed_convention(mt)
+        except ValueError as e:
+            warnings.warn(f"posenc_torch.hf.patch leaves {mt}.{_NAME} to transformers: {e}",
+                          UnsupportedModelWarning, stacklevel=3)
+            continue
         module = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
         owner = _owner_class(module)
         original = vars(owner)[_NAME]
-        has_types = "mm_token_type_ids" in inspect.signature(original).parameters
-        if has_types != (convention != "4.57"):
-            raise RuntimeError(
-                f"posenc_torch.hf.patch: {owner.__qualname__}.{_NAME} of transformers "
-                f"{transformers.__version__} {'takes' if has_types else 'lacks'} "
-                "mm_token_type_ids, unlike the release rules posenc_torch follows for it")
         target = f"{mt}.{_NAME}"
         handle._add_counters(target)
         wrapper = _make(original, handle, target, MODEL_TYPES[mt], convention)

@@ -19,12 +19,16 @@ transformers models look up when they run:
 
 Nothing here is a list per version.  For each model type it knows, ``patch`` reads the
 code of the installed transformers: which rotary names the model file's classes load at
-run time, and whether the source of its ``apply_rotary_pos_emb`` (and of the helpers that
-function calls, such as ``rotate_half``) is one of the forms in ``_FORMS`` below, compared
-as syntax trees (formatting, comments, docstrings and decorators aside).  A model type
-whose function is of no known form is left out of ``SUPPORTED_MODEL_TYPES`` (see
-``unsupported_model_types()`` for why), and asking to patch it is an error, never a silent
-no-op.  ``SUPPORTED_MODEL_TYPES`` is computed on first use, for the installed version.
+run time, and what the functions behind them compute.  The source of
+``apply_rotary_pos_emb`` (with the helpers it calls, such as ``rotate_half``) is compared
+with the forms in ``_FORMS`` below as syntax trees (formatting, comments, docstrings and
+decorators aside), which names the likely form; then the behaviour probe (below) runs the
+original and the form's posenc path on a small fixed set of inputs, and only a form whose
+results match is used (every known form is tried when the source matches none).  A model
+type that fails is left to transformers with one ``UnsupportedModelWarning`` naming it and
+the reason (see ``unsupported_model_types()``); when no requested type remains, ``patch``
+raises instead of returning a handle that patches nothing.  ``SUPPORTED_MODEL_TYPES`` is
+computed on first use, for the installed code.
 
 transformers 5.x decorates ``apply_rotary_pos_emb`` with a hub-kernel decorator and the
 attention classes with ``use_kernelized_func(apply_rotary_pos_emb)``.  Those decorators
@@ -39,9 +43,10 @@ with depth is the rotation, and keeping transformers' own tables keeps the patch
 cos/sin bit-identical to the unpatched one.
 
 Calls the posenc kernels do not take (tensors on another device than the CPU, dtypes or
-shapes other than the model's own layouts, other argument forms) go to the original
-transformers function unchanged, with the caller's own arguments (``fallback=True``, the
-default), so the patch never changes what a model computes or which errors it raises;
+shapes other than the model's own layouts, other argument forms, calls under functorch
+transforms or forward AD) go to the original transformers function unchanged, with the
+caller's own arguments (``fallback=True``, the default), so the patch never changes what
+a model computes or which errors it raises;
 ``handle.fallbacks`` counts those calls.  With ``fallback=False`` inputs posenc does not
 take raise posenc's error instead.
 
@@ -54,23 +59,29 @@ patching first compiles once.  Exported or ahead-of-time compiled programs
 from __future__ import annotations
 
 import ast
+import contextlib
 import dis
 import functools
 import importlib
 import inspect
 import textwrap
+import threading
+import time
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from . import rope as _rope
 from ._checks import KERNEL_DEVICES
 
 # SUPPORTED_MODEL_TYPES comes from the module __getattr__ below.
-__all__ = ["SUPPORTED_MODEL_TYPES", "PatchHandle", "patch", "unsupported_model_types"]  # noqa: F822
+__all__ = ["SUPPORTED_MODEL_TYPES", "PatchHandle", "UnsupportedModelWarning", "patch",  # noqa: F822
+           "unsupported_model_types"]
 
 # The model types this integration knows and tests (tests/test_hf_models.py builds each
 # from a tiny config).  ``SUPPORTED_MODEL_TYPES`` is the subset whose installed code fits.
@@ -102,6 +113,12 @@ _VISION_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
 # (module name, attribute) -> the handle whose wrapper is installed there.
 _ACTIVE: dict[tuple[str, str], PatchHandle] = {}
+# Orders patch() and undo() across threads (re-entrant: patch undoes on failure).
+_LOCK = threading.RLock()
+
+
+class UnsupportedModelWarning(RuntimeWarning):
+    """``patch`` left a model type to transformers; the message names it and says why."""
 
 # Further installers run by ``patch`` after the rotary functions, in order, each as
 # ``installer(handle, model_types)``; they replace module attributes with
@@ -163,6 +180,11 @@ class PatchHandle:
                 target: str) -> None:
         """Replace ``module.<name>`` with ``replacement`` until ``undo()``; ``target`` is
         its name in ``targets``.  Raises RuntimeError if another active handle replaced it."""
+        with _LOCK:
+            self._install(module, name, replacement, target)
+
+    def _install(self, module: types.ModuleType, name: str, replacement: Callable,
+                 target: str) -> None:
         owner = _ACTIVE.get((module.__name__, name))
         if owner is not None:
             raise RuntimeError(f"posenc_torch.hf.patch: {module.__name__}.{name} is already "
@@ -178,13 +200,18 @@ class PatchHandle:
 
     def _add_counters(self, target: str) -> None:
         if self.count:
-            self._calls[target] = torch.zeros((), dtype=torch.int64)
-            self._fallbacks[target] = torch.zeros((), dtype=torch.int64)
+            # Ordinary CPU tensors whatever the caller's context: a default device (``with
+            # torch.device("meta")``) or inference mode (whose tensors could not be bumped
+            # outside it) must not reach them.
+            with torch.inference_mode(False):
+                self._calls[target] = torch.zeros((), dtype=torch.int64, device="cpu")
+                self._fallbacks[target] = torch.zeros((), dtype=torch.int64, device="cpu")
 
     def reset_counts(self) -> None:
         """Set every counter in ``calls`` and ``fallbacks`` back to zero."""
-        for counter in (*self._calls.values(), *self._fallbacks.values()):
-            counter.zero_()
+        with torch.inference_mode(False):
+            for counter in (*self._calls.values(), *self._fallbacks.values()):
+                counter.zero_()
 
     def undo(self) -> None:
         """Put the original transformers functions back.  Calling it again does nothing.
@@ -192,15 +219,17 @@ class PatchHandle:
         A function that someone else replaced after ``patch`` is left as it is (with a
         warning) rather than overwritten.
         """
-        while self._installed:
-            module, name, original, wrapper, target = self._installed.pop()
-            _ACTIVE.pop((module.__name__, name), None)
-            if getattr(module, name, None) is wrapper:
-                setattr(module, name, original)
-            else:
-                warnings.warn(
-                    f"{module.__name__}.{name} was replaced by someone else after "
-                    "posenc_torch.hf.patch(); leaving it as it is", RuntimeWarning, stacklevel=2)
+        with _LOCK:
+            while self._installed:
+                module, name, original, wrapper, target = self._installed.pop()
+                _ACTIVE.pop((module.__name__, name), None)
+                if getattr(module, name, None) is wrapper:
+                    setattr(module, name, original)
+                else:
+                    warnings.warn(
+                        f"{module.__name__}.{name} was replaced by someone else after "
+                        "posenc_torch.hf.patch(); leaving it as it is", RuntimeWarning,
+                        stacklevel=2)
 
     def __enter__(self) -> PatchHandle:
         return self
@@ -555,6 +584,27 @@ def _rotate_as(form: _Form, q, k, cos, sin, unsqueeze_dim):
 # posenc op or hands the caller's own arguments to the original function.
 
 _TEXT_PARAMS = ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim")
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def _to_original() -> bool:
+    """Calls under functorch transforms (torch.func.grad / vjp / jvp / vmap) and forward AD
+    go to the original function: transformers' elementwise ops support every transform,
+    the posenc ops have no forward-mode or batching rule."""
+    if torch.compiler.is_compiling():
+        return False
+    return _transforms_active() or _forward_ad._current_level >= 0
+
+
+def bump(counter: torch.Tensor) -> None:
+    """Add one to a call counter (an int64 CPU scalar): traced into compiled graphs as a
+    tiny op; outside the functorch transforms, which would see the in-place add on a
+    captured tensor."""
+    if not torch.compiler.is_compiling() and _transforms_active():
+        with torch._C._DisableFuncTorch():
+            counter.add_(1)
+    else:
+        counter.add_(1)
 
 
 def _text_args(args: tuple, kwargs: dict):
@@ -586,13 +636,13 @@ def _make_text(original: Callable, handle: PatchHandle, target: str, form: _Form
     count, fallback = handle.count, handle.fallback
 
     def apply_rotary_pos_emb(*args, **kwargs):
-        parsed = _text_args(args, kwargs)
+        parsed = None if _to_original() else _text_args(args, kwargs)
         if parsed is None or (fallback and not _text_supported(form, *parsed)):
             if count:
-                fallbacks.add_(1)
+                bump(fallbacks)
             return original(*args, **kwargs)
         if count:
-            calls.add_(1)
+            bump(calls)
         return _rotate_as(form, *parsed)
 
     return apply_rotary_pos_emb
@@ -604,12 +654,13 @@ def _make_multimodal(original: Callable, handle: PatchHandle, target: str,
     count, fallback = handle.count, handle.fallback
 
     def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
-        if fallback and not _multimodal_supported(q, k, cos, sin, mrope_section, unsqueeze_dim):
+        if _to_original() or (fallback and not _multimodal_supported(
+                q, k, cos, sin, mrope_section, unsqueeze_dim)):
             if count:
-                fallbacks.add_(1)
+                bump(fallbacks)
             return original(q, k, cos, sin, mrope_section, unsqueeze_dim=unsqueeze_dim)
         if count:
-            calls.add_(1)
+            bump(calls)
         return _rope.apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section,
                                                      unsqueeze_dim=unsqueeze_dim)
 
@@ -622,12 +673,12 @@ def _make_vision(original: Callable, handle: PatchHandle, target: str,
     count, fallback = handle.count, handle.fallback
 
     def apply_rotary_pos_emb_vision(q, k, cos, sin):
-        if fallback and not _vision_supported(q, k, cos, sin):
+        if _to_original() or (fallback and not _vision_supported(q, k, cos, sin)):
             if count:
-                fallbacks.add_(1)
+                bump(fallbacks)
             return original(q, k, cos, sin)
         if count:
-            calls.add_(1)
+            bump(calls)
         return _rope.apply_rotary_pos_emb_vision(q, k, cos, sin)
 
     return apply_rotary_pos_emb_vision
@@ -638,16 +689,372 @@ _FACTORIES = {_TEXT: _make_text, _INTERLEAVE: _make_text, _MULTIMODAL: _make_mul
 
 
 # ---------------------------------------------------------------------------------------
+# The behaviour probe.  Whatever its source looks like, a function is patched only when
+# the wrapper would return what the function returns: at patch time the original and the
+# wrapper's posenc path run on a small fixed set of inputs that covers what could differ
+# (fp32, bf16 and bf16 q/k with fp32 tables; full and partial table widths; both
+# unsqueeze_dim layouts; grouped-query heads; per-row and shared tables, with arbitrary
+# values so that both halves of every table matter).  Inputs the wrapper hands to the
+# original function anyway are not compared.  Accepted only when, on every input posenc
+# computes:
+#
+# * the results have the original's number, types, shapes and dtypes;
+# * fp32 (tables and q/k of any dtype giving an fp32 result): the same bits, and the
+#   gradients of q, k, cos and sin to fp32 rounding (a detached term would show there);
+# * bf16 / fp16: element by element, posenc's value is the original's or at least as
+#   close as the original's to the original evaluated in fp64, up to twice the fp32
+#   rounding of the terms (posenc rounds the fp32 result once; transformers rounds after
+#   each op, so its value may be one rounding further from the exact one, never nearer:
+#   a round-to-nearest of a value within fp32 error of the exact one cannot be).  A
+#   missing or extra cast changes the dtype or moves values by bf16 ulps, a wrong half,
+#   sign or table by far more, and all of those fail;
+# * the original raising where posenc computes is a difference, and so is the original
+#   writing into its inputs.
+# A function that fails is left to transformers, with the first difference as the reason.
+
+_PROBE_BATCH, _PROBE_HEADS, _PROBE_KV_HEADS, _PROBE_SEQ, _PROBE_DIM = 2, 4, 2, 5, 16
+_PROBE_WIDTHS = (16, 12, 8)  # full rotary, Phi-3's 0.75, half (partial, or gpt-oss' tables)
+_PROBE_DTYPES = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                 (torch.bfloat16, torch.float32))
+_FP32_SLACK = 2.0 ** -22  # twice fp32's unit roundoff
+
+
+class _ProbeCase(NamedTuple):
+    label: str
+    args: tuple
+    kwargs: dict
+
+
+def _probe_qk(gen: torch.Generator, dtype: torch.dtype, heads_first: bool,
+              heads: int = _PROBE_HEADS, kv_heads: int = _PROBE_KV_HEADS):
+    """q (B, H, T, D) as transformers' attention has it (a transposed view of a projection
+    output) for ``heads_first``, else (B, T, H, D); k likewise with fewer heads."""
+    b, t, d = _PROBE_BATCH, _PROBE_SEQ, _PROBE_DIM
+    q = torch.randn(b, t, heads * d, generator=gen).to(dtype).view(b, t, heads, d)
+    k = torch.randn(b, t, kv_heads * d, generator=gen).to(dtype).view(b, t, kv_heads, d)
+    return (q.transpose(1, 2), k.transpose(1, 2)) if heads_first else (q, k)
+
+
+def _probe_tables(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype):
+    angle = torch.rand(shape, generator=gen, dtype=torch.float64) * 6
+    return angle.cos().to(dtype), (angle * 1.3 + 0.4).sin().to(dtype)
+
+
+def _text_cases() -> list[_ProbeCase]:
+    gen = torch.Generator().manual_seed(20)
+    cases = []
+    for q_dtype, table_dtype in _PROBE_DTYPES:
+        for width in _PROBE_WIDTHS:
+            for unsqueeze_dim in (1, 2):
+                q, k = _probe_qk(gen, q_dtype, unsqueeze_dim == 1)
+                rows = 1 if unsqueeze_dim == 1 else _PROBE_BATCH
+                cos, sin = _probe_tables(gen, (rows, _PROBE_SEQ, width), table_dtype)
+                kwargs = {} if unsqueeze_dim == 1 else {"unsqueeze_dim": unsqueeze_dim}
+                cases.append(_ProbeCase(
+                    f"q {q_dtype}, tables {table_dtype} of width {width}, "
+                    f"unsqueeze_dim={unsqueeze_dim}", (q, k, cos, sin), kwargs))
+    return cases
+
+
+def _multimodal_cases() -> list[_ProbeCase]:
+    gen = torch.Generator().manual_seed(21)
+    cases = []
+    for q_dtype, table_dtype in _PROBE_DTYPES:
+        for section in ([2, 3, 3], [4, 2, 2]):
+            for unsqueeze_dim in (1, 2):
+                q, k = _probe_qk(gen, q_dtype, unsqueeze_dim == 1)
+                rows = 1 if unsqueeze_dim == 1 else _PROBE_BATCH
+                cos, sin = _probe_tables(gen, (3, rows, _PROBE_SEQ, _PROBE_DIM), table_dtype)
+                cases.append(_ProbeCase(
+                    f"q {q_dtype}, tables {table_dtype}, mrope_section {section}, "
+                    f"unsqueeze_dim={unsqueeze_dim}", (q, k, cos, sin, section),
+                    {"unsqueeze_dim": unsqueeze_dim}))
+    return cases
+
+
+def _vision_cases() -> list[_ProbeCase]:
+    gen = torch.Generator().manual_seed(22)
+    cases = []
+    n = 7
+    for q_dtype, table_dtype in _PROBE_DTYPES:
+        # (N, H, D) slices of the vision attention's packed qkv, fp32 tables of width D
+        qkv = torch.randn(n, 3, _PROBE_HEADS, _PROBE_DIM, generator=gen).to(q_dtype)
+        q, k = qkv.permute(1, 0, 2, 3)[:2]
+        cos, sin = _probe_tables(gen, (n, _PROBE_DIM), table_dtype)
+        cases.append(_ProbeCase(f"q {q_dtype}, tables {table_dtype}", (q, k, cos, sin), {}))
+    return cases
+
+
+def _clone_args(args: tuple, grad: bool) -> tuple:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a = a.detach().clone(memory_format=torch.preserve_format)
+            a.requires_grad_(grad)
+        out.append(a)
+    return tuple(out)
+
+
+def _tensors_out(result: object) -> tuple[torch.Tensor, ...] | None:
+    if isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
+        return tuple(result)
+    return None
+
+
+def _close_to_exact(ours: torch.Tensor, theirs: torch.Tensor, exact: torch.Tensor,
+                    scale: float) -> bool:
+    """Element by element: posenc's value is the original's, or at least as close to the
+    exact value (up to fp32 rounding of terms no larger than ``scale``)."""
+    ours, theirs, exact = ours.double(), theirs.double(), exact.double()
+    slack = _FP32_SLACK * scale
+    return bool(((ours == theirs) | ((ours - exact).abs() <= (theirs - exact).abs() + slack))
+                .all())
+
+
+def _grads(outputs: tuple[torch.Tensor, ...], inputs: tuple) -> tuple:
+    gen = torch.Generator().manual_seed(23)
+    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum()
+               for o in outputs)
+    leaves = [a for a in inputs if isinstance(a, torch.Tensor)]
+    return torch.autograd.grad(loss, leaves, allow_unused=True)
+
+
+def _probe(original: Callable, ours: Callable, supported: Callable,
+           cases: list[_ProbeCase]) -> tuple[str | None, tuple[int, int]]:
+    """None when ``ours`` returns what ``original`` returns on every case that
+    ``supported`` lets it compute (see above), else the first difference in words; with
+    how far the probe went (cases that agreed, index of the case reached)."""
+    reason, progress = _first_difference(original, ours, supported, cases)
+    if reason is None and progress[0] == 0:
+        reason = "posenc computes none of the probe inputs"
+    return reason, progress
+
+
+def _first_difference(original: Callable, ours: Callable, supported: Callable,
+                      cases: list[_ProbeCase]) -> tuple[str | None, tuple[int, int]]:
+    """(None or the first difference, (cases that agreed, index of the case reached))."""
+    computed = 0
+    for i, case in enumerate(cases):
+        if not supported(*case.args, **case.kwargs):
+            continue  # the wrapper hands this call to the original function
+        reason = _case_difference(original, ours, case)
+        if reason is not None:
+            return f"{reason} for {case.label}", (computed, i)
+        computed += 1
+    return None, (computed, len(cases))
+
+
+def _case_difference(original: Callable, ours: Callable, case: _ProbeCase) -> str | None:
+    try:
+        expected = ours(*_clone_args(case.args, False), **case.kwargs)
+    except Exception as e:  # noqa: BLE001 -- a difference, reported as such
+        return f"posenc raised {type(e).__name__} ({e})"
+    fp32 = all(o.dtype == torch.float32 for o in expected)
+    # gradients compared where every input is fp32 (bf16 gradients round differently)
+    grad = fp32 and all(a.dtype == torch.float32 for a in case.args
+                        if isinstance(a, torch.Tensor))
+    theirs_args = _clone_args(case.args, grad)
+    inputs = _clone_args(case.args, False)
+    try:
+        with torch.enable_grad():
+            result = original(*theirs_args, **case.kwargs)
+    except Exception as e:  # noqa: BLE001 -- transformers rejects what posenc computes
+        return f"it raises {type(e).__name__} where posenc computes"
+    got = _tensors_out(result)
+    if got is None or len(got) != len(expected):
+        return f"it returns {type(result).__name__}, not two tensors"
+    for name, a, b in zip(("first", "second"), expected, got, strict=False):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return (f"its {name} result is {b.dtype} {tuple(b.shape)}, posenc's "
+                    f"{a.dtype} {tuple(a.shape)}")
+    if any(not torch.equal(x, y) for x, y in zip(theirs_args, inputs, strict=True)
+           if isinstance(x, torch.Tensor)):
+        return "it writes into its inputs"
+    if fp32:
+        if not all(torch.equal(a, b) for a, b in zip(expected, got, strict=False)):
+            return "its fp32 results differ from posenc's in bits"
+        if grad:
+            ours_args = _clone_args(case.args, True)
+            with torch.enable_grad():
+                ours_grads = _grads(ours(*ours_args, **case.kwargs), ours_args)
+                their_grads = _grads(got, theirs_args)
+            for a, b in zip(ours_grads, their_grads, strict=True):
+                if (a is None) != (b is None) or (
+                        a is not None and not torch.allclose(a, b, rtol=1.3e-6, atol=1e-5)):
+                    return "its gradients differ from posenc's"
+        return None
+    exact_args = tuple(a.double() if isinstance(a, torch.Tensor) else a for a in inputs)
+    try:
+        exact = _tensors_out(original(*exact_args, **case.kwargs))
+    except Exception as e:  # noqa: BLE001
+        return f"it raises {type(e).__name__} in float64 ({e})"
+    if exact is None or len(exact) != len(got):
+        return "it returns no tensor pair in float64"
+    # a bound of the two terms' sum, for the fp32 rounding allowance
+    magnitudes = [a.abs().max().item() for a in exact_args[:4]]
+    scale = 2 * max(magnitudes[:2]) * max(magnitudes[2:])
+    for name, a, b, e in zip(("first", "second"), expected, got, exact, strict=False):
+        if not _close_to_exact(a, b, e, scale):
+            return (f"posenc's {a.dtype} {name} result is further from the function's exact "
+                    "(fp64) value than the function's own rounding")
+    return None
+
+
+def _text_probe(original: Callable, form: _Form) -> tuple[str | None, tuple[int, int]]:
+    def ours(*args, **kwargs):
+        return _rotate_as(form, *_text_args(args, kwargs))
+
+    def supported(*args, **kwargs):
+        return _text_supported(form, *_text_args(args, kwargs))
+
+    return _probe(original, ours, supported, _text_cases())
+
+
+def _multimodal_probe(original: Callable) -> tuple[str | None, tuple[int, int]]:
+    return _probe(original, _rope.apply_multimodal_rotary_pos_emb, _multimodal_supported,
+                  _multimodal_cases())
+
+
+def _vision_probe(original: Callable) -> tuple[str | None, tuple[int, int]]:
+    return _probe(original, _rope.apply_rotary_pos_emb_vision, _vision_supported,
+                  _vision_cases())
+
+
+_DISTINCT_FORMS = tuple(dict.fromkeys(form for _, _, form in _FORMS))
+
+
+def _describe(form: _Form) -> str:
+    words = [f"{form.pairing} pairs", f"tables {form.table.replace('_', ' ')}"]
+    if form.partial:
+        words.append("partial rotary")
+    if form.cast:
+        words.append({"each": "results cast to q's and k's dtypes",
+                      "fp32_to_q": "computed in fp32, cast to q's dtype"}[form.cast])
+    if form.permute:
+        words.append(f"channels de-interleaved at the {form.permute}")
+    return "the form with " + ", ".join(words)
+
+
+def _behaviour_key(func: object) -> tuple | None:
+    """What the behaviour of ``func`` depends on: its syntax tree and, for every global
+    name its code reads, that function's own key (helpers such as ``rotate_half``) or the
+    object itself (``torch``).  The 100-odd model files that carry a copy of one function
+    share one key, so they share one probe.  None when the source cannot be read."""
+    func = inspect.unwrap(func)
+    code = getattr(func, "__code__", None)
+    tree = _source_tree(func)
+    if code is None or tree is None:
+        return None
+    parts: list[tuple] = [(tree, getattr(func, "__defaults__", None))]
+    namespace = getattr(func, "__globals__", {})
+    for name in sorted(_global_loads(code)):
+        value = namespace.get(name, namespace.get("__builtins__"))
+        if isinstance(value, types.FunctionType) and value is not func:
+            key = _behaviour_key(value)
+            if key is None:
+                return None
+            parts.append((name, key))
+        else:
+            parts.append((name, id(value)))
+    return tuple(parts)
+
+
+# Probe outcomes: per function object, and per behaviour key (shared by equal copies).
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PROBED_BY_KEY: dict[tuple, tuple] = {}
+_PROBE_SECONDS = [0.0]  # spent probing in this process (not counting cache hits)
+
+
+def _bindings(func: object, seen: frozenset = frozenset()) -> tuple:
+    """The objects the global names of ``func`` (and of the functions among them) are bound
+    to now: a function probed before is probed again when one of them was replaced."""
+    code = getattr(func, "__code__", None)
+    if code is None or id(func) in seen:
+        return ()
+    namespace = getattr(func, "__globals__", {})
+    out = []
+    for name in sorted(_global_loads(code)):
+        value = namespace.get(name)
+        out.append((name, id(value)))
+        if isinstance(value, types.FunctionType):
+            out.append(_bindings(value, seen | {id(func)}))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def _plain_mode():
+    """The probe runs as in plain eager code, whatever the caller's context: CPU default
+    device, autograd on, no inference mode, no autocast."""
+    with (torch.device("cpu"), torch.inference_mode(False), torch.enable_grad(),
+          torch.autocast("cpu", enabled=False)):
+        yield
+
+
+def _probed(kind: str, func: Callable, run: Callable[[], object]) -> object:
+    """``run()``'s outcome for ``func``, computed once per function object (while the names
+    it reads stay bound to the same objects) and once per behaviour key."""
+    inner = inspect.unwrap(func)
+    bindings = _bindings(inner)
+    try:
+        cached_bindings, outcome = _PROBED[inner][kind]
+        if cached_bindings == bindings:
+            return outcome
+    except (KeyError, TypeError):
+        pass
+    key = _behaviour_key(inner)
+    if key is not None and (kind, key) in _PROBED_BY_KEY:
+        outcome = _PROBED_BY_KEY[(kind, key)]
+    else:
+        start = time.perf_counter()
+        with _plain_mode():
+            outcome = run()
+        _PROBE_SECONDS[0] += time.perf_counter() - start
+        if key is not None:
+            _PROBED_BY_KEY[(kind, key)] = outcome
+    try:
+        _PROBED.setdefault(inner, {})[kind] = (bindings, outcome)
+    except TypeError:  # not weakly referenceable: cached by key only
+        pass
+    return outcome
+
+
+def _text_behaviour(func: Callable, syntactic: _Form | None) -> tuple[_Form | None, str | None]:
+    """(the form whose posenc path returns what ``func`` returns, None) or (None, why
+    not).  The form its source matches is tried first, then every other known form."""
+
+    def run() -> tuple[_Form | None, str | None]:
+        candidates = [syntactic] if syntactic is not None else []
+        candidates += [f for f in _DISTINCT_FORMS if f != syntactic]
+        closest = None  # (cases that agreed, reason, form); the first form on ties
+        for form in candidates:
+            reason, (agreed, _) = _text_probe(func, form)
+            if reason is None:
+                return form, None
+            if closest is None or agreed > closest[0]:
+                closest = (agreed, reason, form)
+        _, reason, form = closest
+        if syntactic is not None:
+            what = "its source has a known form, but it does not compute what that form does"
+        else:
+            what = ("its source is not one of the forms posenc_torch knows, and it computes "
+                    "what none of them does")
+        return None, f"{what}; closest: {_describe(form)}, where {reason}"
+
+    return _probed(f"text:{syntactic}", func, run)
+
+
+# ---------------------------------------------------------------------------------------
 # Finding what the installed transformers' attention calls.
 
 
-def _global_loads(code: types.CodeType) -> set[str]:
+@functools.cache  # code objects are immutable; patch() scans the same ones each call
+def _global_loads(code: types.CodeType) -> frozenset[str]:
     """Global names loaded by ``code`` and the functions nested in it."""
     names = {ins.argval for ins in dis.get_instructions(code) if ins.opname == "LOAD_GLOBAL"}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _global_loads(const)
-    return names
+    return frozenset(names)
 
 
 def _code_of(obj: object) -> types.CodeType | None:
@@ -737,18 +1144,22 @@ def _plan(model_type: str, module: types.ModuleType) -> list[tuple[str, _Form | 
             "transformers version is not supported for the vision tower")
     plan: list[tuple[str, _Form | None]] = []
     for name in called:
+        if name not in (_TEXT, _INTERLEAVE) and not original:
+            continue
+        # Already replaced by an active handle: judge the function it replaced (patch
+        # then reports the conflict).
+        func = getattr(module, name)
+        func = getattr(func, "posenc_original", func)
+        form = None
         if name in (_TEXT, _INTERLEAVE):
-            func = getattr(module, name)
-            # Already replaced by an active handle: judge the function it replaced (patch
-            # then reports the conflict).
-            form = _form_of(module, getattr(func, "posenc_original", func))
-            if form is None:
-                raise _Unsupported(
-                    f"{where}.{name} (or a helper it calls) is not one of the source forms "
-                    "posenc_torch knows, so it cannot be sure to compute the same")
-            plan.append((name, form))
-        elif name in (_MULTIMODAL, _VISION) and original:
-            plan.append((name, None))
+            form, reason = _text_behaviour(func, _form_of(module, func))
+        else:
+            probe = _multimodal_probe if name == _MULTIMODAL else _vision_probe
+            reason = _probed(name, func, lambda probe=probe, func=func: probe(func)[0])
+        if reason is not None:
+            raise _Unsupported(f"{module.__name__}.{name} (transformers "
+                               f"{_transformers_version()}): {reason}")
+        plan.append((name, form))
     return plan
 
 
@@ -781,8 +1192,6 @@ def __getattr__(name: str) -> object:
 
 
 def _normalize(model_types: str | Iterable[str] | None) -> tuple[str, ...]:
-    if model_types is None:
-        return tuple(mt for mt, reason in _support().items() if reason is None)
     if isinstance(model_types, str):
         model_types = [model_types]
     out: list[str] = []
@@ -804,9 +1213,12 @@ def patch(model_types: str | Sequence[str] | None = None, *,
     """Make transformers models use the posenc rotary kernels.
 
     Args:
-        model_types: one or more of ``SUPPORTED_MODEL_TYPES`` (``model.config.model_type``,
-            e.g. "llama", "qwen2_vl", "phi3"); None patches all of them (which imports the
-            modeling module of every known type: a few seconds, once per process).
+        model_types: one or more of ``KNOWN_MODEL_TYPES`` (``model.config.model_type``,
+            e.g. "llama", "qwen2_vl", "phi3"); None patches every one the installed
+            transformers lets posenc patch (which imports the modeling module of every
+            known type: a few seconds, once per process).  A requested type whose installed
+            code posenc does not run exactly is left to transformers with one
+            ``UnsupportedModelWarning`` naming it and the reason.
         fallback: hand inputs the posenc kernels do not take (non-CPU tensors, shapes other
             than transformers' layouts, an ``mrope_section`` that does not fit) to the
             original transformers function (True), or raise posenc's error (False).
@@ -823,44 +1235,56 @@ def patch(model_types: str | Sequence[str] | None = None, *,
 
     Raises:
         ValueError: a model type this module does not know.
-        RuntimeError: the installed transformers lacks the model, its attention calls none
-            of the rotary functions posenc replaces, its rotary function is not of a form
-            posenc computes exactly (``unsupported_model_types()`` says which and why), or
-            a function is already patched by another active handle.
+        RuntimeError: none of the requested types can be patched (the installed transformers
+            lacks the model, its attention calls none of the rotary functions posenc
+            replaces, or its rotary function does not compute what posenc computes:
+            ``unsupported_model_types()`` says which and why), or a function is already
+            patched by another active handle.
 
     Call it before ``torch.compile`` (patching later recompiles the compiled regions on
     their next call).  It patches the functions in transformers' modules, so it affects
     every model of those types in the process, including ones built before the call.
+    ``patch`` and ``undo`` are thread-safe (one lock orders them).
     """
-    types_ = _normalize(model_types)
-    plans = []
-    for mt in types_:
-        try:
-            module = _modeling_module(mt)
-            plans.append((mt, module, _plan(mt, module)))
-        except _Unsupported as e:
-            raise RuntimeError(f"posenc_torch.hf.patch: {e}") from None
-    for mt, module, names in plans:
-        for name, _ in names:
-            owner = _ACTIVE.get((module.__name__, name))
-            if owner is not None:
-                raise RuntimeError(
-                    f"posenc_torch.hf.patch: {mt}.{name} is already patched by {owner!r}; "
-                    "undo that handle first")
-    handle = PatchHandle(types_, bool(fallback), bool(count))
-    try:
+    requested = KNOWN_MODEL_TYPES if model_types is None else _normalize(model_types)
+    with _LOCK:
+        plans, refused = [], {}
+        for mt in requested:
+            try:
+                module = _modeling_module(mt)
+                plans.append((mt, module, _plan(mt, module)))
+            except _Unsupported as e:
+                refused[mt] = str(e)
+        if not plans:
+            if len(refused) == 1:
+                raise RuntimeError(f"posenc_torch.hf.patch: {next(iter(refused.values()))}")
+            raise RuntimeError("posenc_torch.hf.patch: none of the model types can be patched "
+                               "with the installed transformers: " +
+                               "; ".join(f"{mt}: {why}" for mt, why in refused.items()))
         for mt, module, names in plans:
-            for name, form in names:
-                target = f"{mt}.{name}"
-                original = getattr(module, name)
-                handle._add_counters(target)
-                wrapper = _FACTORIES[name](original, handle, target, form)
-                wrapper.__doc__ = (f"posenc_torch replacement for transformers' {mt} {name}; "
-                                   "see posenc_torch.hf.")
-                handle.install(module, name, wrapper, target)
-        for installer in INSTALLERS:
-            installer(handle, types_)
-    except BaseException:
-        handle.undo()
-        raise
+            for name, _ in names:
+                owner = _ACTIVE.get((module.__name__, name))
+                if owner is not None:
+                    raise RuntimeError(
+                        f"posenc_torch.hf.patch: {mt}.{name} is already patched by "
+                        f"{owner!r}; undo that handle first")
+        for mt, why in refused.items():
+            warnings.warn(f"posenc_torch.hf.patch leaves {mt} to transformers: {why}",
+                          UnsupportedModelWarning, stacklevel=2)
+        handle = PatchHandle(tuple(mt for mt, _, _ in plans), bool(fallback), bool(count))
+        try:
+            for mt, module, names in plans:
+                for name, form in names:
+                    target = f"{mt}.{name}"
+                    original = getattr(module, name)
+                    handle._add_counters(target)
+                    wrapper = _FACTORIES[name](original, handle, target, form)
+                    wrapper.__doc__ = (f"posenc_torch replacement for transformers' {mt} "
+                                       f"{name}; see posenc_torch.hf.")
+                    handle.install(module, name, wrapper, target)
+            for installer in INSTALLERS:
+                installer(handle, handle.model_types)
+        except BaseException:
+            handle.undo()
+            raise
     return handle

@@ -121,6 +121,11 @@ def _rope_backward(ctx, grad_q, grad_k):
     grad_k = _grad_or_zeros(grad_k, ctx.out_meta[1])
     dq, dk = rope(grad_q, grad_k, cos, sin, sections, interleaved, pairing, not transpose,
                   ctx.dtypes[0], ctx.dtypes[1], heads_first)
+    # Contiguous, as autograd of transformers' expression returns them whatever the layout
+    # of the incoming gradient (its rotate_half slices backpropagate into fresh contiguous
+    # buffers): what consumes them (e.g. a per-head norm's weight gradient) then sums in
+    # the same order, and a training step is bit-identical.
+    dq, dk = dq.contiguous(), dk.contiguous()
     dcos = dsin = None
     if ctx.table_grad:
         q, k = saved

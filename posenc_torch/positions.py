@@ -66,10 +66,12 @@ def _installed_transformers_version() -> str | None:
 
 
 def convention_for_version(version: str) -> str:
-    """The convention (one of :data:`MROPE_CONVENTIONS`) whose rules transformers
-    ``version`` follows.  ValueError for releases whose rules were not checked (5.0 to
-    5.16, whose ``get_rope_index`` was rewritten and fixed over several releases, and 6 or
-    later)."""
+    """The convention (one of :data:`MROPE_CONVENTIONS`) that the checked releases of
+    transformers ``version``'s line follow: "4.57" for 4.x, "5.17", "5.18" for 5.18 and
+    later 5.x.  ValueError for 5.0 to 5.16 (rewritten and fixed over several releases)
+    and 6 or later.  A version number is a name, not a behaviour: ``"installed"`` (see
+    :func:`resolve_convention`) runs the installed code instead, and this mapping only
+    names which of two conventions that give the same results for a model is reported."""
     try:
         major, minor = (int(part) for part in version.split(".")[:2])
     except ValueError:
@@ -85,16 +87,32 @@ def convention_for_version(version: str) -> str:
         f"5.17.0, 5.18.0, 5.24.0); pass convention= one of {MROPE_CONVENTIONS} explicitly")
 
 
+@torch.compiler.assume_constant_result  # traced code gets the answer, not the check
+def _installed_convention(model: str) -> str:
+    if _installed_transformers_version() is None:
+        raise ValueError(
+            "convention='installed' needs transformers installed; without it pass "
+            f"convention= one of {MROPE_CONVENTIONS}")
+    from ._hf_positions import installed_convention
+
+    return installed_convention(model)
+
+
 def resolve_convention(convention: str, model: str | None = None) -> str:
-    """``convention`` itself, or for ``"installed"`` the one of the installed transformers
-    (see :func:`convention_for_version`) for ``model`` (a model type such as "qwen2_vl")."""
+    """``convention`` itself, or for ``"installed"`` the one whose rules the installed
+    transformers' ``get_rope_index`` of ``model`` (a model type such as "qwen2_vl";
+    "qwen2_vl" when None, for the rules every model shares) follows.
+
+    That is decided by behaviour, not by version number: the installed ``get_rope_index``
+    and the walk of each convention run on a fixed set of small prompts that tells the
+    conventions apart (posenc_torch._hf_positions), once per model type and transformers
+    modeling module; this imports transformers and the model's modeling module.
+    ValueError when transformers is not installed, or when no convention (or more than
+    one) gives its results on every prompt."""
     if convention == "installed":
-        version = _installed_transformers_version()
-        if version is None:
-            raise ValueError(
-                "convention='installed' needs transformers installed; without it pass "
-                f"convention= one of {MROPE_CONVENTIONS}")
-        return convention_for_version(version)
+        if model is not None and model not in MROPE_MODELS:
+            raise ValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")
+        return _installed_convention(model or "qwen2_vl")
     if not isinstance(convention, str) or convention not in MROPE_CONVENTIONS:
         raise ValueError(f"convention must be 'installed' or one of {MROPE_CONVENTIONS}, got "
                          f"{convention!r}")

@@ -89,20 +89,20 @@ def tiny_config(model_type: str):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def tiny_model(model_type: str, dtype: torch.dtype):
+def tiny_model(model_type: str, dtype: torch.dtype, attn: str = "eager"):
     config = tiny_config(model_type)
     torch.manual_seed(0)
     try:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     except ValueError:  # a vision-language model: no causal-LM class for its config
-        model = AutoModelForImageTextToText.from_config(config, attn_implementation="eager")
+        model = AutoModelForImageTextToText.from_config(config, attn_implementation=attn)
     return model.to(dtype)
 
 
-def forward_backward(model_type: str, dtype: torch.dtype, patched: bool):
+def forward_backward(model_type: str, dtype: torch.dtype, patched: bool, attn: str = "eager"):
     """Logits, {parameter name: gradient} and the patch handle (None if unpatched) of one
     training step's forward and backward on two rows of 13 text tokens."""
-    model = tiny_model(model_type, dtype)
+    model = tiny_model(model_type, dtype, attn)
     input_ids = torch.randint(3, 100, (2, 13), generator=torch.Generator().manual_seed(1))
     handle = hf.patch(model_type) if patched else None
     with handle or nullcontext():
@@ -138,8 +138,9 @@ def test_every_known_type_is_supported_or_has_a_reason():
 
 
 def test_an_unknown_source_form_is_not_patched(monkeypatch):
-    """A function whose source differs from the recognised forms (here: a sign flipped)
-    is refused, even though its name and call are the same."""
+    """A function whose source differs from the recognised forms and that computes
+    something else (here: a sign flipped) is refused, even though its name and call are
+    the same (tests/test_hf_probe.py has more edits, refused and accepted)."""
     tiny_config("mistral")
     module = modeling("mistral")
     rotate_half = module.rotate_half
@@ -152,7 +153,8 @@ def test_an_unknown_source_form_is_not_patched(monkeypatch):
         return q_embed, k_embed
 
     monkeypatch.setattr(module, "apply_rotary_pos_emb", apply_rotary_pos_emb)
-    with pytest.raises(RuntimeError, match="not one of the source forms"):
+    with pytest.raises(RuntimeError, match="not one of the forms posenc_torch knows, and it "
+                                           "computes what none of them does"):
         hf.patch("mistral")
     assert module.apply_rotary_pos_emb is apply_rotary_pos_emb
 
@@ -172,6 +174,26 @@ def test_fp32_logits_and_gradients_match(model_type):
     decoder = [t for t in handle.targets if not t.endswith("_vision")]
     assert sum(handle.calls[t] for t in decoder) > 0, handle
     assert all(n == 0 for n in handle.fallbacks.values()), handle
+
+
+QK_NORM_TYPES = [mt for mt in ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_next") if mt in SUPPORTED]
+
+
+@pytest.mark.parametrize("model_type", QK_NORM_TYPES)
+def test_fp32_training_step_is_bit_identical_with_per_head_norms(model_type):
+    """Models that normalize q and k per head before the rotation: with SDPA attention the
+    gradient reaching the rotation is laid out (B, T, H, D); the patched backward must hand
+    back q's and k's gradients in the layout transformers' autograd gives (contiguous
+    (B, H, T, D)), or the norms' weight gradients sum in another order.  Every parameter
+    gradient is the same bits."""
+    ref_logits, ref_grads, _ = forward_backward(model_type, torch.float32, False, "sdpa")
+    logits, grads, handle = forward_backward(model_type, torch.float32, True, "sdpa")
+    assert sum(handle.calls.values()) > 0, handle
+    assert torch.equal(logits, ref_logits)
+    assert grads.keys() == ref_grads.keys()
+    assert any(".q_norm." in name for name in grads)
+    different = [name for name, g in grads.items() if not torch.equal(g, ref_grads[name])]
+    assert not different, different
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED)
