@@ -542,7 +542,8 @@ def test_vmap_of_the_raw_op():
 
 def test_vmap_over_a_patched_model():
     """torch.vmap over a patched transformers attention layer gives the unbatched layer's
-    outputs (the patched rotary function runs under vmap)."""
+    outputs.  The patch hands functorch transforms to transformers' own function (counted as
+    a fallback); the ops' own vmap rules are tested above."""
     pytest.importorskip("transformers")
     from transformers import LlamaConfig
     from transformers.models.llama import modeling_llama
@@ -564,11 +565,11 @@ def test_vmap_over_a_patched_model():
             def layer(h):
                 return attention(h, position_embeddings=(cos, sin), attention_mask=None)[0]
             batched = torch.vmap(layer)(x)
-            calls = int(handle.calls["llama.apply_rotary_pos_emb"])
+            handed_back = int(handle.fallbacks["llama.apply_rotary_pos_emb"])
             unbatched = torch.stack([layer(x[i]) for i in range(3)])
         finally:
             handle.undo()
         reference = torch.stack([layer(x[i]) for i in range(3)])  # transformers' own
-    assert calls >= 1
+    assert handed_back >= 1
     torch.testing.assert_close(batched, unbatched, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(batched, reference, rtol=1e-5, atol=1e-5)
