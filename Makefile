@@ -150,9 +150,15 @@ ctest-aarch64: $(STAMP)
 	$(VENV)/bin/meson test -C builddir-aarch64 --print-errorlogs
 
 # The CUDA sources compiled with this machine's nvcc for sm_80 and sm_90 (nothing runs; a
-# loud skip without nvcc), so they cannot rot on machines without a GPU.
-cuda-compile: $(STAMP)
-	scripts/cuda_compile.sh
+# loud skip without nvcc), so they cannot rot on machines without a GPU; their machine code
+# checked (scripts/cuda_sass_check.py, with cuobjdump from the wheels in CUDA_TOOLS).
+CUDA_TOOLS := $(VENV)/cuda-tools
+$(CUDA_TOOLS)/.installed: requirements-cuda-tools.txt | $(STAMP)
+	$(VPY) -m pip install -q --no-deps --upgrade --target $(CUDA_TOOLS) -r requirements-cuda-tools.txt
+	touch $@
+
+cuda-compile: $(STAMP) $(CUDA_TOOLS)/.installed
+	PYTHON=$(abspath $(VPY)) scripts/cuda_compile.sh
 
 # On a machine with an NVIDIA GPU: build against its torch, run the GPU tests and the GPU
 # benchmark, everything into one folder (scripts/gpu_check.sh; README, section GPU).
