@@ -21,7 +21,7 @@
  *
  * Parallel layout.  apply: blocks of 256 threads, grid-stride over phases of several
  * tokens.  A token's work is items, one channel chunk (16 bytes, or one element) of up to
- * four heads (two for 16-bit dtypes); a thread issues all loads of its item, the block
+ * four heads; a thread issues all loads of its item (up to 128 bytes), the block
  * writes the phase's cos and signed-sine rows to shared memory (one barrier), and the thread
  * reads its chunk's values into registers once and rotates and stores every head of its
  * item.  16-byte streaming loads and stores of whole vectors when every row is 16-byte

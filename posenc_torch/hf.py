@@ -807,7 +807,8 @@ def patch(model_types: str | Sequence[str] | None = None, *,
         model_types: one or more of ``SUPPORTED_MODEL_TYPES`` (``model.config.model_type``,
             e.g. "llama", "qwen2_vl", "phi3"); None patches all of them (which imports the
             modeling module of every known type: a few seconds, once per process).
-        fallback: hand inputs the posenc kernels do not take (non-CPU tensors, shapes other
+        fallback: hand inputs the posenc kernels do not take (tensors on a device they were
+            not built for: CUDA tensors unless ``posenc_torch._C.has_cuda()``; shapes other
             than transformers' layouts, an ``mrope_section`` that does not fit) to the
             original transformers function (True), or raise posenc's error (False).
             Calls in argument forms other than transformers' go to the original function

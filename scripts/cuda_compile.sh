@@ -45,5 +45,6 @@ for arch in $archs; do objs+=("$out/rope.sm_$arch.o"); done
 "${CC:-cc}" -std=c17 -O2 -ffp-contract=off -Wall -Wextra -Werror -Icsrc -c \
     csrc/cuda/tests/math_sweep_c.c -o "$out/math_sweep_c.o"
 "${CXX:-c++}" "$out/test_emulated.o" "$out/math_sweep_c.o" builddir-c/libposenc_kernels.a \
-    -fopenmp -lm -L"$(python3 scripts/cuda_libdir.py "$nvcc")" -lcudart -o "$out/test_emulated"
+    -fopenmp -lm -L"$(python3 scripts/cuda_libdir.py "$nvcc")" \
+    "$(python3 scripts/cuda_libdir.py --link "$nvcc")" -o "$out/test_emulated"
 "$out/test_emulated"

@@ -286,16 +286,15 @@ template <typename T> PE_HD constexpr size_t storage_size() {
 }
 
 // Heads one thread carries through the table barrier: their loads are all in flight at
-// once, and the chunk's cos and signed-sine values stay in registers across them.
-template <typename T, int V> PE_HD constexpr int heads_per_thread() {
-    return V > 1 && storage_size<T>() == 2 ? 2 : 4;
-}
+// once (4 heads x 32 bytes of a half-pairing chunk and its partner), and the chunk's cos
+// and signed-sine values stay in registers across them.
+constexpr int kHeadsPerThread = 4;
 
 // Blocks of kApplyThreads per SM that an apply kernel's launch bounds promise: 3 caps the
 // registers at 65536 / (256 * 3) = 85 per thread (80 usable).  The 16-bit vector kernels
-// hold 32 cos and signed-sine values and convert 16 elements per head at once; at 80
-// registers they spill on sm_80, so they get 2 blocks and 128 registers (two heads of
-// 32 bytes in flight per thread, 32 KiB per SM).
+// hold 32 cos and signed-sine values and 4 heads of 16 elements; they get 2 blocks and 128
+// registers (spilling at 80 on sm_80): 512 threads x 128 bytes = 64 KiB of loads in flight
+// per SM.
 template <typename T, int V, typename Off> PE_HD constexpr int apply_min_blocks() {
     return V > 1 && storage_size<T>() == 2 ? 2 : 3;
 }
@@ -462,7 +461,7 @@ PE_HD void group_rows(const RopeP &p, const ApplyGrid &g, int64_t group, R *rows
 template <typename R, typename T, int V, typename Off> struct ApplyThread {
     using U = Unit<R, T, V>;
     using raw = typename U::raw;
-    static constexpr int NH = heads_per_thread<T, V>();
+    static constexpr int NH = kHeadsPerThread;
     raw a[NH], z[NH]; // the chunk at e and its partner chunk at e + step (paired items)
     int64_t b, t;    // the thread's token
     int lane_token_; // its index in the phase
@@ -718,7 +717,7 @@ template <typename T> struct Tag {
 template <typename R, typename T, int V> ApplyGrid apply_grid(const RopeP &p, int threads) {
     ApplyGrid g{};
     const int Rw = static_cast<int>(p.R), D = static_cast<int>(p.D);
-    const int nh = heads_per_thread<T, V>();
+    const int nh = kHeadsPerThread;
     g.rot_items = p.pairing == PE_PAIR_HALF ? Rw / 2 / V : V == 1 ? Rw / 2 : Rw / V;
     g.chunks = g.rot_items + (D - Rw) / V;
     g.heads = static_cast<int>(p.x[0].heads + p.x[1].heads);
