@@ -76,17 +76,22 @@ print("torch", torch.__version__, "CUDA", torch.version.cuda)
 if not torch.version.cuda:
     ok = False
     print("MISSING a CUDA build of torch (this one is CPU-only)")
-for mod in ("transformers", "mesonbuild", "ninja"):
+from importlib import metadata
+for mod, dist in (("transformers", "transformers"), ("mesonbuild", "meson"), ("ninja", "ninja")):
     try:
-        m = __import__(mod)
-        print(mod, getattr(m, "__version__", ""))
+        __import__(mod)
+        print(dist, metadata.version(dist))
     except ImportError as exc:
         ok = False
-        print(f"MISSING {mod}: {exc}")
+        print(f"MISSING {dist}: {exc}")
 print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
 sys.exit(0 if ok else 1)
 EOF
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+    else
+        echo "nvidia-smi: not found"
+    fi
     command -v compute-sanitizer >/dev/null && echo "compute-sanitizer: $(command -v compute-sanitizer)" ||
         echo "compute-sanitizer: not found (the sanitize phase will be skipped)"
     return $bad
