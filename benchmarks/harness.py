@@ -185,22 +185,18 @@ class Method:
     label: str
     role: str
     needs_cuda: bool = False
-    cpu_only: bool = False
 
 
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("posenc", "posenc_torch", "posenc", cpu_only=True),
-        Method("posenc_fused", "posenc_torch apply_rope (fused, positions in)", "posenc",
-               cpu_only=True),
-        Method("posenc_tables", "posenc_torch compute_mrope_cos_sin + apply", "posenc",
-               cpu_only=True),
+        Method("posenc", "posenc_torch", "posenc"),
+        Method("posenc_fused", "posenc_torch apply_rope (fused, positions in)", "posenc"),
+        Method("posenc_tables", "posenc_torch compute_mrope_cos_sin + apply", "posenc"),
         Method("hf_eager", "transformers eager", "peer"),
         Method("hf_compile", "torch.compile(transformers)", "peer"),
         Method("liger", "Liger-Kernel", "peer", needs_cuda=True),
-        Method("posenc_op", "torch.ops.posenc.rope alone (dispatcher call)", "posenc",
-               cpu_only=True),
+        Method("posenc_op", "torch.ops.posenc.rope alone (dispatcher call)", "posenc"),
         Method("copy", "clone q,k (allocating floor)", "floor"),
         Method("copy_into", "copy_ into preallocated q,k (bandwidth floor)", "floor"),
     )
@@ -208,12 +204,20 @@ METHODS: dict[str, Method] = {
 FLOORS = ("copy", "copy_into")
 
 
+def posenc_has_cuda() -> bool:
+    """Whether the installed posenc_torch has its CUDA kernels."""
+    import posenc_torch
+
+    return bool(posenc_torch._C.has_cuda())
+
+
 def method_unavailable(method: Method, device: str) -> str | None:
     """Why ``method`` cannot run on ``device`` (None when it can)."""
     if method.needs_cuda and device != "cuda":
         return "Liger-Kernel is Triton (GPU) code; skipped on a CPU run"
-    if method.cpu_only and device != "cpu":
-        return "posenc_torch has CPU kernels only"
+    if method.role == "posenc" and device == "cuda" and not posenc_has_cuda():
+        return ("posenc_torch was built without its CUDA kernels (meson -Dcuda=enabled; "
+                "scripts/gpu_check.sh build)")
     if method.name == "liger":
         try:
             import liger_kernel  # noqa: F401
@@ -271,6 +275,7 @@ class Result:
     ratio_to_copy: float | None = None       # time / clone-floor time (paired)
     posenc_speedup: float | None = None
     ratio_to_copy_into: float | None = None  # time / copy_-floor time (paired)
+    kernel_ms: float | None = None  # GPU time of one call alone (CUDA-graph replay)
 
     @classmethod
     def for_case(cls, case: Case, method: str, status: str, **kw) -> Result:
@@ -710,8 +715,9 @@ class Reporter:
     def add(self, result: Result, label: str = "") -> None:
         self.results.append(result)
         self.done += 1
-        if self.to_driver:
-            print(PROGRESS_MARK + json.dumps({"done": 1, "label": label}), flush=True)
+        if self.to_driver:  # the result itself goes along: the driver saves it at once
+            print(PROGRESS_MARK + json.dumps({"done": 1, "label": label,
+                                              "result": dataclasses.asdict(result)}), flush=True)
         else:
             self.bar.advance(1, label)
 
@@ -866,7 +872,8 @@ def format_table(results: list[Result]) -> str:
                     f"{r.method:<15} {r.median_ms:>10.3f} {spread:>19} {_fmt(r.gbps, '.1f'):>7} "
                     f"{_fmt(r.ratio_to_copy, '.2f'):>7} {_fmt(r.ratio_to_copy_into, '.2f'):>7} "
                     f"{speed:>13} "
-                    f"{_fmt(r.first_call_s, '.2f'):>10}")
+                    f"{_fmt(r.first_call_s, '.2f'):>10}"
+                    + (f"  GPU {r.kernel_ms:.4f} ms a call alone" if r.kernel_ms else ""))
             else:
                 lines.append(f"{r.method:<15} {r.status.upper():>10}  {r.reason}")
     return "\n".join(lines)

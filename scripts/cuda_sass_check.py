@@ -62,7 +62,8 @@ def find_cuobjdump(given: str | None) -> str:
     if nvcc:
         candidates.append(str(Path(os.path.realpath(nvcc)).parent / "cuobjdump"))
     candidates.append(shutil.which("cuobjdump"))
-    candidates += [str(p) for p in (ROOT / ".venv" / "cuda-tools" / "nvidia").glob("*/bin/cuobjdump")]
+    wheels = ROOT / ".venv" / "cuda-tools" / "nvidia"
+    candidates += [str(p) for p in wheels.glob("*/bin/cuobjdump")]
     for c in candidates:
         if c and Path(c).is_file() and os.access(c, os.X_OK):
             return c
@@ -85,7 +86,8 @@ def demangle(names: list[str]) -> dict[str, str]:
 def read_kernels(obj: Path, cuobjdump: str) -> dict[str, Kernel]:
     kernels: dict[str, Kernel] = {}
     res = run(cuobjdump, "-res-usage", str(obj))
-    for m in re.finditer(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res):
+    usage = r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)"
+    for m in re.finditer(usage, res):
         kernels[m.group(1)] = Kernel(m.group(1), regs=int(m.group(2)), stack=int(m.group(3)),
                                      local=int(m.group(4)))
     ptx = run(cuobjdump, "-ptx", str(obj))

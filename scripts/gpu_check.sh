@@ -15,12 +15,13 @@
 #   math       csrc/cuda/tests/math_device.cu: rope_math.h on the GPU vs the host, bit for bit
 #   tests      tests/test_cuda.py
 #   sanitize   tests/test_cuda.py under compute-sanitizer (memcheck), when it is installed
-#   bench      benchmarks/bench_cuda.py (results written after every case)
+#   bench      benchmarks/run.py --device cuda --topics gpu (results written after every
+#              case, so a run cut short keeps what it measured)
 #   all        every phase in order (may take longer than 10 minutes)
 #
 # Each phase appends one line to OUTDIR/summary.txt (ok / FAILED / STOPPED, with its
-# duration) and writes OUTDIR/<phase>.log; tests: pytest-junit.xml; bench: cuda-<suite>.json,
-# cuda-<suite>.md, plots-cuda-<suite>.tar.gz.  OUTDIR: $OUT if set, else ./gpu-check-out.
+# duration) and writes OUTDIR/<phase>.log; tests: pytest-junit.xml; bench: <suite>.json,
+# <suite>.csv, plots-<suite>/ (in OUTDIR/bench).  OUTDIR: $OUT if set, else ./gpu-check-out.
 # Exit status: 0 passed, 1 failed, 2 needs a CUDA device and there is none.
 #   PYTHON=python3  SUITE=quick|full|smoke  GPU_ARCHS="90" (default: this GPU's)
 #   WHEELS=dir: extra wheels to put on the path first (default ./.whl when it has any)
@@ -154,9 +155,7 @@ sanitize() {
 }
 
 bench() {
-    (cd benchmarks && "$py" bench_cuda.py --suite "$suite" --out "$out") >"$out/cuda-$suite.md" &&
-        tar -czf "$out/plots-cuda-$suite.tar.gz" -C "$out" "plots-cuda-$suite" &&
-        rm -rf "$out/plots-cuda-$suite" && cat "$out/cuda-$suite.md"
+    "$py" benchmarks/run.py "--$suite" --device cuda --topics gpu --out "$out/bench"
 }
 
 # run_phase NAME: the phase with its log, duration and summary line; 0 ok, 1 failed, 2 no GPU

@@ -41,7 +41,8 @@ void expect(bool ok, const std::string &what);
 // The apply kernel (rope.cu) with `threads` threads per block: per phase, every thread
 // issues its loads, then every thread writes its share of the rows, then every thread
 // rotates and stores (the kernel's barriers between them).
-template <typename R, typename T, int V, typename Off> void emulate_apply(const RopeP &p, int threads) {
+template <typename R, typename T, int V, typename Off>
+void emulate_apply(const RopeP &p, int threads) {
     const ApplyGrid g = apply_grid<R, T, V>(p, threads);
     expect(g.lanes <= threads && g.tokens >= 1 && g.tokens * g.lanes <= threads &&
                (g.chunks > threads || g.lanes % g.chunks == 0),
