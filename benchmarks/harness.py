@@ -246,18 +246,10 @@ class Workload:
 
 @dataclass
 class Result:
-    """One row of the results file."""
+    """What one method measured on one case: a row of the results file (``to_dict``: the
+    case's fields, then these; the case's fields also read as attributes, ``r.seq``)."""
 
-    topic: str
-    op: str
-    model: str
-    batch: int
-    seq: int
-    dtype: str
-    mode: str
-    threads: int
-    device: str
-    extra: str
+    case: Case
     method: str
     status: str  # "ok", "skipped", "failed"
     reason: str = ""
@@ -279,13 +271,39 @@ class Result:
 
     @classmethod
     def for_case(cls, case: Case, method: str, status: str, **kw) -> Result:
-        fields = {f.name: getattr(case, f.name) for f in dataclasses.fields(Case)}
-        return cls(method=method, status=status, **fields, **kw)
+        return cls(case, method, status, **kw)
 
     @property
     def case_key(self) -> tuple:
-        return (self.topic, self.op, self.model, self.batch, self.seq, self.dtype, self.mode,
-                self.threads, self.device, self.extra)
+        return dataclasses.astuple(self.case)
+
+    @staticmethod
+    def row_fields() -> list[str]:
+        """The columns of a results row, in order."""
+        return ([f.name for f in dataclasses.fields(Case)] +
+                [f.name for f in dataclasses.fields(Result) if f.name != "case"])
+
+    def to_dict(self) -> dict:
+        """The flat row written to the results files."""
+        row = dataclasses.asdict(self.case)
+        row.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                   if f.name != "case")
+        return row
+
+    @classmethod
+    def from_dict(cls, row: dict) -> Result:
+        case = Case(**{f.name: row[f.name] for f in dataclasses.fields(Case) if f.name in row})
+        rest = {f.name: row[f.name] for f in dataclasses.fields(cls)
+                if f.name != "case" and f.name in row}
+        return cls(case, **rest)
+
+
+def _case_attribute(name: str) -> property:
+    return property(lambda self: getattr(self.case, name), doc=f"the case's {name}")
+
+
+for _name in (f.name for f in dataclasses.fields(Case)):
+    setattr(Result, _name, _case_attribute(_name))
 
 
 # ---------------------------------------------------------------------------------------
@@ -717,7 +735,7 @@ class Reporter:
         self.done += 1
         if self.to_driver:  # the result itself goes along: the driver saves it at once
             print(PROGRESS_MARK + json.dumps({"done": 1, "label": label,
-                                              "result": dataclasses.asdict(result)}), flush=True)
+                                              "result": result.to_dict()}), flush=True)
         else:
             self.bar.advance(1, label)
 
@@ -758,7 +776,7 @@ def worker_main(topic_module, argv: Sequence[str] | None = None) -> int:
     reporter = Reporter(sum(len(ms) for _, ms in plan), to_driver=args.results_json is not None)
     topic_module.run(opts, reporter)
     reporter.close()
-    payload = {"results": [dataclasses.asdict(r) for r in reporter.results],
+    payload = {"results": [r.to_dict() for r in reporter.results],
                "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     if args.results_json:
         with open(args.results_json, "w") as f:
@@ -880,8 +898,7 @@ def format_table(results: list[Result]) -> str:
 
 
 def results_from_dicts(rows: Iterable[dict]) -> list[Result]:
-    names = {f.name for f in dataclasses.fields(Result)}
-    return [Result(**{k: v for k, v in row.items() if k in names}) for row in rows]
+    return [Result.from_dict(row) for row in rows]
 
 
 def inplace_copies(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -239,7 +239,7 @@ def evaluate_targets(results: list[H.Result], threads: int,
     out = []
     for t in targets:
         rows = _ok(results, threads=threads, **t.select)
-        values = [(t.label.format(**dataclasses.asdict(r)),
+        values = [(t.label.format(**r.to_dict()),
                    r.median_ms * 1e3 if t.value == "us" else getattr(r, t.value)) for r in rows]
         out.append(_target(t.name, values, t.bound, t.kind))
     return out
@@ -293,12 +293,11 @@ def format_summary(results: list[H.Result]) -> str:
 
 
 def write_csv(path: Path, results: list[H.Result]) -> None:
-    names = [f.name for f in dataclasses.fields(H.Result)]
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=names)
+        w = csv.DictWriter(f, fieldnames=H.Result.row_fields())
         w.writeheader()
         for r in results:
-            w.writerow(dataclasses.asdict(r))
+            w.writerow(r.to_dict())
 
 
 def _overlay_version(overlay: Path | None) -> str | None:
@@ -388,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
             "models": {name: dataclasses.asdict(m) for name, m in H.MODELS.items()},
             "targets": targets or [],
-            "results": [dataclasses.asdict(r) for r in results],
+            "results": [r.to_dict() for r in results],
         }
         tmp = json_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(payload, indent=1))

@@ -192,7 +192,7 @@ def test_driver_writes_results_and_plots(tmp_path):
     assert "hostname" not in json.dumps(payload["machine"]).lower()
     assert {"torch", "transformers", "posenc_torch"} <= set(payload["versions"])
     rows = payload["results"]
-    fields = {f.name for f in dataclasses.fields(H.Result)}
+    fields = set(H.Result.row_fields())
     assert rows and all(set(r) == fields for r in rows)
     ok = {(r["op"], r["mode"], r["method"]) for r in rows if r["status"] == "ok"}
     for op in ("rope", "rope_vision"):
@@ -242,7 +242,7 @@ def test_driver_keeps_the_results_of_a_worker_that_dies(tmp_path, monkeypatch):
     worker.write_text(
         "import json, sys\n"
         f"print({H.PROGRESS_MARK!r} + json.dumps({{'done': 1, 'label': 'x', 'result': "
-        f"{dataclasses.asdict(done)!r}}}), flush=True)\n"
+        f"{done.to_dict()!r}}}), flush=True)\n"
         "sys.exit(3)\n")
     module = type(sys)("bench_dying")
     module.__file__ = str(worker)
@@ -293,16 +293,16 @@ def test_plots_of_a_sweep(tmp_path):
 
     def row(method, seq, threads, ms):
         case = H.Case("mrope", "mrope", "Qwen2-VL-7B", 1, seq, "bf16", "fwd", threads)
-        return dataclasses.asdict(H.Result.for_case(
+        return H.Result.for_case(
             case, method, "ok", median_ms=ms, p10_ms=0.9 * ms, p90_ms=1.1 * ms, min_ms=0.8 * ms,
-            ratio_to_copy=ms / seq * 1e3 if method != "copy" else 1.0))
+            ratio_to_copy=ms / seq * 1e3 if method != "copy" else 1.0).to_dict()
 
     rows = [row(m, t, n, t / 1e3 * f * (2 if n == 1 else 1))
             for m, f in (("posenc", 1.2), ("hf_eager", 8.0), ("copy", 1.0))
             for t in (1024, 4096, 16384) for n in (1, 2)]
-    rows.append(dataclasses.asdict(H.Result.for_case(
+    rows.append(H.Result.for_case(
         H.Case("positions", "mrope_position_ids", "Qwen2-VL-7B", 8, 8192, "int64", "fwd", 2),
-        "hf_eager", "ok", median_ms=5.0, p10_ms=4.0, p90_ms=6.0)))
+        "hf_eager", "ok", median_ms=5.0, p10_ms=4.0, p90_ms=6.0).to_dict())
     payload = {"suite": "test", "date": "2026-01-01T00:00:00+00:00",
                "machine": {"cpu": "test cpu", "usable_cores": 2, "posenc_isa": "avx2"},
                "versions": {"torch": torch.__version__, "posenc_torch": "0"}, "results": rows}
