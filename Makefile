@@ -49,7 +49,7 @@ build: wheel
 # aarch64 under emulation, the CUDA sources compiled (cuda-compile), Python tests on
 # transformers 5.x and the transformers-4.x tests against the 4.57.6 overlay, the
 # position-id tests against the 5.18.0 and newest 5.x overlays, then the same wheel's ABI
-# audit and op tests under another torch release.
+# audit and op tests under torch 2.14.1 and under the oldest supported, 2.11.0.
 test: build ctest sanitize fuzz ctest-aarch64 cuda-compile pytest pytest-hf4 pytest-hf5_18 \
 	pytest-hf5_latest abi-audit compat compat-min
 

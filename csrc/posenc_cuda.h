@@ -11,7 +11,8 @@
  * to the kernel by value.  nthreads is ignored.
  *
  * Limits beyond posenc.h.  rot_dim <= PE_CUDA_MAX_ROT (the per-slot axis map travels in
- * the kernel's parameters); a larger rotary width is PE_ERR_ARG.
+ * the kernel's parameters) and (q heads + k heads) * head_dim < 2^31 (a token's work is
+ * counted in int); past either the call is PE_ERR_ARG.
  *
  * Arithmetic.  Exactly the CPU's: fp32 inside (fp64 when any tensor of the call is fp64),
  * every product and sum rounded on its own (never fused), one rounding to nearest even at

@@ -846,8 +846,14 @@ inline Work work_of(int rc) {
     return rc < 0 ? Work::BadArg : rc == PE_CHECK_RUN ? Work::Run : Work::None;
 }
 
+// rot_dim within the axis map; a token's elements, (q heads + k heads) * head_dim, counted
+// in int (ApplyGrid).  Negative sizes pass here and fail the shared checks.
 inline bool width_ok(const pe_rope_args *a) {
-    return !a || a->rot_dim <= PE_CUDA_MAX_ROT;
+    if (!a) return true;
+    if (a->rot_dim > PE_CUDA_MAX_ROT) return false;
+    const int64_t hq = a->q.heads > 0 ? a->q.heads : 0, hk = a->k.heads > 0 ? a->k.heads : 0;
+    if (hq > INT32_MAX || hk > INT32_MAX || a->head_dim > INT32_MAX) return false;
+    return hq + hk == 0 || a->head_dim <= INT32_MAX / (hq + hk);
 }
 
 inline Work check_apply(const pe_rope_args *a) {

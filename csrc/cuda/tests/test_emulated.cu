@@ -425,6 +425,15 @@ void run_checks() {
     w.q = {big.data(), big_o.data(),       PE_FLOAT32,        PE_FLOAT32,
            1,          {4096, 4096, 4096}, {4096, 4096, 4096}};
     expect(emu_rope_apply(&w) == PE_ERR_ARG, "CHECK apply: rot_dim past PE_CUDA_MAX_ROT");
+    // a token of 2^31 elements or more: refused before anything is read (the pointers are
+    // never dereferenced)
+    pe_rope_args huge = base;
+    huge.head_dim = (int64_t{1} << 30) + 2;
+    huge.rot_dim = 2;
+    huge.q.heads = 2;
+    for (int i = 0; i < 3; ++i)
+        huge.q.in_stride[i] = huge.q.out_stride[i] = huge.head_dim * (i == 2 ? 1 : 2);
+    expect(emu_rope_apply(&huge) == PE_ERR_ARG, "CHECK apply: heads * head_dim past int32");
 }
 
 } // namespace
