@@ -18,7 +18,7 @@ COMPAT_STAMP := $(COMPAT)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 PYTEST := $(abspath $(VPY)) -m pytest -q -p no:cacheprovider
 
-.PHONY: all venv wheel build test pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest compat \
+.PHONY: all venv wheel build test pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest compat compat-min \
 	abi-audit ctest sanitize fuzz ctest-aarch64 cuda-compile gpu-check bench bench-full \
 	notebooks clean
 
@@ -49,9 +49,9 @@ build: wheel
 # aarch64 under emulation, the CUDA sources compiled (cuda-compile), Python tests on
 # transformers 5.x and the transformers-4.x tests against the 4.57.6 overlay, the
 # position-id tests against the 5.18.0 and newest 5.x overlays, then the same wheel's ABI
-# audit and op tests under another torch release.
+# audit and op tests under torch 2.14.1 and under the oldest supported, 2.11.0.
 test: build ctest sanitize fuzz ctest-aarch64 cuda-compile pytest pytest-hf4 pytest-hf5_18 \
-	pytest-hf5_latest abi-audit compat
+	pytest-hf5_latest abi-audit compat compat-min
 
 pytest: build
 	cd tests && $(PYTEST) .
@@ -86,6 +86,37 @@ compat: wheel $(COMPAT_STAMP)
 	$(CPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
 	cd tests && $(abspath $(CPY)) -c "import torch, posenc_torch; print('torch', torch.__version__)"
 	cd tests && $(abspath $(CPY)) -m pytest -q -p no:cacheprovider -m "not transformers4" \
+		test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py
+
+# The oldest torch the README promises, 2.11.0 (the package registry's wheel, its NVIDIA
+# libraries taken from .venv-compat's, which have the same sonames), as an overlay put first
+# on .venv-compat's path: the shim compiled against its headers (CPU, and with the CUDA
+# parts when nvcc's headers are there), then the compat op tests on the wheel built in .venv.
+TORCH_MIN     := 2.11.0
+TORCH_MIN_DIR := $(COMPAT)/torch$(subst .,_,$(TORCH_MIN))
+$(TORCH_MIN_DIR)/.installed: | $(COMPAT_STAMP)
+	$(CPY) -m pip install -q --no-deps --upgrade --target $(TORCH_MIN_DIR) torch==$(TORCH_MIN)
+	ln -sfn $$($(CPY) -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))")/nvidia \
+		$(TORCH_MIN_DIR)/nvidia
+	touch $@
+
+SHIM_FLAGS = -std=c++20 -fopenmp -Wall -Wextra -Werror -Wno-unused-parameter -Wno-attributes \
+	-DPy_LIMITED_API=0x030b0000 -DTORCH_TARGET_VERSION=0x020b000000000000 -Icsrc \
+	-isystem $(TORCH_MIN_DIR)/torch/include \
+	-I$$($(VPY) -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+compat-min: wheel $(COMPAT_STAMP) $(TORCH_MIN_DIR)/.installed
+	mkdir -p build/shim-torch$(TORCH_MIN)
+	$(CXX) $(SHIM_FLAGS) -c csrc/torch/ops.cpp -o build/shim-torch$(TORCH_MIN)/ops.o
+	@nvcc=$$(command -v nvcc || true); if [ -z "$$nvcc" ]; then \
+		echo "!!!! compat-min: nvcc not found, the shim's CUDA parts were NOT compiled !!!!"; \
+	else set -x; $(CXX) $(SHIM_FLAGS) -DPOSENC_WITH_CUDA -DUSE_CUDA \
+		-isystem "$$(dirname "$$($(VPY) scripts/cuda_libdir.py "$$nvcc")")/include" \
+		-c csrc/torch/ops.cpp -o build/shim-torch$(TORCH_MIN)/ops-cuda.o; fi
+	$(CPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
+	cd tests && PYTHONPATH=$(abspath $(TORCH_MIN_DIR)) $(abspath $(CPY)) -c \
+		"import torch, posenc_torch; assert torch.__version__.startswith('$(TORCH_MIN)'), torch.__version__; print('torch', torch.__version__)"
+	cd tests && PYTHONPATH=$(abspath $(TORCH_MIN_DIR)) $(abspath $(CPY)) -m pytest -q \
+		-p no:cacheprovider -m "not transformers4" \
 		test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py
 
 # The extension must use only the LibTorch stable ABI and the limited Python API (exit 1
@@ -152,14 +183,21 @@ ctest-aarch64: $(STAMP)
 	$(VENV)/bin/meson test -C builddir-aarch64 --print-errorlogs
 
 # The CUDA sources compiled with this machine's nvcc for sm_80 and sm_90 (nothing runs; a
-# loud skip without nvcc), so they cannot rot on machines without a GPU.
-cuda-compile: $(STAMP)
-	scripts/cuda_compile.sh
+# loud skip without nvcc), so they cannot rot on machines without a GPU; their machine code
+# checked (scripts/cuda_sass_check.py, with cuobjdump from the wheels in CUDA_TOOLS).
+CUDA_TOOLS := $(VENV)/cuda-tools
+$(CUDA_TOOLS)/.installed: requirements-cuda-tools.txt | $(STAMP)
+	$(VPY) -m pip install -q --no-deps --upgrade --target $(CUDA_TOOLS) -r requirements-cuda-tools.txt
+	touch $@
+
+cuda-compile: $(STAMP) $(CUDA_TOOLS)/.installed
+	PYTHON=$(abspath $(VPY)) scripts/cuda_compile.sh
 
 # On a machine with an NVIDIA GPU: build against its torch, run the GPU tests and the GPU
 # benchmark, everything into one folder (scripts/gpu_check.sh; README, section GPU).
+# PHASE=preflight|build|math|tests|sanitize|bench runs one phase (default: all).
 gpu-check:
-	scripts/gpu_check.sh
+	scripts/gpu_check.sh $(or $(PHASE),all)
 
 bench: build
 	$(VPY) benchmarks/run.py --quick

@@ -185,22 +185,18 @@ class Method:
     label: str
     role: str
     needs_cuda: bool = False
-    cpu_only: bool = False
 
 
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("posenc", "posenc_torch", "posenc", cpu_only=True),
-        Method("posenc_fused", "posenc_torch apply_rope (fused, positions in)", "posenc",
-               cpu_only=True),
-        Method("posenc_tables", "posenc_torch compute_mrope_cos_sin + apply", "posenc",
-               cpu_only=True),
+        Method("posenc", "posenc_torch", "posenc"),
+        Method("posenc_fused", "posenc_torch apply_rope (fused, positions in)", "posenc"),
+        Method("posenc_tables", "posenc_torch compute_mrope_cos_sin + apply", "posenc"),
         Method("hf_eager", "transformers eager", "peer"),
         Method("hf_compile", "torch.compile(transformers)", "peer"),
         Method("liger", "Liger-Kernel", "peer", needs_cuda=True),
-        Method("posenc_op", "torch.ops.posenc.rope alone (dispatcher call)", "posenc",
-               cpu_only=True),
+        Method("posenc_op", "torch.ops.posenc.rope alone (dispatcher call)", "posenc"),
         Method("copy", "clone q,k (allocating floor)", "floor"),
         Method("copy_into", "copy_ into preallocated q,k (bandwidth floor)", "floor"),
     )
@@ -208,12 +204,20 @@ METHODS: dict[str, Method] = {
 FLOORS = ("copy", "copy_into")
 
 
+def posenc_has_cuda() -> bool:
+    """Whether the installed posenc_torch has its CUDA kernels."""
+    import posenc_torch
+
+    return bool(posenc_torch._C.has_cuda())
+
+
 def method_unavailable(method: Method, device: str) -> str | None:
     """Why ``method`` cannot run on ``device`` (None when it can)."""
     if method.needs_cuda and device != "cuda":
         return "Liger-Kernel is Triton (GPU) code; skipped on a CPU run"
-    if method.cpu_only and device != "cpu":
-        return "posenc_torch has CPU kernels only"
+    if method.role == "posenc" and device == "cuda" and not posenc_has_cuda():
+        return ("posenc_torch was built without its CUDA kernels (meson -Dcuda=enabled; "
+                "scripts/gpu_check.sh build)")
     if method.name == "liger":
         try:
             import liger_kernel  # noqa: F401
@@ -242,18 +246,10 @@ class Workload:
 
 @dataclass
 class Result:
-    """One row of the results file."""
+    """What one method measured on one case: a row of the results file (``to_dict``: the
+    case's fields, then these; the case's fields also read as attributes, ``r.seq``)."""
 
-    topic: str
-    op: str
-    model: str
-    batch: int
-    seq: int
-    dtype: str
-    mode: str
-    threads: int
-    device: str
-    extra: str
+    case: Case
     method: str
     status: str  # "ok", "skipped", "failed"
     reason: str = ""
@@ -271,16 +267,43 @@ class Result:
     ratio_to_copy: float | None = None       # time / clone-floor time (paired)
     posenc_speedup: float | None = None
     ratio_to_copy_into: float | None = None  # time / copy_-floor time (paired)
+    kernel_ms: float | None = None  # GPU time of one call alone (CUDA-graph replay)
 
     @classmethod
     def for_case(cls, case: Case, method: str, status: str, **kw) -> Result:
-        fields = {f.name: getattr(case, f.name) for f in dataclasses.fields(Case)}
-        return cls(method=method, status=status, **fields, **kw)
+        return cls(case, method, status, **kw)
 
     @property
     def case_key(self) -> tuple:
-        return (self.topic, self.op, self.model, self.batch, self.seq, self.dtype, self.mode,
-                self.threads, self.device, self.extra)
+        return dataclasses.astuple(self.case)
+
+    @staticmethod
+    def row_fields() -> list[str]:
+        """The columns of a results row, in order."""
+        return ([f.name for f in dataclasses.fields(Case)] +
+                [f.name for f in dataclasses.fields(Result) if f.name != "case"])
+
+    def to_dict(self) -> dict:
+        """The flat row written to the results files."""
+        row = dataclasses.asdict(self.case)
+        row.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                   if f.name != "case")
+        return row
+
+    @classmethod
+    def from_dict(cls, row: dict) -> Result:
+        case = Case(**{f.name: row[f.name] for f in dataclasses.fields(Case) if f.name in row})
+        rest = {f.name: row[f.name] for f in dataclasses.fields(cls)
+                if f.name != "case" and f.name in row}
+        return cls(case, **rest)
+
+
+def _case_attribute(name: str) -> property:
+    return property(lambda self: getattr(self.case, name), doc=f"the case's {name}")
+
+
+for _name in (f.name for f in dataclasses.fields(Case)):
+    setattr(Result, _name, _case_attribute(_name))
 
 
 # ---------------------------------------------------------------------------------------
@@ -710,8 +733,9 @@ class Reporter:
     def add(self, result: Result, label: str = "") -> None:
         self.results.append(result)
         self.done += 1
-        if self.to_driver:
-            print(PROGRESS_MARK + json.dumps({"done": 1, "label": label}), flush=True)
+        if self.to_driver:  # the result itself goes along: the driver saves it at once
+            print(PROGRESS_MARK + json.dumps({"done": 1, "label": label,
+                                              "result": result.to_dict()}), flush=True)
         else:
             self.bar.advance(1, label)
 
@@ -752,7 +776,7 @@ def worker_main(topic_module, argv: Sequence[str] | None = None) -> int:
     reporter = Reporter(sum(len(ms) for _, ms in plan), to_driver=args.results_json is not None)
     topic_module.run(opts, reporter)
     reporter.close()
-    payload = {"results": [dataclasses.asdict(r) for r in reporter.results],
+    payload = {"results": [r.to_dict() for r in reporter.results],
                "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     if args.results_json:
         with open(args.results_json, "w") as f:
@@ -866,15 +890,15 @@ def format_table(results: list[Result]) -> str:
                     f"{r.method:<15} {r.median_ms:>10.3f} {spread:>19} {_fmt(r.gbps, '.1f'):>7} "
                     f"{_fmt(r.ratio_to_copy, '.2f'):>7} {_fmt(r.ratio_to_copy_into, '.2f'):>7} "
                     f"{speed:>13} "
-                    f"{_fmt(r.first_call_s, '.2f'):>10}")
+                    f"{_fmt(r.first_call_s, '.2f'):>10}"
+                    + (f"  GPU {r.kernel_ms:.4f} ms a call alone" if r.kernel_ms else ""))
             else:
                 lines.append(f"{r.method:<15} {r.status.upper():>10}  {r.reason}")
     return "\n".join(lines)
 
 
 def results_from_dicts(rows: Iterable[dict]) -> list[Result]:
-    names = {f.name for f in dataclasses.fields(Result)}
-    return [Result(**{k: v for k, v in row.items() if k in names}) for row in rows]
+    return [Result.from_dict(row) for row in rows]
 
 
 def inplace_copies(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import bench_gpu  # noqa: E402
 import bench_layer  # noqa: E402
 import bench_mrope  # noqa: E402
 import bench_overhead  # noqa: E402
@@ -49,6 +50,7 @@ TOPICS = {m.TOPIC: m for m in (
     bench_overhead,
     bench_layer,
     bench_packing,
+    bench_gpu,
 )}
 DEFAULT_THREADS = {"quick": "all", "full": "1,all", "smoke": "all"}
 
@@ -114,7 +116,10 @@ def _unit_failed(unit: Unit, status: str, reason: str) -> list[H.Result]:
 
 
 def run_unit(unit: Unit, suite: str, device: str, bar: H.ProgressBar,
-             overlay: Path | None, seqs: tuple[int, ...] | None = None) -> list[H.Result]:
+             overlay: Path | None, seqs: tuple[int, ...] | None = None,
+             on_result=lambda r: None) -> list[H.Result]:
+    """Run one worker; ``on_result`` gets each result as the worker reports it (so that a
+    run cut short keeps every finished case)."""
     if unit.transformers_major == 4 and overlay is None:
         bar.advance(unit.size, unit.label)
         return _unit_failed(unit, "skipped", "transformers 4.57.6 overlay not found "
@@ -130,10 +135,14 @@ def run_unit(unit: Unit, suite: str, device: str, bar: H.ProgressBar,
                                 stderr=subprocess.STDOUT, text=True, cwd=tmp)
         tail: list[str] = []
         reported = 0
+        got: list[H.Result] = []
         for line in proc.stdout:
             if line.startswith(H.PROGRESS_MARK):
                 info = json.loads(line[len(H.PROGRESS_MARK):])
                 reported += info["done"]
+                if "result" in info:
+                    got += H.results_from_dicts([info["result"]])
+                    on_result(got[-1])
                 bar.advance(info["done"], info.get("label", ""))
             elif line.strip():
                 tail = (tail + [line.rstrip()])[-12:]
@@ -142,7 +151,10 @@ def run_unit(unit: Unit, suite: str, device: str, bar: H.ProgressBar,
         if code != 0 or not out_json.exists():
             bar.advance(max(unit.size - reported, 0), unit.label)
             last = next((t for t in reversed(tail) if t.strip()), "no output")
-            return _unit_failed(unit, "failed", f"worker exited with code {code}: {last}")
+            done = {(r.case_key, r.method) for r in got}
+            return got + [r for r in _unit_failed(unit, "failed",
+                                                  f"worker exited with code {code}: {last}")
+                          if (r.case_key, r.method) not in done]
         payload = json.loads(out_json.read_text())
         return H.results_from_dicts(payload["results"])
 
@@ -167,64 +179,76 @@ def _target(name: str, rows: list[tuple[str, float | None]], bound: float, kind:
             "detail": [f"{label}: {v:.2f}" for label, v in values]}
 
 
-def evaluate_targets(results: list[H.Result], threads: int) -> list[dict]:
-    """The project's speed targets (for the 2-core CPU, all threads)."""
-    base = {"threads": threads, "device": "cpu", "batch": 1}
-    long_seq = lambda t: t >= 4096  # noqa: E731
-    apply_rows = _ok(results, op="mrope", model="Qwen2-VL-7B", seq=long_seq, **base)
-    fused_rows = _ok(results, op="mrope_fused", model="Qwen2-VL-7B", seq=long_seq, **base)
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One speed target: which rows it reads (``select``: Result fields and the value or
+    predicate each must match; the run's thread count is added), the value of each row
+    (a Result attribute, or "us": the median in microseconds), the bound and its kind
+    ("max": every value <= bound; "min": every value >= bound), and each row's label."""
 
-    def lab(r):
-        return f"T={r.seq} {r.dtype} {r.mode}"
+    name: str
+    select: dict
+    value: str
+    bound: float
+    kind: str
+    label: str = "T={seq} {dtype} {mode}"
 
+
+_LONG = lambda t: t >= 4096  # noqa: E731
+_FWD_OR_BWD = lambda m: m in ("fwd", "bwd")  # noqa: E731
+_QWEN = {"model": "Qwen2-VL-7B", "seq": _LONG, "device": "cpu", "batch": 1}
+
+# The project's speed targets (for the 2-core CPU, all threads).
+TARGETS = (
+    Target("1. Qwen2-VL-7B MRoPE apply, T>=4096: forward and backward each <= 1.3x the clone "
+           "floor (allocating, like the method)",
+           {**_QWEN, "op": "mrope", "method": "posenc", "mode": _FWD_OR_BWD},
+           "ratio_to_copy", 1.3, "max"),
+    Target("1b. (same bound, fused apply_rope; for information) forward and backward <= 1.3x "
+           "the clone floor",
+           {**_QWEN, "op": "mrope_fused", "method": "posenc_fused", "mode": _FWD_OR_BWD},
+           "ratio_to_copy", 1.3, "max"),
+    Target("1c. (for information) the rows of 1. against the copy_ floor (preallocated "
+           "outputs: the bandwidth limit without page faults) <= 1.3x",
+           {**_QWEN, "op": "mrope", "method": "posenc", "mode": _FWD_OR_BWD},
+           "ratio_to_copy_into", 1.3, "max"),
+    Target("2a. Qwen2-VL-7B MRoPE apply, T>=4096: forward+backward >= 5x faster than HF eager",
+           {**_QWEN, "op": "mrope", "method": "hf_eager", "mode": "fwdbwd"},
+           "posenc_speedup", 5.0, "min"),
+    Target("2b. ... and >= 1.5x faster than torch.compile of HF",
+           {**_QWEN, "op": "mrope", "method": "hf_compile", "mode": "fwdbwd"},
+           "posenc_speedup", 1.5, "min"),
+    Target("3. fused positions -> rotated q,k (Qwen2-VL-7B, T>=4096, forward) >= 3x faster "
+           "than compiled HF rotary module + apply",
+           {**_QWEN, "op": "mrope_fused", "method": "hf_compile", "mode": "fwd"},
+           "posenc_speedup", 3.0, "min"),
+    Target("4. compute_mrope_position_ids >= 30x faster than HF get_rope_index (B=8, L=8192)",
+           {"op": "mrope_position_ids", "batch": 8, "seq": 8192, "method": "hf_eager"},
+           "posenc_speedup", 30.0, "min", label="B={batch} L={seq}"),
+    Target("6. compute_packed_mrope_position_ids (64 examples, rows of <= 64k tokens) >= 30x "
+           "faster than the per-example loop over HF get_rope_index",
+           {"op": "packed_position_ids", "method": "hf_eager",
+            "extra": lambda e: e.startswith("examples=64,")},
+           "posenc_speedup", 30.0, "min", label="B={batch} L={seq} {transformers}"),
+    Target("5a. decode call (Qwen2-VL-7B heads, B=8, T=1, bf16, no grad): apply_rotary_pos_emb "
+           "<= 8 us a call (absolute time, no floor)",
+           {"op": "rope_call", "extra": "no grad", "method": "posenc"},
+           "us", 8.0, "max", label="thr={threads}"),
+    Target("5b. decode call (Qwen2-VL-7B heads, B=8, T=1, bf16, grad recording): "
+           "apply_rotary_pos_emb <= 12 us a call (absolute time, no floor)",
+           {"op": "rope_call", "extra": "grad recording", "method": "posenc"},
+           "us", 12.0, "max", label="thr={threads}"),
+)
+
+
+def evaluate_targets(results: list[H.Result], threads: int,
+                     targets: Sequence[Target] = TARGETS) -> list[dict]:
     out = []
-    out.append(_target(
-        "1. Qwen2-VL-7B MRoPE apply, T>=4096: forward and backward each <= 1.3x the clone "
-        "floor (allocating, like the method)",
-        [(lab(r), r.ratio_to_copy) for r in apply_rows
-         if r.method == "posenc" and r.mode in ("fwd", "bwd")], 1.3, "max"))
-    out.append(_target(
-        "1b. (same bound, fused apply_rope; for information) forward and backward <= 1.3x the "
-        "clone floor",
-        [(lab(r), r.ratio_to_copy) for r in fused_rows
-         if r.method == "posenc_fused" and r.mode in ("fwd", "bwd")], 1.3, "max"))
-    out.append(_target(
-        "1c. (for information) the rows of 1. against the copy_ floor (preallocated outputs: "
-        "the bandwidth limit without page faults) <= 1.3x",
-        [(lab(r), r.ratio_to_copy_into) for r in apply_rows
-         if r.method == "posenc" and r.mode in ("fwd", "bwd")], 1.3, "max"))
-    out.append(_target(
-        "2a. Qwen2-VL-7B MRoPE apply, T>=4096: forward+backward >= 5x faster than HF eager",
-        [(lab(r), r.posenc_speedup) for r in apply_rows
-         if r.method == "hf_eager" and r.mode == "fwdbwd"], 5.0, "min"))
-    out.append(_target(
-        "2b. ... and >= 1.5x faster than torch.compile of HF",
-        [(lab(r), r.posenc_speedup) for r in apply_rows
-         if r.method == "hf_compile" and r.mode == "fwdbwd"], 1.5, "min"))
-    out.append(_target(
-        "3. fused positions -> rotated q,k (Qwen2-VL-7B, T>=4096, forward) >= 3x faster than "
-        "compiled HF rotary module + apply",
-        [(lab(r), r.posenc_speedup) for r in fused_rows
-         if r.method == "hf_compile" and r.mode == "fwd"], 3.0, "min"))
-    out.append(_target(
-        "4. compute_mrope_position_ids >= 30x faster than HF get_rope_index (B=8, L=8192)",
-        [(f"B={r.batch} L={r.seq}", r.posenc_speedup)
-         for r in _ok(results, op="mrope_position_ids", batch=8, seq=8192, method="hf_eager",
-                      threads=threads)], 30.0, "min"))
-    out.append(_target(
-        "6. compute_packed_mrope_position_ids (64 examples, rows of <= 64k tokens) >= 30x "
-        "faster than the per-example loop over HF get_rope_index",
-        [(f"B={r.batch} L={r.seq} {r.transformers}", r.posenc_speedup)
-         for r in _ok(results, op="packed_position_ids", method="hf_eager", threads=threads,
-                      extra=lambda e: e.startswith("examples=64,"))],
-        30.0, "min"))
-    for variant, bound, tag in (("no grad", 8.0, "5a"), ("grad recording", 12.0, "5b")):
-        out.append(_target(
-            f"{tag}. decode call (Qwen2-VL-7B heads, B=8, T=1, bf16, {variant}): "
-            f"apply_rotary_pos_emb <= {bound:g} us a call (absolute time, no floor)",
-            [(f"thr={r.threads}", r.median_ms * 1e3)
-             for r in _ok(results, op="rope_call", extra=variant, method="posenc",
-                          threads=threads)], bound, "max"))
+    for t in targets:
+        rows = _ok(results, threads=threads, **t.select)
+        values = [(t.label.format(**r.to_dict()),
+                   r.median_ms * 1e3 if t.value == "us" else getattr(r, t.value)) for r in rows]
+        out.append(_target(t.name, values, t.bound, t.kind))
     return out
 
 
@@ -276,12 +300,11 @@ def format_summary(results: list[H.Result]) -> str:
 
 
 def write_csv(path: Path, results: list[H.Result]) -> None:
-    names = [f.name for f in dataclasses.fields(H.Result)]
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=names)
+        w = csv.DictWriter(f, fieldnames=H.Result.row_fields())
         w.writeheader()
         for r in results:
-            w.writerow(dataclasses.asdict(r))
+            w.writerow(r.to_dict())
 
 
 def _overlay_version(overlay: Path | None) -> str | None:
@@ -299,8 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a small subset, a few minutes on 2 cores (default)")
     g.add_argument("--full", dest="suite", action="store_const", const="full",
                    help="the whole sweep: T = 1k..32k, fp32 and bf16")
-    p.add_argument("--topics", default=",".join(TOPICS),
-                   help=f"comma-separated subset of {','.join(TOPICS)} (default: all)")
+    p.add_argument("--topics", default=None,
+                   help=f"comma-separated subset of {','.join(TOPICS)} (default: every topic "
+                        "for the device: gpu only with --device cuda)")
     p.add_argument("--threads", default=None,
                    help="comma-separated thread counts, 'all' = every usable core "
                         f"(default: {DEFAULT_THREADS['quick']} for --quick, "
@@ -309,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="directory for <suite>.json/.csv and the plots (default: %(default)s)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu (default), or cuda (posenc_torch's CUDA kernels when the build "
-                        "has them; bench_cuda.py is the GPU driver)")
+                        "has them, else its rows are skipped with that reason)")
     p.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")
     p.add_argument("--seq", default=None,
                    help="comma-separated sequence lengths replacing the suite's (decode steps "
@@ -319,7 +343,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(suite="quick")
     args = p.parse_args(argv)
 
-    topics = [t.strip() for t in args.topics.split(",") if t.strip()]
+    if args.topics is None:
+        topics = [t for t, m in TOPICS.items()
+                  if args.device in getattr(m, "DEVICES", ("cpu", "cuda"))]
+    else:
+        topics = [t.strip() for t in args.topics.split(",") if t.strip()]
     unknown = [t for t in topics if t not in TOPICS]
     if unknown:
         p.error(f"unknown topic(s) {unknown}; choose from {list(TOPICS)}")
@@ -344,35 +372,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     bar = H.ProgressBar(sum(u.size for u in units))
     bar.message(f"posenc_torch benchmarks ({args.suite}): topics {','.join(topics)}, threads "
                 f"{threads}, {sum(u.size for u in units)} measurements in {len(units)} workers")
+    versions = H.versions()
+    versions["transformers_4_overlay"] = _overlay_version(overlay)
+    json_path = out_dir / f"{run_name}.json"
+
+    def write(results: list[H.Result], targets: list[dict] | None) -> None:
+        """The results file; written after every case (``complete`` false until the end),
+        so a run cut short keeps what it measured."""
+        payload = {
+            "suite": args.suite,
+            "command": "benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": started,
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "complete": targets is not None,
+            "machine": machine,
+            "threads": threads,
+            "versions": versions,
+            "timing": {
+                "policy": dataclasses.asdict(H.FULL if args.suite == "full" else H.QUICK),
+                "method": H.__doc__,
+            },
+            "models": {name: dataclasses.asdict(m) for name, m in H.MODELS.items()},
+            "targets": targets or [],
+            "results": [r.to_dict() for r in results],
+        }
+        tmp = json_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(payload, indent=1))
+        tmp.replace(json_path)
+
     results: list[H.Result] = []
     for unit in units:
-        results.extend(run_unit(unit, args.suite, args.device, bar, overlay, seqs))
+        so_far = list(results)
+
+        def saved(r: H.Result, so_far=so_far) -> None:
+            so_far.append(r)
+            write(so_far, None)
+
+        results.extend(run_unit(unit, args.suite, args.device, bar, overlay, seqs, saved))
+        write(results, None)
     bar.close()
     H.derive_ratios(results)
 
     top = max(threads)
     targets = evaluate_targets(results, top)
     machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    versions = H.versions()
-    versions["transformers_4_overlay"] = _overlay_version(overlay)
-    payload = {
-        "suite": args.suite,
-        "command": "benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": started,
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "machine": machine,
-        "threads": threads,
-        "versions": versions,
-        "timing": {
-            "policy": dataclasses.asdict(H.FULL if args.suite == "full" else H.QUICK),
-            "method": H.__doc__,
-        },
-        "models": {name: dataclasses.asdict(m) for name, m in H.MODELS.items()},
-        "targets": targets,
-        "results": [dataclasses.asdict(r) for r in results],
-    }
-    json_path = out_dir / f"{run_name}.json"
-    json_path.write_text(json.dumps(payload, indent=1))
+    write(results, targets)
     write_csv(out_dir / f"{run_name}.csv", results)
 
     print(H.format_table(results))

@@ -11,7 +11,8 @@
  * to the kernel by value.  nthreads is ignored.
  *
  * Limits beyond posenc.h.  rot_dim <= PE_CUDA_MAX_ROT (the per-slot axis map travels in
- * the kernel's parameters); a larger rotary width is PE_ERR_ARG.
+ * the kernel's parameters) and (q heads + k heads) * head_dim < 2^31 (a token's work is
+ * counted in int); past either the call is PE_ERR_ARG.
  *
  * Arithmetic.  Exactly the CPU's: fp32 inside (fp64 when any tensor of the call is fp64),
  * every product and sum rounded on its own (never fused), one rounding to nearest even at
@@ -19,14 +20,18 @@
  * fl32(inv_freq * fl32(pos)) and its sine and cosine, is rope_math.h, the header the CPU
  * kernels use, so every op gives the CPU's bits.
  *
- * Parallel layout.  apply: one thread block per token (b, t), grid-stride over tokens; the
- * block writes the token's cos and signed-sine rows to shared memory once (one barrier),
- * then its threads rotate every head of q and k, 16 bytes per load and store when every
- * row is 16-byte aligned and all tensors share one dtype (else one element at a time).  No
- * atomics.  table_grad: one block per output row (b', t), one thread per channel summing
- * the heads (and the batch when Bc = 1) in the CPU's order, so the result is deterministic
- * and equal to the CPU's.  tables: one block per (b, t).  The per-thread code of all three
- * is in cuda/rope_kernels.cuh.
+ * Parallel layout.  apply: blocks of 256 threads, grid-stride over phases of several
+ * tokens.  A token's work is items, one channel chunk (16 bytes, or one element) of up to
+ * four heads; a thread issues all loads of its item (up to 128 bytes), the block
+ * writes the phase's cos and signed-sine rows to shared memory (one barrier), and the thread
+ * reads its chunk's values into registers once and rotates and stores every head of its
+ * item.  16-byte streaming loads and stores of whole vectors when every row is 16-byte
+ * aligned and all tensors share one dtype (else one element at a time); 32-bit offsets
+ * inside a token unless a head stride needs more.  No atomics.  table_grad: one block per
+ * output row (b', t), one thread per channel summing the heads (and the batch when Bc = 1)
+ * in the CPU's order, so the result is deterministic and equal to the CPU's; the dtypes of
+ * gradients and inputs are template parameters chosen once per launch.  tables: one block
+ * per (b, t).  The per-thread code of all three is in cuda/rope_kernels.cuh.
  *
  * Statuses: PE_OK, PE_ERR_ARG (as on the CPU, plus the limit above) and PE_ERR_CUDA when the
  * launch fails (pe_cuda_last_error() then names the CUDA error).  Errors that happen later

@@ -174,12 +174,23 @@ PE_HD void pe_sincos_fast(float x, float scaling, float *c, float *s) {
     pe_sincos_quadrant(r, (uint32_t)(int32_t)k & 3u, scaling, c, s);
 }
 
+/* 2/pi = 0.A2F9836E 4E441529 ... in hex: bit j (1-based) has weight 2^-j */
+#define PE_TWO_OVER_PI_BITS                                                                \
+    {0xA2F9836Eu, 0x4E441529u, 0xFC2757D1u, 0xF534DDC0u, 0xDB629599u,                      \
+     0x3C439041u, 0xFE5163ABu, 0xDEBBC561u, 0xB7246E3Au}
+#ifdef __CUDACC__
+/* On the device the table is read with run-time indices: in constant memory it costs no
+ * stack frame (a local array would live in local memory). */
+static __constant__ const uint32_t pe_two_over_pi_bits_dev[9] = PE_TWO_OVER_PI_BITS;
+#endif
+
 /* Any x; exact reduction for |x| > PE_SINCOS_FAST_LIMIT. */
 PE_HD void pe_sincos_large(float x, float scaling, float *c, float *s) {
-    /* 2/pi = 0.A2F9836E 4E441529 ... in hex: bit j (1-based) has weight 2^-j */
-    const uint32_t two_over_pi_bits[9] = {0xA2F9836Eu, 0x4E441529u, 0xFC2757D1u,
-                                          0xF534DDC0u, 0xDB629599u, 0x3C439041u,
-                                          0xFE5163ABu, 0xDEBBC561u, 0xB7246E3Au};
+#if defined(__CUDA_ARCH__)
+    const uint32_t *two_over_pi_bits = pe_two_over_pi_bits_dev;
+#else
+    const uint32_t two_over_pi_bits[9] = PE_TWO_OVER_PI_BITS;
+#endif
     const uint32_t a = pe_f32_bits(x) & 0x7fffffffu;
     if (a >= 0x7f800000u) { /* inf or NaN */
         const float nan = pe_bits_f32(0x7fc00000u);

@@ -1219,7 +1219,8 @@ def patch(model_types: str | Sequence[str] | None = None, *,
             known type: a few seconds, once per process).  A requested type whose installed
             code posenc does not run exactly is left to transformers with one
             ``UnsupportedModelWarning`` naming it and the reason.
-        fallback: hand inputs the posenc kernels do not take (non-CPU tensors, shapes other
+        fallback: hand inputs the posenc kernels do not take (tensors on a device they were
+            not built for: CUDA tensors unless ``posenc_torch._C.has_cuda()``; shapes other
             than transformers' layouts, an ``mrope_section`` that does not fit) to the
             original transformers function (True), or raise posenc's error (False).
             Calls in argument forms other than transformers' go to the original function

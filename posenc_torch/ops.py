@@ -1,8 +1,8 @@
 """Fake (meta) kernels and autograd formulas for the ops in ``torch.ops.posenc``, and the
 eager entry points ``rope`` / ``rope_fused`` / ``rope_tables`` that the public functions use.
 
-The schemas and CPU kernels are registered in C++ (csrc/torch/ops.cpp); importing
-``posenc_torch._C`` loads them.  This module must be imported after it.
+The schemas and kernels (CPU; CUDA when built in) are registered in C++
+(csrc/torch/ops.cpp); importing ``posenc_torch._C`` loads them.  This module must be imported after it.
 """
 
 from __future__ import annotations

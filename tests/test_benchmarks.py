@@ -127,11 +127,11 @@ def test_topics_depend_on_the_harness_never_the_reverse():
     assert not imported & local, imported & local
     import run
 
-    # Every bench_*.py that declares a TOPIC is a topic of run.py; bench_cuda.py is the GPU
-    # benchmark's own driver (scripts/gpu_check.sh runs it) and declares none.
+    # Every bench_*.py that declares a TOPIC is a topic of run.py (the GPU cases too:
+    # topic "gpu", selected for --device cuda).
     topics = {p.stem for p in BENCH.glob("bench_*.py")
               if re.search(r"^TOPIC\s*=", p.read_text(), re.M)}
-    assert "bench_cuda" not in topics
+    assert "bench_gpu" in topics
     assert {m.__name__ for m in run.TOPICS.values()} == topics
 
 
@@ -162,7 +162,13 @@ def test_exact_comparison_and_failures_are_reported(broken_method):
 def test_gpu_only_methods_are_skipped_with_a_reason_on_cpu():
     reason = H.method_unavailable(H.METHODS["liger"], "cpu")
     assert reason and "CPU" in reason
-    assert H.method_unavailable(H.METHODS["posenc"], "cuda") == "posenc_torch has CPU kernels only"
+    import posenc_torch
+
+    reason = H.method_unavailable(H.METHODS["posenc"], "cuda")
+    if posenc_torch._C.has_cuda():
+        assert reason is None
+    else:
+        assert reason and "built without its CUDA kernels" in reason
 
 
 def test_summary_statistics():
@@ -186,7 +192,7 @@ def test_driver_writes_results_and_plots(tmp_path):
     assert "hostname" not in json.dumps(payload["machine"]).lower()
     assert {"torch", "transformers", "posenc_torch"} <= set(payload["versions"])
     rows = payload["results"]
-    fields = {f.name for f in dataclasses.fields(H.Result)}
+    fields = set(H.Result.row_fields())
     assert rows and all(set(r) == fields for r in rows)
     ok = {(r["op"], r["mode"], r["method"]) for r in rows if r["status"] == "ok"}
     for op in ("rope", "rope_vision"):
@@ -204,6 +210,62 @@ def test_driver_writes_results_and_plots(tmp_path):
     assert "rope-Llama-3-8B-time.png" in plots and "rope-Llama-3-8B-ratio.png" in plots
     assert all((tmp_path / "plots-smoke" / p).stat().st_size > 10_000 for p in plots)
     assert "Targets" in proc.stdout and "posenc" in proc.stdout
+    assert payload["complete"] is True
+
+
+def test_targets_are_data_and_read_the_rows_they_name():
+    """run.TARGETS is a table: each target selects rows by field values and reads one value;
+    a row past the bound is a MISS, rows of other thread counts or methods are not read."""
+    import run
+
+    case = H.Case("mrope", "mrope", "Qwen2-VL-7B", 1, 4096, "bf16", "fwd", 2)
+    rows = [H.Result.for_case(case, "posenc", "ok", ratio_to_copy=1.2),
+            H.Result.for_case(case, "hf_eager", "ok", ratio_to_copy=9.0),
+            H.Result.for_case(dataclasses.replace(case, threads=1), "posenc", "ok",
+                              ratio_to_copy=7.0)]
+    by_id = {t["target"][:2]: t for t in run.evaluate_targets(rows, threads=2)}
+    assert by_id["1."]["status"] == "PASS" and by_id["1."]["detail"] == ["T=4096 bf16 fwd: 1.20"]
+    rows[0].ratio_to_copy = 1.31
+    assert run.evaluate_targets(rows, threads=2)[0]["status"] == "MISS"
+    assert by_id["2a"]["status"] == "NOT RUN"
+    assert all(isinstance(t, run.Target) for t in run.TARGETS)
+
+
+def test_driver_keeps_the_results_of_a_worker_that_dies(tmp_path, monkeypatch):
+    """Results reach the driver case by case: a worker that dies midway loses only the
+    cases it had not finished, which are reported as failed."""
+    import run
+
+    worker = tmp_path / "bench_dying.py"
+    case = H.Case("dying", "rope", "tiny", 1, 8, "fp32", "fwd", 1)
+    done = H.Result.for_case(case, "posenc", "ok", median_ms=1.0)
+    worker.write_text(
+        "import json, sys\n"
+        f"print({H.PROGRESS_MARK!r} + json.dumps({{'done': 1, 'label': 'x', 'result': "
+        f"{done.to_dict()!r}}}), flush=True)\n"
+        "sys.exit(3)\n")
+    module = type(sys)("bench_dying")
+    module.__file__ = str(worker)
+    module.TOPIC = "dying"
+    unit = run.Unit(module, "p", 5, 1, [(case, ("posenc", "hf_eager"))])
+    seen = []
+    bar = H.ProgressBar(2)
+    got = run.run_unit(unit, "smoke", "cpu", bar, None, None, seen.append)
+    bar.close()
+    assert [r.method for r in seen] == ["posenc"] and seen[0].median_ms == 1.0
+    status = {r.method: r.status for r in got}
+    assert status == {"posenc": "ok", "hf_eager": "failed"}
+
+
+def test_gpu_topic_is_selected_for_cuda_runs_only():
+    import bench_gpu
+    import run
+
+    assert bench_gpu.DEVICES == ("cuda",) and run.TOPICS["gpu"] is bench_gpu
+    opts = H.Options("cuda", "smoke", 1, "cuda", None)
+    cases = [c for c, _ in bench_gpu.plan(opts)]
+    assert {c.op for c in cases} == {"rope", "mrope", "rotary_step"}
+    assert any(c.extra == "decode" and c.batch == bench_gpu.DECODE_BATCH for c in cases)
 
 
 @pytest.mark.transformers4
@@ -231,16 +293,16 @@ def test_plots_of_a_sweep(tmp_path):
 
     def row(method, seq, threads, ms):
         case = H.Case("mrope", "mrope", "Qwen2-VL-7B", 1, seq, "bf16", "fwd", threads)
-        return dataclasses.asdict(H.Result.for_case(
+        return H.Result.for_case(
             case, method, "ok", median_ms=ms, p10_ms=0.9 * ms, p90_ms=1.1 * ms, min_ms=0.8 * ms,
-            ratio_to_copy=ms / seq * 1e3 if method != "copy" else 1.0))
+            ratio_to_copy=ms / seq * 1e3 if method != "copy" else 1.0).to_dict()
 
     rows = [row(m, t, n, t / 1e3 * f * (2 if n == 1 else 1))
             for m, f in (("posenc", 1.2), ("hf_eager", 8.0), ("copy", 1.0))
             for t in (1024, 4096, 16384) for n in (1, 2)]
-    rows.append(dataclasses.asdict(H.Result.for_case(
+    rows.append(H.Result.for_case(
         H.Case("positions", "mrope_position_ids", "Qwen2-VL-7B", 8, 8192, "int64", "fwd", 2),
-        "hf_eager", "ok", median_ms=5.0, p10_ms=4.0, p90_ms=6.0)))
+        "hf_eager", "ok", median_ms=5.0, p10_ms=4.0, p90_ms=6.0).to_dict())
     payload = {"suite": "test", "date": "2026-01-01T00:00:00+00:00",
                "machine": {"cpu": "test cpu", "usable_cores": 2, "posenc_isa": "avx2"},
                "versions": {"torch": torch.__version__, "posenc_torch": "0"}, "results": rows}

@@ -117,12 +117,21 @@ def assert_bitwise(got, want):
 # Parity with the CPU kernels: the same bits.
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def _table_cases():
+    """(q dtype, table dtype): tables as transformers' rotary module returns them (the
+    model's dtype) and in fp32 (bf16/fp16 q then give an fp32 result)."""
+    for dtype in DTYPES:
+        yield pytest.param(dtype, dtype, id=f"{dtype}-same-dtype-tables")
+        if dtype != torch.float64:
+            yield pytest.param(dtype, torch.float32, id=f"{dtype}-fp32-tables")
+
+
+@pytest.mark.parametrize("dtype,table_dtype", list(_table_cases()))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("s", SHAPES, ids=lambda s: s.name)
-def test_rope_forward_backward_bitwise_equal_to_cpu(s, layout, dtype):
+def test_rope_forward_backward_bitwise_equal_to_cpu(s, layout, dtype, table_dtype):
     q, k = make_qk(s, layout, dtype)
-    cos, sin = make_tables(s, torch.float32 if dtype != torch.float64 else dtype)
+    cos, sin = make_tables(s, table_dtype)
     q.requires_grad_(True)
     k.requires_grad_(True)
     cos.requires_grad_(True)
@@ -173,6 +182,69 @@ def test_fused_backward_bitwise_equal_to_cpu():
     got = torch.autograd.grad(out, (q, k), grads)
     qc, kc = (t.detach().cpu().requires_grad_(True) for t in (q, k))
     want = torch.autograd.grad(pt.apply_rope(qc, kc, *cpu(pos, inv)), (qc, kc), cpu(*grads))
+    assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_mrope_tables_bitwise_equal_to_cpu(dtype):
+    """transformers 4.x MRoPE form: (3, B, T, D) tables in the model's dtype, sections
+    [16, 24, 24], forward and every gradient (q, k, cos, sin); and the same tables with
+    adjacent pairs through the op (forward)."""
+    s = Shape("qwen2-vl-7b", 2, 28, 4, 45, 128)
+    q, k = make_qk(s, "hf-transposed", dtype)
+    cos, sin = torch.randn(2, 3, 2, 45, 128, device=CUDA).to(dtype).unbind(0)
+    args = [t.requires_grad_(True) for t in (q, k, cos, sin)]
+    out = pt.apply_multimodal_rotary_pos_emb(*args, [16, 24, 24])
+    grads = [torch.randn_like(o) for o in out]
+    got = torch.autograd.grad(out, args, grads)
+    cpu_args = [t.detach().cpu().requires_grad_(True) for t in (q, k, cos, sin)]
+    want_out = pt.apply_multimodal_rotary_pos_emb(*cpu_args, [16, 24, 24])
+    want = torch.autograd.grad(want_out, cpu_args, cpu(*grads))
+    assert_bitwise(out, cpu(*want_out))
+    assert_bitwise(got, want)
+
+    bthd = [q.detach().transpose(1, 2), k.detach().transpose(1, 2), cos.detach(), sin.detach()]
+    adjacent = torch.ops.posenc.rope(*bthd, [16, 24, 24], False, 1, False)
+    assert_bitwise(adjacent, torch.ops.posenc.rope(*cpu(*bthd), [16, 24, 24], False, 1, False))
+
+
+@pytest.mark.parametrize("dtype,table_dtype",
+                         [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                          (torch.float32, torch.float32)], ids=str)
+def test_adjacent_pairing_and_partial_rotary_with_tables_bitwise_equal_to_cpu(dtype,
+                                                                              table_dtype):
+    """GPT-J pairs (2i, 2i+1) from tables, full width and a quarter of the head (the rest
+    passes through), with gradients."""
+    for s in (Shape("cohere-like", 2, 8, 2, 19, 128),
+              Shape("glm-partial", 2, 8, 2, 19, 128, R=32)):
+        q, k = make_qk(s, "hf-transposed", dtype)
+        cos, sin = make_tables(s, table_dtype)
+        args = [t.requires_grad_(True) for t in (q, k, cos, sin)]
+        out = pt.apply_rotary_pos_emb(*args, pairing="adjacent")
+        grads = [torch.randn_like(o) for o in out]
+        got = torch.autograd.grad(out, args, grads)
+        cpu_args = [t.detach().cpu().requires_grad_(True) for t in (q, k, cos, sin)]
+        want_out = pt.apply_rotary_pos_emb(*cpu_args, pairing="adjacent")
+        want = torch.autograd.grad(want_out, cpu_args, cpu(*grads))
+        assert_bitwise(out, cpu(*want_out))
+        assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("form", ["tables", "fused-mrope"])
+def test_long_sequence_bitwise_equal_to_cpu(form):
+    """10240 tokens of Qwen2-VL-7B heads in bf16: many more tokens than blocks, so every
+    block loops over several phases of tokens."""
+    s = Shape("qwen2-vl-7b-10k", 1, 28, 4, 10240, 128)
+    q, k = make_qk(s, "hf-transposed", torch.bfloat16)
+    if form == "tables":
+        cos, sin = make_tables(s, torch.bfloat16)
+        got = pt.apply_rotary_pos_emb(q, k, cos, sin)
+        want = pt.apply_rotary_pos_emb(*cpu(q, k, cos, sin))
+    else:
+        inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float32, device=CUDA) / 128))
+        pos = torch.randint(0, 100000, (3, 1, 10240), device=CUDA)
+        got = pt.apply_rope(q, k, pos, inv, mrope_section=[16, 24, 24])
+        want = pt.apply_rope(*cpu(q, k, pos, inv), mrope_section=[16, 24, 24])
     assert_bitwise(got, want)
 
 
@@ -309,12 +381,12 @@ def test_cuda_graph_capture_and_replay():
     with torch.cuda.stream(side):  # warm up on a side stream, as torch.cuda.graphs advises
         for _ in range(2):
             pt.apply_rotary_pos_emb(q, k, cos, sin)
-            pt.apply_rope(q, k, pos, inv, mrope_section=[16, 8, 8])
+            pt.apply_rope(q, k, pos, inv, mrope_section=[16, 24, 24])
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = pt.apply_rotary_pos_emb(q, k, cos, sin)
-        fused = pt.apply_rope(q, k, pos, inv, mrope_section=[16, 8, 8])
+        fused = pt.apply_rope(q, k, pos, inv, mrope_section=[16, 24, 24])
     for _ in range(3):  # new data in the captured inputs, then replay
         q.copy_(torch.randn_like(q))
         k.copy_(torch.randn_like(k))
@@ -322,7 +394,7 @@ def test_cuda_graph_capture_and_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert_bitwise(out, cpu(*pt.apply_rotary_pos_emb(q, k, cos, sin)))
-        assert_bitwise(fused, cpu(*pt.apply_rope(q, k, pos, inv, mrope_section=[16, 8, 8])))
+        assert_bitwise(fused, cpu(*pt.apply_rope(q, k, pos, inv, mrope_section=[16, 24, 24])))
 
 
 def test_runs_on_the_current_stream():

@@ -40,7 +40,7 @@ cudaStream_t cuda_stream(const Tensor& on) {
 #endif
 
 // ---- Kernel calls, one per op.  `on` is a tensor of the op, whose device selects the
-// kernel; only CPU kernels exist so far.
+// kernel: the CUDA kernels for CUDA tensors when they are built in, else the CPU's.
 
 int run_rope_apply([[maybe_unused]] const Tensor& on, const pe_rope_args& a) {
 #ifdef POSENC_WITH_CUDA

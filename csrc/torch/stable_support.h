@@ -13,6 +13,13 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/shim_utils.h>
+
+// torch 2.13 added STABLE_TORCH_ERROR_CODE_CHECK, which for a 2.11 target is
+// TORCH_ERROR_CODE_CHECK; torch 2.11 and 2.12 have only the latter.
+#ifndef STABLE_TORCH_ERROR_CODE_CHECK
+#define STABLE_TORCH_ERROR_CODE_CHECK(call) TORCH_ERROR_CODE_CHECK(call)
+#endif
 
 #include <omp.h>
 

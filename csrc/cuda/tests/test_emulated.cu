@@ -27,24 +27,36 @@ using namespace pe_cuda;
 
 namespace {
 
-constexpr int64_t kGrid = 3;     // blocks of the emulated launch (grid-stride wraps)
-constexpr int64_t kThreads = 37; // threads per block: not a divisor of any row
+constexpr int64_t kGrid = 3; // blocks of the emulated launch (grid-stride wraps)
+// threads per block: the kernels' own count (several tokens per phase), and one that is not
+// a divisor of any row (a token's items loop, chunk counts that do not fill the block)
+constexpr int kApplyBlockSizes[] = {kApplyThreads, 37};
+constexpr int kThreads = 37; // table gradients and tables
 
-int failures = 0, checks = 0, vector_runs = 0;
+int failures = 0, checks = 0, vector_runs = 0, wide_runs = 0;
+void expect(bool ok, const std::string &what);
 
 // ---- emulated launches ------------------------------------------------------------------
 
-template <typename R, typename T, int V> void emulate_apply(const RopeP &p) {
-    std::vector<R> smem(2 * static_cast<size_t>(p.R));
-    R *c = smem.data(), *ss = c + p.R;
-    const int64_t ntok = p.B * p.T;
+// The apply kernel (rope.cu) with `threads` threads per block: per phase, every thread
+// issues its loads, then every thread writes its share of the rows, then every thread
+// rotates and stores (the kernel's barriers between them).
+template <typename R, typename T, int V, typename Off>
+void emulate_apply(const RopeP &p, int threads) {
+    const ApplyGrid g = apply_grid<R, T, V>(p, threads);
+    expect(g.lanes <= threads && g.tokens >= 1 && g.tokens * g.lanes <= threads &&
+               (g.chunks > threads || g.lanes % g.chunks == 0),
+           "apply layout: a token's lanes fit the block and keep their chunk");
+    std::vector<R> rows(apply_shared_bytes<R>(g) / sizeof(R));
+    std::vector<ApplyThread<R, T, V, Off>> th(static_cast<size_t>(threads));
     for (int64_t blk = 0; blk < kGrid; ++blk)
-        for (int64_t tok = blk; tok < ntok; tok += kGrid) {
-            const int64_t b = tok / p.T, t = tok % p.T;
-            for (int64_t i = 0; i < kThreads; ++i)
-                token_rows<R>(p, b, t, c, ss, {i, kThreads});
-            for (int64_t i = 0; i < kThreads; ++i)
-                rotate_token<R, T, V>(p, b, t, c, ss, {i, kThreads});
+        for (int64_t group = blk; group < g.groups; group += kGrid) {
+            for (int i = 0; i < threads; ++i)
+                th[i].load(p, g, group, {i, threads});
+            for (int i = 0; i < threads; ++i)
+                group_rows<R>(p, g, group, rows.data(), {i, threads});
+            for (int i = 0; i < threads; ++i)
+                th[i].finish(p, g, rows.data());
         }
 }
 
@@ -52,17 +64,26 @@ int status(Work w) {
     return w == Work::BadArg ? PE_ERR_ARG : PE_OK;
 }
 
-int emu_rope_apply(const pe_rope_args *a) {
+int emu_rope_apply(const pe_rope_args *a, int threads = kApplyThreads) {
     const Work w = check_apply(a);
     if (w != Work::Run) return status(w);
     pe_rope_args pass[2];
     for (int i = 0, n = apply_passes(a, pass); i < n; ++i) {
         const RopeP p = rope_params(&pass[i]);
-        with_apply_variant(&pass[i], [&](auto r, auto tx, auto v) {
+        with_apply_variant(&pass[i], [&](auto r, auto tx, auto v, auto off) {
             using R = typename decltype(r)::type;
             using T = typename decltype(tx)::type;
+            using Off = typename decltype(off)::type;
             vector_runs += decltype(v)::value > 1;
-            emulate_apply<R, T, decltype(v)::value>(p);
+            // the odd block size runs with 64-bit offsets inside a token, which real
+            // calls need only for head strides past 2^31 elements
+            if (threads == kApplyThreads) {
+                wide_runs += sizeof(Off) == 8;
+                emulate_apply<R, T, decltype(v)::value, Off>(p, threads);
+            } else {
+                ++wide_runs;
+                emulate_apply<R, T, decltype(v)::value, int64_t>(p, threads);
+            }
         });
     }
     return PE_OK;
@@ -76,12 +97,13 @@ int emu_rope_table_grad(const pe_rope_args *a, const void *gq, const int64_t gqs
     const int64_t nrow = a->src.table_batch * a->seq;
     for (int64_t blk = 0; blk < kGrid; ++blk)
         for (int64_t row = blk; row < nrow; row += kGrid)
-            for (int64_t i = 0; i < kThreads; ++i) {
-                if (table_grad_f64(a, gdt))
-                    table_grad_row<double>(gp, row, {i, kThreads});
-                else
-                    table_grad_row<float>(gp, row, {i, kThreads});
-            }
+            for (int i = 0; i < kThreads; ++i)
+                with_table_grad_variant(a, gdt, [&](auto r, auto g, auto x) {
+                    using R = typename decltype(r)::type;
+                    using G = typename decltype(g)::type;
+                    using X = typename decltype(x)::type;
+                    table_grad_row<R, G, X>(gp, row, {i, kThreads});
+                });
     return PE_OK;
 }
 
@@ -93,10 +115,10 @@ int emu_rope_tables(const pe_rope_args *a, pe_dtype odt, void *cos, void *sin) {
     const int64_t nrow = p.src.pos_batch * p.T;
     for (int64_t blk = 0; blk < kGrid; ++blk)
         for (int64_t row = blk; row < nrow; row += kGrid) {
-            for (int64_t i = 0; i < kThreads; ++i)
+            for (int i = 0; i < kThreads; ++i)
                 token_tables<float>(p, row / p.T, row % p.T, smem.data(), smem.data() + p.R,
                                     {i, kThreads});
-            for (int64_t i = 0; i < kThreads; ++i)
+            for (int i = 0; i < kThreads; ++i)
                 store_tables_row(p, row, smem.data(), smem.data() + p.R, odt,
                                  static_cast<char *>(cos), static_cast<char *>(sin), {i, kThreads});
         }
@@ -288,11 +310,19 @@ void run_apply(const Case &c) {
     bind(a.k, k, false);
     bind(e.q, q, true);
     bind(e.k, k, true);
-    const int rc_cpu = pe_rope_apply(&a), rc_emu = emu_rope_apply(&e);
+    const int rc_cpu = pe_rope_apply(&a);
     const std::string n = name(c);
-    expect(rc_cpu == PE_OK && rc_emu == PE_OK, n + ": status");
-    expect(q.out_cpu == q.out_emu, n + ": q bits");
-    expect(k.out_cpu == k.out_emu, n + ": k bits");
+    const std::vector<char> q_fill = q.out_emu, k_fill = k.out_emu;
+    for (int threads : kApplyBlockSizes) {
+        q.out_emu = q_fill, k.out_emu = k_fill;
+        bind(e.q, q, true);
+        bind(e.k, k, true);
+        const int rc_emu = emu_rope_apply(&e, threads);
+        const std::string nt = n + " threads=" + std::to_string(threads);
+        expect(rc_cpu == PE_OK && rc_emu == PE_OK, nt + ": status");
+        expect(q.out_cpu == q.out_emu, nt + ": q bits");
+        expect(k.out_cpu == k.out_emu, nt + ": k bits");
+    }
 
     if (c.src > TABLES_INTERLEAVED) return;
     // table gradients with the same tensors: x = q/k in, g = their outputs
@@ -395,6 +425,15 @@ void run_checks() {
     w.q = {big.data(), big_o.data(),       PE_FLOAT32,        PE_FLOAT32,
            1,          {4096, 4096, 4096}, {4096, 4096, 4096}};
     expect(emu_rope_apply(&w) == PE_ERR_ARG, "CHECK apply: rot_dim past PE_CUDA_MAX_ROT");
+    // a token of 2^31 elements or more: refused before anything is read (the pointers are
+    // never dereferenced)
+    pe_rope_args huge = base;
+    huge.head_dim = (int64_t{1} << 30) + 2;
+    huge.rot_dim = 2;
+    huge.q.heads = 2;
+    for (int i = 0; i < 3; ++i)
+        huge.q.in_stride[i] = huge.q.out_stride[i] = huge.head_dim * (i == 2 ? 1 : 2);
+    expect(emu_rope_apply(&huge) == PE_ERR_ARG, "CHECK apply: heads * head_dim past int32");
 }
 
 } // namespace
@@ -445,6 +484,18 @@ int main() {
                                 c.shift = (variant == 1 && h.q == 3) ? 1 : 0;
                                 run_apply(c);
                             }
+    // longer sequences of real shapes (Qwen2-VL-7B heads, 16-bit tables as the model's
+    // dtype): several phases per block, several tokens per phase
+    for (int src : {TABLES, TABLES_SECTIONS, POS_SECTIONS})
+        for (int pairing = 0; pairing < 2; ++pairing)
+            for (pe_dtype dt : {PE_BFLOAT16, PE_FLOAT16, PE_FLOAT32}) {
+                Case c{};
+                c.B = 1, c.T = 300, c.Hq = 28, c.Hk = 4, c.D = c.R = 128;
+                c.src = static_cast<Source>(src);
+                c.pairing = static_cast<pe_pairing>(pairing);
+                c.x_dt = c.out_dt = c.table_dt = c.k_dt = c.k_out_dt = dt;
+                run_apply(c);
+            }
     for (int src = POS_2D; src <= POS_INTERLEAVED; ++src)
         for (int pairing = 0; pairing < 2; ++pairing)
             for (pe_dtype dt : dts)
@@ -459,8 +510,10 @@ int main() {
                                std::to_string(sweep_bad) + " of " + std::to_string(PE_SWEEP_N) +
                                " differ)");
     expect(vector_runs > 0, "the 16-byte rows were exercised");
+    expect(wide_runs > 0, "the 64-bit offsets were exercised");
     std::printf(
-        "cuda kernels emulated on the host: %d checks, %d failed, %d runs on 16-byte rows\n",
-        checks, failures, vector_runs);
+        "cuda kernels emulated on the host: %d checks, %d failed, %d runs on 16-byte rows, "
+        "%d with 64-bit offsets\n",
+        checks, failures, vector_runs, wide_runs);
     return failures ? 1 : 0;
 }
