@@ -101,7 +101,8 @@ void check_status(int rc, const char* op) {
 #ifdef POSENC_WITH_CUDA
     PE_CHECK(rc != PE_ERR_CUDA, op, ": CUDA kernel launch failed: ", pe_cuda_last_error());
 #endif
-    PE_CHECK(rc == PE_OK, op, ": the kernel rejected its arguments (status ", rc, ")");
+    // an argument the C API refuses past the shim's own checks (e.g. the CUDA width limit)
+    PE_CHECK_VALUE(rc == PE_OK, op, ": the kernel rejected its arguments (status ", rc, ")");
 }
 
 // Where the sequence and head dims of a 4-D q/k are: (batch, seq, heads, head_dim), the ops'
