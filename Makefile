@@ -84,7 +84,8 @@ compat: wheel $(COMPAT_STAMP)
 	$(CPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
 	cd tests && $(abspath $(CPY)) -c "import torch, posenc_torch; print('torch', torch.__version__)"
 	cd tests && $(abspath $(CPY)) -m pytest -q -p no:cacheprovider -m "not transformers4" \
-		test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py
+		test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py \
+		test_runtime.py
 
 # The extension must use only the LibTorch stable ABI and the limited Python API (exit 1
 # otherwise); tests/test_shim.py (in `compat`) also holds its minimum torch to 2.11.
