@@ -73,7 +73,8 @@ typedef void (*pe_tile_fn)(const pe_rope_args *a, const pe_rope_plan *p, int64_t
  * signed sine rows of a tile, a sine row, the three MRoPE axis rows, an input and an output
  * row; then the R/2 slots' fp32 cos and sin. */
 static inline size_t pe_scratch_bytes(int64_t R, int64_t D, int64_t tile) {
-    return (size_t)(2 * tile * R + 4 * R + 2 * D) * sizeof(double) + (size_t)(R + 2) * sizeof(float);
+    return (size_t)(2 * tile * R + 4 * R + 2 * D) * sizeof(double) +
+           (size_t)(R + 2) * sizeof(float);
 }
 
 /* Fused path: scaling * cos and scaling * sin of each frequency slot of token (b, t). */

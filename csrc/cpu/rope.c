@@ -33,7 +33,7 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
 /* Empty tensors may have NULL data: pointers are checked only where data is touched. */
 static int tensor_ok(const pe_rope_tensor *x, int empty) {
     if (x->heads == 0) return 1;
-    return x->heads > 0 && pe_dtype_valid(x->in_dtype) && pe_dtype_valid(x->out_dtype) &&
+    return pe_dtype_valid(x->in_dtype) && pe_dtype_valid(x->out_dtype) &&
            (empty || (x->in && x->out));
 }
 
@@ -116,16 +116,14 @@ static int tensor_spans(const pe_rope_args *a, const pe_rope_tensor *x, int64_t 
            span_of(x->out, 3, n, x->out_stride, width, pe_dtype_size(x->out_dtype), out);
 }
 
-/* Spans of the angle source: cos, sin or pos, inv_freq; then axis_of_slot. */
+/* Spans of the angle source: cos, sin or pos, inv_freq; then axis_of_slot.  Tables and
+ * positions have A = 3 axes with an axis map, else 1 (posenc.h). */
 static int source_spans(const pe_rope_args *a, int tables, span in[3]) {
     const pe_rope_source *s = &a->src;
-    const int64_t nslot = a->rot_dim / 2;
-    int64_t axes = 1;
-    for (int64_t i = 0; s->axis_of_slot && i < nslot; ++i)
-        if (s->axis_of_slot[i] + 1 > axes) axes = s->axis_of_slot[i] + 1;
+    const int64_t nslot = a->rot_dim / 2, axes = s->axis_of_slot ? 3 : 1;
     int ok = dense_span(s->axis_of_slot, nslot, 1, &in[2]);
     if (tables) {
-        const int64_t n[3] = {s->axis_of_slot ? 3 : 1, s->table_batch, a->seq};
+        const int64_t n[3] = {axes, s->table_batch, a->seq};
         const size_t es = pe_dtype_size(s->table_dtype);
         return ok && span_of(s->cos, 3, n, s->table_stride, a->rot_dim, es, &in[0]) &&
                span_of(s->sin, 3, n, s->table_stride, a->rot_dim, es, &in[1]);
@@ -137,11 +135,7 @@ static int source_spans(const pe_rope_args *a, int tables, span in[3]) {
 
 /* ---- per-call plan ------------------------------------------------------------------- */
 
-static void plan_free(pe_rope_plan *p) {
-    free(p->chan_axis);
-    free(p->slot_pos_off);
-    free(p->run_start);
-}
+static void plan_free(pe_rope_plan *p) { free(p->slot_pos_off); }
 
 static int plan_make(const pe_rope_args *a, pe_rope_plan *p) {
     const int64_t R = a->rot_dim, nslot = R / 2;
@@ -149,13 +143,12 @@ static int plan_make(const pe_rope_args *a, pe_rope_plan *p) {
     memset(p, 0, sizeof *p);
     p->axes = axis ? 3 : 1;
     p->tile = 1;
-    p->chan_axis = (uint8_t *)calloc((size_t)R + 1, 1);
-    p->slot_pos_off = (int64_t *)calloc((size_t)nslot + 1, sizeof(int64_t));
-    p->run_start = (int64_t *)calloc((size_t)R + 1, sizeof(int64_t));
-    if (!p->chan_axis || !p->slot_pos_off || !p->run_start) {
-        plan_free(p);
-        return PE_ERR_NOMEM;
-    }
+    /* one block: slot_pos_off[nslot + 1], run_start[R + 1], chan_axis[R + 1] */
+    const size_t words = (size_t)(nslot + R + 2);
+    p->slot_pos_off = (int64_t *)calloc(1, words * sizeof(int64_t) + (size_t)R + 1);
+    if (!p->slot_pos_off) return PE_ERR_NOMEM;
+    p->run_start = p->slot_pos_off + nslot + 1;
+    p->chan_axis = (uint8_t *)(p->run_start + R + 1);
     p->nruns = 0;
     for (int64_t e = 0; e < R; ++e) {
         p->chan_axis[e] = axis ? axis[pe_slot(a->pairing, e, R)] : 0;

@@ -1,8 +1,8 @@
 /* The fp32 RoPE core compiled for AVX-512 F/BW/VL/DQ + F16C (meson.build sets the flags). */
 #include "rope_f32.h"
 
-void pe_rope_rotate_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0, int64_t n,
-                               void *scratch) {
+void pe_rope_rotate_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                               int64_t n, void *scratch) {
     rope_f32_rotate(a, p, i0, n, scratch);
 }
 

@@ -170,7 +170,8 @@ PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const floa
 PE_INLINE void rot_half_rows(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
                              const float *c, const float *ss, int64_t h, pe_dtype dt) {
     const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
-    for (int64_t hd = 0; hd < nh; ++hd) rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt);
+    for (int64_t hd = 0; hd < nh; ++hd)
+        rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt);
 }
 
 /* n values of a 16-bit or fp32 dtype as fp32, a vector at a time (short MRoPE runs too). */
@@ -435,7 +436,8 @@ PE_INLINE void rope_f32_grad_rows(const pe_rope_args *a, const pe_rope_plan *p, 
                                   int64_t n, void *scratch) {
     const int64_t B = a->batch, T = a->seq, R = a->rot_dim, Bc = a->src.table_batch;
     const size_t oes = pe_dtype_size(p->out_dtype);
-    float *acc_c = (float *)scratch, *acc_s = acc_c + R, *xb = acc_s + R, *gb = xb + R, *ob = gb + R;
+    float *acc_c = (float *)scratch, *acc_s = acc_c + R, *xb = acc_s + R, *gb = xb + R;
+    float *ob = gb + R;
     for (int64_t i = i0; i < i0 + n; ++i) {
         const int64_t bc = i / T, t = i % T;
         for (int64_t e = 0; e < R; ++e) acc_c[e] = acc_s[e] = 0;
