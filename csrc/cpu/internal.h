@@ -17,7 +17,8 @@
 #define PE_SERIAL_ELEMENTS ((int64_t)1 << 17)
 
 /* Tokens per tile when the heads are the outer dimension in memory: the tile's cos/sin
- * rows (fp32) stay in L1 while each head's rows of the tile are rotated. */
+ * rows (fp32) stay in L1 while each head's rows of the tile are rotated.  The table passes
+ * (gradients, tables from positions) take their rows this many at a time too. */
 #define PE_TOKEN_TILE 16
 
 static inline size_t pe_dtype_size(pe_dtype t) {

@@ -11,8 +11,6 @@
 #ifndef POSENC_ROPE_F32_H
 #define POSENC_ROPE_F32_H
 
-#include <stdlib.h>
-
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
