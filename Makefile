@@ -86,7 +86,8 @@ compat: wheel $(COMPAT_STAMP)
 	$(CPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
 	cd tests && $(abspath $(CPY)) -c "import torch, posenc_torch; print('torch', torch.__version__)"
 	cd tests && $(abspath $(CPY)) -m pytest -q -p no:cacheprovider -m "not transformers4" \
-		test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py
+		test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py \
+		test_runtime.py
 
 # The oldest torch the README promises, 2.11.0 (the package registry's wheel, its NVIDIA
 # libraries taken from .venv-compat's, which have the same sonames), as an overlay put first

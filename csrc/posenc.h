@@ -53,9 +53,18 @@
  * output's range meets another range, even if the elements themselves would interleave
  * without colliding.  A size or stride whose byte offsets overflow int64 is PE_ERR_ARG too.
  *
+ * Checks.  The RoPE entry points return PE_ERR_ARG, before writing anything, for: a NULL
+ * args; a negative B, T, D or head count; R odd, below 2 or above D; an unknown pairing or
+ * dtype; B T (Hq + Hk) D past int64; an axis_of_slot value above 2; Bc (tables) or Bp
+ * (positions) other than 1 and B; a NULL pointer where data is read or written (an empty
+ * problem reads none); and the overflow and overlap cases above.  They do not check what
+ * the memory holds (table values, positions, inv_freq) or that it is as large as the
+ * sizes and strides say.  pe_rope_apply with no token (B or T = 0) or no head is PE_OK.
+ *
  * Threads.  Work is split over tokens (b, t) with OpenMP; the cos/sin row of a token is
- * prepared once and used for every head of q and k.  nthreads <= 1 (or a small problem)
- * runs serially.  SIMD code is chosen at run time for the CPU (see pe_isa_*).
+ * prepared once and used for every head of q and k.  nthreads <= 1, or a problem below a
+ * small size (a decode step), runs on the calling thread without entering an OpenMP
+ * region.  SIMD code is chosen at run time for the CPU (see pe_isa_*).
  */
 #ifndef POSENC_H
 #define POSENC_H

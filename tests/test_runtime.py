@@ -1,8 +1,10 @@
 """The process after posenc kernels ran: one OpenMP runtime, and it is torch's own.
 
 posenc_torch's OpenMP code must share the runtime that torch's wheel ships (two runtimes in
-one process oversubscribe the cores and can crash).  Checked in a fresh interpreter, after a
-threaded kernel call, from the shared objects mapped into it (/proc/self/maps).
+one process oversubscribe the cores and can crash).  Checked in a fresh interpreter (nothing
+else loaded a runtime first), after kernel calls large enough to run their OpenMP loops on
+two threads (past PE_SERIAL_ELEMENTS), from the shared objects mapped into it
+(/proc/self/maps).  `make compat` runs this file under a second torch release too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ cos = torch.randn(2, 512, 128)
 pt.apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, cos)
 pt.apply_rope(q.transpose(1, 2), q.transpose(1, 2), torch.arange(512)[None],
               torch.rand(64))
+torch.ops.posenc.rope(q, q, cos, cos, [], False, 0, False)  # the op alone, (B, T, H, D)
 runtime = re.compile(r"lib(g|i|l)?omp[^/]*\.so")
 mapped = set()
 with open("/proc/self/maps") as f:

@@ -16,22 +16,10 @@
  * other threads by far longer than the whole call. */
 #define PE_SERIAL_ELEMENTS ((int64_t)1 << 17)
 
-/* Outputs of at least this many bytes (the size of a typical L3) are written with
- * streaming stores: they do not stay in cache anyway, and skipping the read-for-ownership
- * of each output line saves a third of the memory traffic.  Smaller outputs stay in cache
- * for the attention that reads them next. */
-#define PE_STREAM_BYTES ((int64_t)32 << 20)
-
 /* Tokens per tile when the heads are the outer dimension in memory: the tile's cos/sin
- * rows (fp32) stay in L1 while each head's rows of the tile are rotated. */
+ * rows (fp32) stay in L1 while each head's rows of the tile are rotated.  The table passes
+ * (gradients, tables from positions) take their rows this many at a time too. */
 #define PE_TOKEN_TILE 16
-
-/* Chunk of a dynamically scheduled loop of n items on nt threads: about 8 chunks per
- * thread, so a thread that starts late (a busy machine) hands its share to the others. */
-static inline int64_t pe_chunk(int64_t n, int nt) {
-    const int64_t c = n / (8 * (int64_t)(nt > 0 ? nt : 1));
-    return c < 1 ? 1 : c;
-}
 
 static inline size_t pe_dtype_size(pe_dtype t) {
     switch (t) {
@@ -50,23 +38,45 @@ static inline int64_t pe_slot(pe_pairing p, int64_t e, int64_t R) {
     return p == PE_PAIR_HALF ? (e < R / 2 ? e : e - R / 2) : e / 2;
 }
 
-/* Per-call layout facts shared by every token (built by rope.c). */
+/* Address of row (b, t, h) of a (B, T, H, .) view with element strides s, es bytes each. */
+static inline const char *pe_row(const void *base, const int64_t s[3], size_t es, int64_t b,
+                                 int64_t t, int64_t h) {
+    return (const char *)base + (b * s[0] + t * s[1] + h * s[2]) * (int64_t)es;
+}
+
+/* Per-call facts shared by every token (built by rope.c): the layout, and what the call
+ * reads and writes besides pe_rope_args. */
 typedef struct pe_rope_plan {
     int64_t axes;          /* A: 1 or 3 table axes */
     uint8_t *chan_axis;    /* R: axis of channel e */
     int64_t nruns;         /* channels as runs of one axis: [run_start[i], run_start[i+1]) */
     int64_t *run_start;    /* nruns + 1 entries */
     int64_t *slot_pos_off; /* R/2: position offset of slot i's axis */
-    int stream;            /* outputs large enough for streaming stores */
-} pe_rope_plan;
-
-/* The gradient side of pe_rope_table_grad. */
-typedef struct pe_rope_grads {
+    int64_t tile;          /* tokens per rotation tile: PE_TOKEN_TILE with the heads outer */
+    /* pe_rope_table_grad: the gradients of the forward output */
     const void *grad_q, *grad_k;
     int64_t grad_q_stride[3], grad_k_stride[3];
     pe_dtype grad_dtype;
-    void *dcos, *dsin;
-} pe_rope_grads;
+    /* pe_rope_table_grad (dcos, dsin) and pe_rope_tables (cos, sin): dense outputs */
+    void *cos_out, *sin_out;
+    pe_dtype out_dtype;
+} pe_rope_plan;
+
+/*
+ * A tile function does items i0 .. i0+n-1 of a pass (tokens of a rotation, table rows of
+ * the other two entry points) with `scratch`, the calling thread's buffer of
+ * pe_scratch_bytes; rope.c runs the tiles, on threads or not, for both precisions.
+ */
+typedef void (*pe_tile_fn)(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0, int64_t n,
+                           void *scratch);
+
+/* Scratch of any tile function, in elements of the compute type (at most a double): cos and
+ * signed sine rows of a tile, a sine row, the three MRoPE axis rows, an input and an output
+ * row; then the R/2 slots' fp32 cos and sin. */
+static inline size_t pe_scratch_bytes(int64_t R, int64_t D, int64_t tile) {
+    return (size_t)(2 * tile * R + 4 * R + 2 * D) * sizeof(double) +
+           (size_t)(R + 2) * sizeof(float);
+}
 
 /* Fused path: scaling * cos and scaling * sin of each frequency slot of token (b, t). */
 static inline void pe_rope_slot_sincos(const pe_rope_args *a, const pe_rope_plan *plan, int64_t b,
@@ -93,24 +103,28 @@ static inline void pe_rope_slot_sincos(const pe_rope_args *a, const pe_rope_plan
     }
 }
 
-/* The fp32 core (rope_f32.h) compiled per instruction set, in rope_<isa>.c; arguments are
+/* The fp32 core's tile functions (rope_f32.h) compiled per instruction set, in
+ * rope_<isa>.c: rotation, table-gradient rows, tables from positions.  Arguments are
  * validated by the public entry points in rope.c. */
-int pe_rope_apply_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p);
-int pe_rope_table_grad_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p,
-                                    const pe_rope_grads *g);
-int pe_rope_tables_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p, pe_dtype out_dtype,
-                                void *cos, void *sin);
+void pe_rope_rotate_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                 int64_t n, void *scratch);
+void pe_rope_grad_rows_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                    int64_t n, void *scratch);
+void pe_rope_table_rows_f32_baseline(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                     int64_t n, void *scratch);
 #ifdef PE_HAVE_X86_VARIANTS
-int pe_rope_apply_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p);
-int pe_rope_table_grad_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p,
-                                const pe_rope_grads *g);
-int pe_rope_tables_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p, pe_dtype out_dtype,
-                            void *cos, void *sin);
-int pe_rope_apply_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p);
-int pe_rope_table_grad_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p,
-                                  const pe_rope_grads *g);
-int pe_rope_tables_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p, pe_dtype out_dtype,
-                              void *cos, void *sin);
+void pe_rope_rotate_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                             int64_t n, void *scratch);
+void pe_rope_grad_rows_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                int64_t n, void *scratch);
+void pe_rope_table_rows_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                 int64_t n, void *scratch);
+void pe_rope_rotate_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                               int64_t n, void *scratch);
+void pe_rope_grad_rows_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                  int64_t n, void *scratch);
+void pe_rope_table_rows_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                   int64_t n, void *scratch);
 #endif
 
 #endif /* POSENC_INTERNAL_H */

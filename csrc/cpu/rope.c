@@ -1,7 +1,8 @@
 /*
  * Public RoPE entry points: argument checks (sizes, overflow, overlap), the per-call plan,
- * the choice of compute precision per tensor, and the small fp64 core.  The fp32 core is
- * rope_f32.h, compiled per instruction set into rope_<isa>.c.
+ * the choice of compute precision per tensor, the one loop that runs the tiles of a pass
+ * over threads (both precisions), and the small fp64 core.  The fp32 core is rope_f32.h,
+ * compiled per instruction set into rope_<isa>.c.
  */
 #include <stdlib.h>
 
@@ -32,7 +33,7 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
 /* Empty tensors may have NULL data: pointers are checked only where data is touched. */
 static int tensor_ok(const pe_rope_tensor *x, int empty) {
     if (x->heads == 0) return 1;
-    return x->heads > 0 && pe_dtype_valid(x->in_dtype) && pe_dtype_valid(x->out_dtype) &&
+    return pe_dtype_valid(x->in_dtype) && pe_dtype_valid(x->out_dtype) &&
            (empty || (x->in && x->out));
 }
 
@@ -115,16 +116,14 @@ static int tensor_spans(const pe_rope_args *a, const pe_rope_tensor *x, int64_t 
            span_of(x->out, 3, n, x->out_stride, width, pe_dtype_size(x->out_dtype), out);
 }
 
-/* Spans of the angle source: cos, sin or pos, inv_freq; then axis_of_slot. */
+/* Spans of the angle source: cos, sin or pos, inv_freq; then axis_of_slot.  Tables and
+ * positions have A = 3 axes with an axis map, else 1 (posenc.h). */
 static int source_spans(const pe_rope_args *a, int tables, span in[3]) {
     const pe_rope_source *s = &a->src;
-    const int64_t nslot = a->rot_dim / 2;
-    int64_t axes = 1;
-    for (int64_t i = 0; s->axis_of_slot && i < nslot; ++i)
-        if (s->axis_of_slot[i] + 1 > axes) axes = s->axis_of_slot[i] + 1;
+    const int64_t nslot = a->rot_dim / 2, axes = s->axis_of_slot ? 3 : 1;
     int ok = dense_span(s->axis_of_slot, nslot, 1, &in[2]);
     if (tables) {
-        const int64_t n[3] = {s->axis_of_slot ? 3 : 1, s->table_batch, a->seq};
+        const int64_t n[3] = {axes, s->table_batch, a->seq};
         const size_t es = pe_dtype_size(s->table_dtype);
         return ok && span_of(s->cos, 3, n, s->table_stride, a->rot_dim, es, &in[0]) &&
                span_of(s->sin, 3, n, s->table_stride, a->rot_dim, es, &in[1]);
@@ -136,24 +135,20 @@ static int source_spans(const pe_rope_args *a, int tables, span in[3]) {
 
 /* ---- per-call plan ------------------------------------------------------------------- */
 
-static void plan_free(pe_rope_plan *p) {
-    free(p->chan_axis);
-    free(p->slot_pos_off);
-    free(p->run_start);
-}
+static void plan_free(pe_rope_plan *p) { free(p->slot_pos_off); }
 
 static int plan_make(const pe_rope_args *a, pe_rope_plan *p) {
     const int64_t R = a->rot_dim, nslot = R / 2;
     const uint8_t *axis = a->src.axis_of_slot;
+    memset(p, 0, sizeof *p);
     p->axes = axis ? 3 : 1;
-    p->stream = 0;
-    p->chan_axis = (uint8_t *)calloc((size_t)R + 1, 1);
-    p->slot_pos_off = (int64_t *)calloc((size_t)nslot + 1, sizeof(int64_t));
-    p->run_start = (int64_t *)calloc((size_t)R + 1, sizeof(int64_t));
-    if (!p->chan_axis || !p->slot_pos_off || !p->run_start) {
-        plan_free(p);
-        return PE_ERR_NOMEM;
-    }
+    p->tile = 1;
+    /* one block: slot_pos_off[nslot + 1], run_start[R + 1], chan_axis[R + 1] */
+    const size_t words = (size_t)(nslot + R + 2);
+    p->slot_pos_off = (int64_t *)calloc(1, words * sizeof(int64_t) + (size_t)R + 1);
+    if (!p->slot_pos_off) return PE_ERR_NOMEM;
+    p->run_start = p->slot_pos_off + nslot + 1;
+    p->chan_axis = (uint8_t *)(p->run_start + R + 1);
     p->nruns = 0;
     for (int64_t e = 0; e < R; ++e) {
         p->chan_axis[e] = axis ? axis[pe_slot(a->pairing, e, R)] : 0;
@@ -165,8 +160,51 @@ static int plan_make(const pe_rope_args *a, pe_rope_plan *p) {
     return PE_OK;
 }
 
+/* ---- the driver: one loop over the tiles of a pass, for every entry point and both
+ * precisions ---------------------------------------------------------------------------- */
+
+/*
+ * Items 0 .. items-1 in tiles of `tile`, on the calling thread when one thread is asked for
+ * or the pass touches fewer than PE_SERIAL_ELEMENTS elements (`work`): then no OpenMP
+ * region is entered at all (a decode step is a plain call).  Otherwise nthreads threads
+ * take dynamic chunks of about an eighth of a thread's share, so that a thread that starts
+ * late (a busy machine) hands its work to the others.  Each thread has its own scratch.
+ */
+static inline __attribute__((always_inline)) int run_tiles(const pe_rope_args *a,
+                                                           const pe_rope_plan *p, pe_tile_fn fn,
+                                                           int64_t items, int64_t tile,
+                                                           int64_t work) {
+    const int64_t ntile = (items + tile - 1) / tile;
+    const size_t bytes = pe_scratch_bytes(a->rot_dim, a->head_dim, p->tile);
+    const int nt = a->nthreads > 1 && work >= PE_SERIAL_ELEMENTS ? a->nthreads : 1;
+    if (nt == 1) {
+        void *scratch = malloc(bytes);
+        if (!scratch) return PE_ERR_NOMEM;
+        for (int64_t i = 0; i < ntile; ++i)
+            fn(a, p, i * tile, items - i * tile < tile ? items - i * tile : tile, scratch);
+        free(scratch);
+        return PE_OK;
+    }
+    const int64_t chunk = ntile / (8 * (int64_t)nt) > 1 ? ntile / (8 * (int64_t)nt) : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        void *scratch = malloc(bytes);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, chunk)
+        for (int64_t i = 0; i < ntile; ++i)
+            if (scratch)
+                fn(a, p, i * tile, items - i * tile < tile ? items - i * tile : tile, scratch);
+        free(scratch);
+    }
+    return failed ? PE_ERR_NOMEM : PE_OK;
+}
+
 /* ---- fp64 core: tensors that are fp64 or rotate with fp64 tables.  Scalar and small;
- * stores round once from fp64 to the output dtype. */
+ * stores round once from fp64 to the output dtype.  Its tiles run in the driver above. */
 
 static double load_f64(const char *p, pe_dtype dt) {
     float f;
@@ -202,13 +240,13 @@ static int negative(pe_pairing p, int64_t e, int64_t R) {
     return p == PE_PAIR_HALF ? e < R / 2 : !(e & 1);
 }
 
-/* cos and signed sine of token (b, t) (forward or transpose, see posenc.h). */
+/* cos and signed sine of token (b, t) (forward or transpose, see posenc.h); s is scratch. */
 static void token_tables_f64(const pe_rope_args *a, const pe_rope_plan *plan, int64_t b, int64_t t,
-                             double *c, double *ss, double *s, float *scratch) {
+                             double *c, double *ss, double *s, float *slots) {
     const pe_rope_source *src = &a->src;
     const int64_t R = a->rot_dim;
     if (src->pos) {
-        float *cs = scratch, *sn = scratch + R / 2;
+        float *cs = slots, *sn = slots + R / 2;
         pe_rope_slot_sincos(a, plan, b, t, cs, sn);
         for (int64_t e = 0; e < R; ++e) {
             c[e] = cs[pe_slot(a->pairing, e, R)];
@@ -231,62 +269,52 @@ static void token_tables_f64(const pe_rope_args *a, const pe_rope_plan *plan, in
     }
 }
 
+/* Rotate heads h0 .. h1-1 of one tensor for token (b, t). */
 static void rotate_heads_f64(const pe_rope_args *a, const pe_rope_tensor *x, int64_t b, int64_t t,
-                             const double *c, const double *ss, double *row) {
+                             int64_t h0, int64_t h1, const double *c, const double *ss,
+                             double *row) {
     const int64_t R = a->rot_dim, D = a->head_dim;
-    const int64_t ies = (int64_t)pe_dtype_size(x->in_dtype), oes = (int64_t)pe_dtype_size(x->out_dtype);
-    for (int64_t h = 0; h < x->heads; ++h) {
-        const char *in = (const char *)x->in +
-                         (b * x->in_stride[0] + t * x->in_stride[1] + h * x->in_stride[2]) * ies;
-        char *out = (char *)x->out +
-                    (b * x->out_stride[0] + t * x->out_stride[1] + h * x->out_stride[2]) * oes;
-        for (int64_t e = 0; e < D; ++e) row[e] = load_f64(in + e * ies, x->in_dtype);
+    const size_t ies = pe_dtype_size(x->in_dtype), oes = pe_dtype_size(x->out_dtype);
+    for (int64_t h = h0; h < h1; ++h) {
+        const char *in = pe_row(x->in, x->in_stride, ies, b, t, h);
+        char *out = (char *)pe_row(x->out, x->out_stride, oes, b, t, h);
+        for (int64_t e = 0; e < D; ++e) row[e] = load_f64(in + e * (int64_t)ies, x->in_dtype);
         for (int64_t e = 0; e < R; ++e)
-            store_f64(out + e * oes, x->out_dtype,
+            store_f64(out + e * (int64_t)oes, x->out_dtype,
                       pe_rot_f64(row[e], c[e], row[partner(a->pairing, e, R)], ss[e]));
-        for (int64_t e = R; e < D; ++e) store_f64(out + e * oes, x->out_dtype, row[e]);
+        for (int64_t e = R; e < D; ++e) store_f64(out + e * (int64_t)oes, x->out_dtype, row[e]);
     }
 }
 
-static int rope_f64_apply(const pe_rope_args *a, const pe_rope_plan *plan) {
-    const int64_t T = a->seq, R = a->rot_dim, D = a->head_dim, ntok = a->batch * T;
-    const int64_t work = ntok * (a->q.heads + a->k.heads) * D;
-    const int nt = (a->nthreads > 1 && work >= PE_SERIAL_ELEMENTS) ? a->nthreads : 1;
-    int failed = 0;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        double *buf = (double *)malloc((size_t)(3 * R + D) * sizeof(double));
-        float *scratch = (float *)malloc((size_t)(R + 1) * sizeof(float));
-        if (!buf || !scratch) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, pe_chunk(ntok, nt))
-        for (int64_t i = 0; i < ntok; ++i) {
-            if (!buf || !scratch) continue;
-            double *c = buf, *ss = buf + R, *s = buf + 2 * R, *row = buf + 3 * R;
-            token_tables_f64(a, plan, i / T, i % T, c, ss, s, scratch);
-            rotate_heads_f64(a, &a->q, i / T, i % T, c, ss, row);
-            rotate_heads_f64(a, &a->k, i / T, i % T, c, ss, row);
-        }
-        free(buf);
-        free(scratch);
+/* A tile of tokens, laid out and visited as the fp32 core's (rope_f32_rotate). */
+static void rope_f64_rotate(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0, int64_t n,
+                            void *scratch) {
+    const int64_t T = a->seq, R = a->rot_dim, D = a->head_dim;
+    double *c = (double *)scratch, *ss = c + p->tile * R, *s = ss + p->tile * R, *row = s + R;
+    float *slots = (float *)(c + 2 * p->tile * R + 4 * R + 2 * D);
+    for (int64_t j = 0; j < n; ++j)
+        token_tables_f64(a, p, (i0 + j) / T, (i0 + j) % T, c + j * R, ss + j * R, s, slots);
+    const pe_rope_tensor *xs[2] = {&a->q, &a->k};
+    for (int w = 0; w < 2; ++w) {
+        const int64_t H = xs[w]->heads, step = p->tile > 1 ? 1 : H;
+        for (int64_t h = 0; h < H; h += step)
+            for (int64_t j = 0; j < n; ++j)
+                rotate_heads_f64(a, xs[w], (i0 + j) / T, (i0 + j) % T, h, h + step, c + j * R,
+                                 ss + j * R, row);
     }
-    return failed ? PE_ERR_NOMEM : PE_OK;
 }
 
 static void accumulate_heads_f64(const pe_rope_args *a, const pe_rope_tensor *x, const void *g,
                                  const int64_t gs[3], pe_dtype gdt, int64_t b, int64_t t,
                                  double *acc_c, double *acc_s, double *xr, double *gr) {
     const int64_t R = a->rot_dim;
-    const int64_t xes = (int64_t)pe_dtype_size(x->in_dtype), ges = (int64_t)pe_dtype_size(gdt);
+    const size_t xes = pe_dtype_size(x->in_dtype), ges = pe_dtype_size(gdt);
     for (int64_t h = 0; h < x->heads; ++h) {
-        const char *xp = (const char *)x->in +
-                         (b * x->in_stride[0] + t * x->in_stride[1] + h * x->in_stride[2]) * xes;
-        const char *gp = (const char *)g + (b * gs[0] + t * gs[1] + h * gs[2]) * ges;
+        const char *xp = pe_row(x->in, x->in_stride, xes, b, t, h);
+        const char *gp = pe_row(g, gs, ges, b, t, h);
         for (int64_t e = 0; e < R; ++e) {
-            xr[e] = load_f64(xp + e * xes, x->in_dtype);
-            gr[e] = load_f64(gp + e * ges, gdt);
+            xr[e] = load_f64(xp + e * (int64_t)xes, x->in_dtype);
+            gr[e] = load_f64(gp + e * (int64_t)ges, gdt);
         }
         for (int64_t e = 0; e < R; ++e) {
             const double gx = gr[e] * xr[partner(a->pairing, e, R)];
@@ -296,68 +324,50 @@ static void accumulate_heads_f64(const pe_rope_args *a, const pe_rope_tensor *x,
     }
 }
 
-static int rope_f64_table_grad(const pe_rope_args *a, const pe_rope_plan *plan,
-                               const pe_rope_grads *g) {
-    const pe_rope_source *src = &a->src;
-    const int64_t B = a->batch, T = a->seq, R = a->rot_dim, Bc = src->table_batch;
-    const int64_t A = plan->axes, nrow = Bc * T;
-    const int64_t oes = (int64_t)pe_dtype_size(src->table_dtype);
-    const int64_t work = B * T * (a->q.heads + a->k.heads) * a->head_dim;
-    const int nt = (a->nthreads > 1 && work >= PE_SERIAL_ELEMENTS) ? a->nthreads : 1;
-    int failed = 0;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        double *buf = (double *)malloc((size_t)(4 * R) * sizeof(double));
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
+/* Table-gradient rows, as the fp32 core's (rope_f32_grad_rows). */
+static void rope_f64_grad_rows(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                               int64_t n, void *scratch) {
+    const int64_t B = a->batch, T = a->seq, R = a->rot_dim, Bc = a->src.table_batch;
+    const int64_t oes = (int64_t)pe_dtype_size(p->out_dtype);
+    double *acc_c = (double *)scratch, *acc_s = acc_c + R, *xr = acc_s + R, *gr = xr + R;
+    for (int64_t i = i0; i < i0 + n; ++i) {
+        const int64_t bc = i / T, t = i % T;
+        for (int64_t e = 0; e < R; ++e) acc_c[e] = acc_s[e] = 0;
+        const int64_t b0 = Bc == 1 ? 0 : bc, b1 = Bc == 1 ? B : bc + 1;
+        for (int64_t b = b0; b < b1; ++b) {
+            accumulate_heads_f64(a, &a->q, p->grad_q, p->grad_q_stride, p->grad_dtype, b, t,
+                                 acc_c, acc_s, xr, gr);
+            accumulate_heads_f64(a, &a->k, p->grad_k, p->grad_k_stride, p->grad_dtype, b, t,
+                                 acc_c, acc_s, xr, gr);
         }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < nrow; ++i) {
-            if (!buf) continue;
-            const int64_t bc = i / T, t = i % T;
-            double *acc_c = buf, *acc_s = buf + R, *xr = buf + 2 * R, *gr = buf + 3 * R;
-            for (int64_t e = 0; e < R; ++e) acc_c[e] = acc_s[e] = 0;
-            const int64_t b0 = Bc == 1 ? 0 : bc, b1 = Bc == 1 ? B : bc + 1;
-            for (int64_t b = b0; b < b1; ++b) {
-                accumulate_heads_f64(a, &a->q, g->grad_q, g->grad_q_stride, g->grad_dtype, b, t,
-                                     acc_c, acc_s, xr, gr);
-                accumulate_heads_f64(a, &a->k, g->grad_k, g->grad_k_stride, g->grad_dtype, b, t,
-                                     acc_c, acc_s, xr, gr);
-            }
-            for (int64_t ax = 0; ax < A; ++ax) {
-                char *dc = (char *)g->dcos + ((ax * Bc + bc) * T + t) * R * oes;
-                char *ds = (char *)g->dsin + ((ax * Bc + bc) * T + t) * R * oes;
-                for (int64_t e = 0; e < R; ++e) {
-                    const int on = A == 1 || plan->chan_axis[e] == ax;
-                    store_f64(dc + e * oes, src->table_dtype, on ? acc_c[e] : 0.0);
-                    store_f64(ds + e * oes, src->table_dtype, on ? acc_s[e] : 0.0);
-                }
+        for (int64_t ax = 0; ax < p->axes; ++ax) {
+            char *dc = (char *)p->cos_out + ((ax * Bc + bc) * T + t) * R * oes;
+            char *ds = (char *)p->sin_out + ((ax * Bc + bc) * T + t) * R * oes;
+            for (int64_t e = 0; e < R; ++e) {
+                const int on = p->axes == 1 || p->chan_axis[e] == ax;
+                store_f64(dc + e * oes, p->out_dtype, on ? acc_c[e] : 0.0);
+                store_f64(ds + e * oes, p->out_dtype, on ? acc_s[e] : 0.0);
             }
         }
-        free(buf);
     }
-    return failed ? PE_ERR_NOMEM : PE_OK;
 }
 
 /* ---- dispatch ------------------------------------------------------------------------ */
 
 typedef struct f32_kernels {
-    int (*apply)(const pe_rope_args *, const pe_rope_plan *);
-    int (*table_grad)(const pe_rope_args *, const pe_rope_plan *, const pe_rope_grads *);
-    int (*tables)(const pe_rope_args *, const pe_rope_plan *, pe_dtype, void *, void *);
+    pe_tile_fn rotate, grad_rows, table_rows;
 } f32_kernels;
 
 /* Indexed by pe_isa; only variants that were built are listed (pe_isa_best never returns
  * the others). */
 static const f32_kernels f32_variants[] = {
-    [PE_ISA_BASELINE] = {pe_rope_apply_f32_baseline, pe_rope_table_grad_f32_baseline,
-                         pe_rope_tables_f32_baseline},
+    [PE_ISA_BASELINE] = {pe_rope_rotate_f32_baseline, pe_rope_grad_rows_f32_baseline,
+                         pe_rope_table_rows_f32_baseline},
 #ifdef PE_HAVE_X86_VARIANTS
-    [PE_ISA_AVX2] = {pe_rope_apply_f32_avx2, pe_rope_table_grad_f32_avx2,
-                     pe_rope_tables_f32_avx2},
-    [PE_ISA_AVX512] = {pe_rope_apply_f32_avx512, pe_rope_table_grad_f32_avx512,
-                       pe_rope_tables_f32_avx512},
+    [PE_ISA_AVX2] = {pe_rope_rotate_f32_avx2, pe_rope_grad_rows_f32_avx2,
+                     pe_rope_table_rows_f32_avx2},
+    [PE_ISA_AVX512] = {pe_rope_rotate_f32_avx512, pe_rope_grad_rows_f32_avx512,
+                       pe_rope_table_rows_f32_avx512},
 #endif
 };
 
@@ -366,21 +376,11 @@ static const f32_kernels *f32_current(void) { return &f32_variants[pe_isa_curren
 /* A tensor runs in fp64 when it or the tables are fp64; its result never depends on the
  * other tensor's dtype. */
 static int runs_f64(const pe_rope_args *a, const pe_rope_tensor *x) {
-    return x->in_dtype == PE_FLOAT64 || x->out_dtype == PE_FLOAT64 ||
-           (!a->src.pos && a->src.table_dtype == PE_FLOAT64);
+    return x->heads && (x->in_dtype == PE_FLOAT64 || x->out_dtype == PE_FLOAT64 ||
+                        (!a->src.pos && a->src.table_dtype == PE_FLOAT64));
 }
 
-/* Rotates the tensors of a (the others have heads = 0) in one precision. */
-static int apply_pass(const pe_rope_args *a, pe_rope_plan *plan, int f64) {
-    if (!a->q.heads && !a->k.heads) return PE_OK;
-    if (f64) return rope_f64_apply(a, plan);
-    const int64_t rows = a->batch * a->seq;
-    plan->stream = rows * a->head_dim *
-                       (a->q.heads * (int64_t)pe_dtype_size(a->q.out_dtype) +
-                        a->k.heads * (int64_t)pe_dtype_size(a->k.out_dtype)) >=
-                   PE_STREAM_BYTES;
-    return f32_current()->apply(a, plan);
-}
+/* ---- entry points -------------------------------------------------------------------- */
 
 int pe_rope_check_apply(const pe_rope_args *a) {
     if (!sizes_ok(a)) return PE_ERR_ARG;
@@ -401,20 +401,22 @@ int pe_rope_check_apply(const pe_rope_args *a) {
 
 int pe_rope_apply(const pe_rope_args *a) {
     int rc = pe_rope_check_apply(a);
-    if (rc != PE_CHECK_RUN) return rc < 0 ? rc : PE_OK;
+    if (rc != PE_CHECK_RUN || (!a->q.heads && !a->k.heads)) return rc < 0 ? rc : PE_OK;
     pe_rope_plan plan;
-    rc = plan_make(a, &plan);
-    if (rc) return rc;
-    const int q64 = a->q.heads && runs_f64(a, &a->q), k64 = a->k.heads && runs_f64(a, &a->k);
-    if (!a->q.heads || !a->k.heads || q64 == k64) {
-        rc = apply_pass(a, &plan, q64 || k64);
-    } else { /* q and k in different precisions: one pass each */
+    if ((rc = plan_make(a, &plan))) return rc;
+    /* heads outer in memory: tiles of tokens, rotated head by head (rows stay adjacent) */
+    const pe_rope_tensor *lead = a->q.heads ? &a->q : &a->k;
+    if (lead->heads > 1 && lead->in_stride[2] > lead->in_stride[1]) plan.tile = PE_TOKEN_TILE;
+    /* q and k in one pass, or one pass each when they run in different precisions */
+    const int q64 = runs_f64(a, &a->q), k64 = runs_f64(a, &a->k);
+    const int split = a->q.heads && a->k.heads && q64 != k64;
+    for (int pass = 0; pass <= split && rc == PE_OK; ++pass) {
         pe_rope_args one = *a;
-        one.k.heads = 0;
-        rc = apply_pass(&one, &plan, q64);
-        one = *a;
-        one.q.heads = 0;
-        if (rc == PE_OK) rc = apply_pass(&one, &plan, k64);
+        if (split) *(pass ? &one.q.heads : &one.k.heads) = 0;
+        const int64_t ntok = a->batch * a->seq;
+        const int f64 = split ? (pass ? k64 : q64) : q64 || k64;
+        rc = run_tiles(&one, &plan, f64 ? rope_f64_rotate : f32_current()->rotate, ntok, plan.tile,
+                       ntok * (one.q.heads + one.k.heads) * a->head_dim);
     }
     plan_free(&plan);
     return rc;
@@ -458,16 +460,22 @@ int pe_rope_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t 
     int rc = pe_rope_check_table_grad(a, grad_q, grad_q_stride, grad_k, grad_k_stride,
                                       grad_dtype, dcos, dsin);
     if (rc != PE_CHECK_RUN) return rc < 0 ? rc : PE_OK;
-    pe_rope_grads g = {grad_q, grad_k, {0, 0, 0}, {0, 0, 0}, grad_dtype, dcos, dsin};
-    if (grad_q_stride) memcpy(g.grad_q_stride, grad_q_stride, sizeof g.grad_q_stride);
-    if (grad_k_stride) memcpy(g.grad_k_stride, grad_k_stride, sizeof g.grad_k_stride);
     pe_rope_plan plan;
-    rc = plan_make(a, &plan);
-    if (rc) return rc;
+    if ((rc = plan_make(a, &plan))) return rc;
+    plan.grad_q = grad_q;
+    plan.grad_k = grad_k;
+    if (grad_q_stride) memcpy(plan.grad_q_stride, grad_q_stride, sizeof plan.grad_q_stride);
+    if (grad_k_stride) memcpy(plan.grad_k_stride, grad_k_stride, sizeof plan.grad_k_stride);
+    plan.grad_dtype = grad_dtype;
+    plan.cos_out = dcos;
+    plan.sin_out = dsin;
+    plan.out_dtype = a->src.table_dtype;
     const int f64 = grad_dtype == PE_FLOAT64 || a->src.table_dtype == PE_FLOAT64 ||
                     (a->q.heads && a->q.in_dtype == PE_FLOAT64) ||
                     (a->k.heads && a->k.in_dtype == PE_FLOAT64);
-    rc = f64 ? rope_f64_table_grad(a, &plan, &g) : f32_current()->table_grad(a, &plan, &g);
+    rc = run_tiles(a, &plan, f64 ? rope_f64_grad_rows : f32_current()->grad_rows,
+                   a->src.table_batch * a->seq, PE_TOKEN_TILE,
+                   a->batch * a->seq * (a->q.heads + a->k.heads) * a->head_dim);
     plan_free(&plan);
     return rc;
 }
@@ -492,9 +500,12 @@ int pe_rope_tables(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *s
     int rc = pe_rope_check_tables(a, out_dtype, cos, sin);
     if (rc != PE_CHECK_RUN) return rc < 0 ? rc : PE_OK;
     pe_rope_plan plan;
-    rc = plan_make(a, &plan);
-    if (rc) return rc;
-    rc = f32_current()->tables(a, &plan, out_dtype, cos, sin);
+    if ((rc = plan_make(a, &plan))) return rc;
+    plan.cos_out = cos;
+    plan.sin_out = sin;
+    plan.out_dtype = out_dtype;
+    const int64_t rows = a->src.pos_batch * a->seq;
+    rc = run_tiles(a, &plan, f32_current()->table_rows, rows, PE_TOKEN_TILE, rows * a->rot_dim);
     plan_free(&plan);
     return rc;
 }

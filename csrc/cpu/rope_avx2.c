@@ -1,16 +1,17 @@
 /* The fp32 RoPE core compiled for AVX2 + FMA + F16C (meson.build sets the flags). */
 #include "rope_f32.h"
 
-int pe_rope_apply_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p) {
-    return rope_f32_apply(a, p);
+void pe_rope_rotate_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                             int64_t n, void *scratch) {
+    rope_f32_rotate(a, p, i0, n, scratch);
 }
 
-int pe_rope_table_grad_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p,
-                                 const pe_rope_grads *g) {
-    return rope_f32_table_grad(a, p, g);
+void pe_rope_grad_rows_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                int64_t n, void *scratch) {
+    rope_f32_grad_rows(a, p, i0, n, scratch);
 }
 
-int pe_rope_tables_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p, pe_dtype out_dtype,
-                             void *cos, void *sin) {
-    return rope_f32_tables(a, p, out_dtype, cos, sin);
+void pe_rope_table_rows_f32_avx2(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                 int64_t n, void *scratch) {
+    rope_f32_table_rows(a, p, i0, n, scratch);
 }

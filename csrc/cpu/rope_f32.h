@@ -1,16 +1,15 @@
 /*
  * The fp32 RoPE core: forward / transpose, table gradients and tables from positions, for
  * 16-bit and fp32 tensors with fp32 tables or positions.  Everything here is static and
- * inlined into the three entry points of each rope_<isa>.c, which compile this file with
+ * inlined into the three tile functions of each rope_<isa>.c, which compile this file with
  * their instruction set: the compiler's target macros (__AVX512F__, __AVX2__) pick the
  * vector rows below, and the baseline build keeps the scalar code (the auto-vectorizer
- * handles the simple loops).  Per-element arithmetic comes from rope_math.h; no fused
- * multiply-add anywhere (-ffp-contract=off, explicit multiply then add).
+ * handles the simple loops).  rope.c runs the tiles over threads (one driver for both
+ * precisions).  Per-element arithmetic comes from rope_math.h; no fused multiply-add
+ * anywhere (-ffp-contract=off, explicit multiply then add).
  */
 #ifndef POSENC_ROPE_F32_H
 #define POSENC_ROPE_F32_H
-
-#include <stdlib.h>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -41,17 +40,12 @@ PE_INLINE pe_vf vx_load(const char *p, pe_dtype dt) {
     if (dt == PE_FLOAT16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-PE_INLINE void vx_store16(char *p, __m256i v, int nt) {
-    if (nt) _mm256_stream_si256((__m256i *)p, v);
-    else _mm256_storeu_si256((__m256i *)p, v);
-}
-/* nt: non-temporal (streaming) store; p must then be aligned to the vector size */
-PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt, int nt) {
+PE_INLINE void vx_store16(char *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
+PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
     if (dt == PE_FLOAT32) {
-        if (nt) _mm512_stream_ps((float *)p, v);
-        else _mm512_storeu_ps((float *)p, v);
+        _mm512_storeu_ps((float *)p, v);
     } else if (dt == PE_FLOAT16) {
-        vx_store16(p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT), nt);
+        vx_store16(p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
     } else { /* bf16: round to nearest even on the bits; NaN stays a (quiet) NaN */
         const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
         const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
@@ -59,7 +53,7 @@ PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt, int nt) {
         r = _mm512_srli_epi32(r, 16);
         r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
                                   _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-        vx_store16(p, _mm512_cvtepi32_epi16(r), nt);
+        vx_store16(p, _mm512_cvtepi32_epi16(r));
     }
 }
 /* The first n < 16 lanes, for row tails (head_dim 80: 40 = 2 x 16 + 8). */
@@ -81,7 +75,7 @@ PE_INLINE void vx_store_n(char *p, pe_vf v, pe_dtype dt, int64_t n) {
         return;
     }
     char tmp[32];
-    vx_store(tmp, v, dt, 0);
+    vx_store(tmp, v, dt);
     _mm256_mask_storeu_epi16(p, m, _mm256_loadu_si256((const __m256i *)tmp));
 }
 #elif defined(__AVX2__) && defined(__F16C__)
@@ -97,16 +91,12 @@ PE_INLINE pe_vf vx_load(const char *p, pe_dtype dt) {
     if (dt == PE_FLOAT16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-PE_INLINE void vx_store16(char *p, __m128i v, int nt) {
-    if (nt) _mm_stream_si128((__m128i *)p, v);
-    else _mm_storeu_si128((__m128i *)p, v);
-}
-PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt, int nt) {
+PE_INLINE void vx_store16(char *p, __m128i v) { _mm_storeu_si128((__m128i *)p, v); }
+PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
     if (dt == PE_FLOAT32) {
-        if (nt) _mm256_stream_ps((float *)p, v);
-        else _mm256_storeu_ps((float *)p, v);
+        _mm256_storeu_ps((float *)p, v);
     } else if (dt == PE_FLOAT16) {
-        vx_store16(p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT), nt);
+        vx_store16(p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
     } else { /* bf16, as above; packus keeps the 16-bit results, permute joins the lanes */
         const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
         const __m256i odd = _mm256_and_si256(hi, _mm256_set1_epi32(1));
@@ -115,7 +105,7 @@ PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt, int nt) {
         r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)),
                                _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
         r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
-        vx_store16(p, _mm256_castsi256_si128(r), nt);
+        vx_store16(p, _mm256_castsi256_si128(r));
     }
 }
 #endif
@@ -142,14 +132,14 @@ PE_INLINE void sx_store(char *p, float v, pe_dtype dt) {
 
 /* out[e] = x[e] c[e] + x[e+h] ss[e],  out[e+h] = x[e+h] c[e+h] + x[e] ss[e+h] */
 PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const float *restrict c,
-                            const float *restrict ss, int64_t h, pe_dtype dt, int nt) {
+                            const float *restrict ss, int64_t h, pe_dtype dt) {
     const int64_t es = dt == PE_FLOAT32 ? 4 : 2, hb = h * es;
     int64_t e = 0;
 #ifdef PE_VW
     for (; e + PE_VW <= h; e += PE_VW) {
         const pe_vf x0 = vx_load(x + e * es, dt), x1 = vx_load(x + e * es + hb, dt);
-        vx_store(o + e * es, vf_rot(x0, vf_load(c + e), x1, vf_load(ss + e)), dt, nt);
-        vx_store(o + e * es + hb, vf_rot(x1, vf_load(c + e + h), x0, vf_load(ss + e + h)), dt, nt);
+        vx_store(o + e * es, vf_rot(x0, vf_load(c + e), x1, vf_load(ss + e)), dt);
+        vx_store(o + e * es + hb, vf_rot(x1, vf_load(c + e + h), x0, vf_load(ss + e + h)), dt);
     }
 #endif
 #ifdef PE_VTAIL
@@ -170,21 +160,16 @@ PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const floa
 }
 
 /*
- * Streaming (non-temporal) stores skip reading the output lines before writing them, which
- * a large output would otherwise pay for in memory traffic; every vector store must then be
- * aligned, so rows whose starts or halves are not 64-byte aligned use ordinary stores.
+ * Ordinary stores, never streaming (non-temporal) ones: an output of tens of MiB is fresh
+ * pages from the allocator, which the kernel zeroes into the cache on first touch; a
+ * streaming store then evicts each of those lines and writes it again (AVX-512, bf16,
+ * Qwen2-VL-7B at T = 8192: 48 ms with streaming stores against 33 ms without).
  */
 PE_INLINE void rot_half_rows(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
-                             const float *c, const float *ss, int64_t h, pe_dtype dt, int stream) {
+                             const float *c, const float *ss, int64_t h, pe_dtype dt) {
     const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
-    const int aligned = (uintptr_t)o % 64 == 0 && (os * es) % 64 == 0 && (h * es) % 64 == 0;
-    if (stream && aligned) {
-        for (int64_t hd = 0; hd < nh; ++hd)
-            rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt, 1);
-    } else {
-        for (int64_t hd = 0; hd < nh; ++hd)
-            rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt, 0);
-    }
+    for (int64_t hd = 0; hd < nh; ++hd)
+        rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt);
 }
 
 /* n values of a 16-bit or fp32 dtype as fp32, a vector at a time (short MRoPE runs too). */
@@ -193,7 +178,7 @@ PE_INLINE void to_f32_row(float *restrict dst, const char *restrict src, int64_t
     int64_t i = 0;
 #ifdef PE_VW
     for (; i + PE_VW <= n; i += PE_VW)
-        vx_store((char *)(dst + i), vx_load(src + i * es, dt), PE_FLOAT32, 0);
+        vx_store((char *)(dst + i), vx_load(src + i * es, dt), PE_FLOAT32);
 #endif
     for (; i < n; ++i) dst[i] = sx_load(src + i * es, dt);
 }
@@ -201,33 +186,26 @@ PE_INLINE void to_f32_row(float *restrict dst, const char *restrict src, int64_t
 /* Rotates the nh heads of one token (head strides xs, os in elements) if the fast rows
  * cover the dtype; returns 1 if so.  head_dim 128 (h = 64) gets a fully unrolled copy. */
 PE_INLINE int rot_half_heads(const void *in, int64_t xs, void *out, int64_t os, int64_t nh,
-                          pe_dtype dt, const float *c, const float *ss, int64_t R, int stream) {
+                             pe_dtype dt, const float *c, const float *ss, int64_t R) {
     const char *x = (const char *)in;
     char *o = (char *)out;
     const int64_t h = R / 2;
     switch (dt) {
     case PE_FLOAT32:
-        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT32, stream);
-        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT32, stream);
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT32);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT32);
         return 1;
     case PE_BFLOAT16:
-        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_BFLOAT16, stream);
-        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16, stream);
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_BFLOAT16);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16);
         return 1;
     case PE_FLOAT16:
-        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT16, stream);
-        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT16, stream);
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT16);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT16);
         return 1;
     default:
         return 0;
     }
-}
-
-/* Orders this thread's streaming stores before the call returns. */
-PE_INLINE void store_fence(void) {
-#ifdef PE_VW
-    _mm_sfence();
-#endif
 }
 
 
@@ -374,20 +352,17 @@ PE_INLINE void rotate_general(const pe_rope_tensor *x, const void *in, void *out
 
 /* Rotate heads h0 .. h1-1 of one tensor for token (b, t). */
 PE_INLINE void token_heads(const pe_rope_args *a, const pe_rope_tensor *x, int64_t b, int64_t t,
-                            int64_t h0, int64_t h1, const float *restrict c,
-                            const float *restrict ss, float *restrict xbuf, float *restrict obuf,
-                            int stream) {
+                           int64_t h0, int64_t h1, const float *restrict c,
+                           const float *restrict ss, float *restrict xbuf, float *restrict obuf) {
     if (h1 <= h0) return;
     const int64_t R = a->rot_dim, D = a->head_dim;
     const size_t ies = pe_dtype_size(x->in_dtype), oes = pe_dtype_size(x->out_dtype);
     const int same = x->in_dtype == x->out_dtype;
-    const char *ib = (const char *)x->in +
-                     (b * x->in_stride[0] + t * x->in_stride[1] + h0 * x->in_stride[2]) * (int64_t)ies;
-    char *ob = (char *)x->out +
-               (b * x->out_stride[0] + t * x->out_stride[1] + h0 * x->out_stride[2]) * (int64_t)oes;
-    const int done = 1 && same && a->pairing == PE_PAIR_HALF &&
+    const char *ib = pe_row(x->in, x->in_stride, ies, b, t, h0);
+    char *ob = (char *)pe_row(x->out, x->out_stride, oes, b, t, h0);
+    const int done = same && a->pairing == PE_PAIR_HALF &&
                      rot_half_heads(ib, x->in_stride[2], ob, x->out_stride[2], h1 - h0,
-                                    x->in_dtype, (const float *)c, (const float *)ss, R, stream);
+                                    x->in_dtype, c, ss, R);
     if (done && D == R) return;
     for (int64_t h = 0; h < h1 - h0; ++h) {
         const void *in = ib + h * x->in_stride[2] * (int64_t)ies;
@@ -406,81 +381,41 @@ PE_INLINE void token_heads(const pe_rope_args *a, const pe_rope_tensor *x, int64
 }
 
 /*
- * A tile of n consecutive tokens (flat index i0 = b*T + t): the tokens' tables are prepared
- * once, then the rows are rotated.  With the heads inner in memory a tile is one token and
- * all its heads go at once; with the heads outer ((B, H, T, D) tensors, e.g. gradients
- * coming back from attention) tiles are PE_TOKEN_TILE tokens, rotated head by head so the
- * rows of each head, adjacent in memory, are visited in order.
+ * Tile of n consecutive tokens (flat index i0 = b*T + t; p->tile tokens at most): the
+ * tokens' tables are prepared once, then the rows are rotated.  With the heads inner in
+ * memory a tile is one token and all its heads go at once; with the heads outer ((B, H, T,
+ * D) tensors, e.g. gradients coming back from attention) the tile is rotated head by head,
+ * so the rows of each head, adjacent in memory, are visited in order.
  */
-PE_INLINE void rotate_tile(const pe_rope_args *a, const pe_rope_plan *plan, int64_t i0, int64_t n,
-                           int heads_outer, float *restrict c, float *restrict ss,
-                           float *restrict s, float *restrict xb, float *restrict ob,
-                           float *restrict rows, float *restrict scratch) {
-    const int64_t T = a->seq, R = a->rot_dim;
+PE_INLINE void rope_f32_rotate(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                               int64_t n, void *scratch) {
+    const int64_t T = a->seq, R = a->rot_dim, D = a->head_dim;
+    float *c = (float *)scratch, *ss = c + p->tile * R, *s = ss + p->tile * R;
+    float *xb = s + R, *ob = xb + D, *rows = ob + D, *slots = rows + 3 * R;
     for (int64_t j = 0; j < n; ++j) {
-        token_tables(a, plan, (i0 + j) / T, (i0 + j) % T, c + j * R, s, rows, scratch);
+        token_tables(a, p, (i0 + j) / T, (i0 + j) % T, c + j * R, s, rows, slots);
         sign_sine(s, ss + j * R, R, a->pairing, a->transpose);
     }
     const pe_rope_tensor *xs[2] = {&a->q, &a->k};
     for (int w = 0; w < 2; ++w) {
-        const int64_t H = xs[w]->heads, step = heads_outer ? 1 : H;
+        const int64_t H = xs[w]->heads, step = p->tile > 1 ? 1 : H;
         for (int64_t h = 0; h < H; h += step)
             for (int64_t j = 0; j < n; ++j)
                 token_heads(a, xs[w], (i0 + j) / T, (i0 + j) % T, h, h + step, c + j * R,
-                            ss + j * R, xb, ob, plan->stream);
+                            ss + j * R, xb, ob);
     }
-}
-
-PE_INLINE int rope_f32_apply(const pe_rope_args *a, const pe_rope_plan *plan) {
-    const int64_t B = a->batch, T = a->seq, D = a->head_dim, R = a->rot_dim;
-    const int64_t ntok = B * T;
-    const int64_t work = ntok * (a->q.heads + a->k.heads) * D;
-    const int nt = (a->nthreads > 1 && work >= PE_SERIAL_ELEMENTS) ? a->nthreads : 1;
-    /* Heads outer in memory: rotate tiles of tokens head by head (rows stay adjacent). */
-    const pe_rope_tensor *lead = a->q.heads ? &a->q : &a->k;
-    const int heads_outer = lead->heads > 1 && lead->in_stride[2] > lead->in_stride[1];
-    const int64_t tile = heads_outer ? PE_TOKEN_TILE : 1, ntile = (ntok + tile - 1) / tile;
-    const int64_t chunk = pe_chunk(ntile, nt);
-    int failed = 0;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        /* c, ss (tile x R each), s (R), x and out rows (D each), MRoPE axis rows (3 R);
-         * the slots' cos and sin on the fused path */
-        float *buf = (float *)malloc((size_t)(2 * tile * R + 4 * R + 2 * D) * sizeof(float));
-        float *scratch = (float *)malloc((size_t)(2 * (R / 2) + 1) * sizeof(float));
-        if (!buf || !scratch) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        /* Dynamic chunks: on a busy machine a late thread must not hold up the other. */
-#pragma omp for schedule(dynamic, chunk)
-        for (int64_t i = 0; i < ntile; ++i) {
-            if (!buf || !scratch) continue;
-            float *c = buf, *ss = buf + tile * R, *s = ss + tile * R, *xb = s + R, *ob = xb + D;
-            float *rows = ob + D;
-            const int64_t i0 = i * tile, n = ntok - i0 < tile ? ntok - i0 : tile;
-            rotate_tile(a, plan, i0, n, heads_outer, c, ss, s, xb, ob, rows, scratch);
-        }
-        store_fence();
-        free(buf);
-        free(scratch);
-    }
-    return failed ? PE_ERR_NOMEM : PE_OK;
 }
 
 /* Accumulate g[e] x[e] and g[e] sign(e) x[p(e)] of every head of one tensor at (b, t). */
 PE_INLINE void accumulate_heads(const pe_rope_args *a, const pe_rope_tensor *x, const void *g,
-                                 const int64_t gs[3], pe_dtype gdt, int64_t b, int64_t t,
-                                 float *restrict acc_c, float *restrict acc_s,
-                                 float *restrict xb, float *restrict gb) {
+                                const int64_t gs[3], pe_dtype gdt, int64_t b, int64_t t,
+                                float *restrict acc_c, float *restrict acc_s,
+                                float *restrict xb, float *restrict gb) {
     const int64_t R = a->rot_dim, h2 = R / 2;
     const size_t xes = pe_dtype_size(x->in_dtype), ges = pe_dtype_size(gdt);
     for (int64_t h = 0; h < x->heads; ++h) {
-        const char *xp = (const char *)x->in +
-                         (b * x->in_stride[0] + t * x->in_stride[1] + h * x->in_stride[2]) * (int64_t)xes;
-        const char *gp = (const char *)g + (b * gs[0] + t * gs[1] + h * gs[2]) * (int64_t)ges;
-        load_row(xb, xp, x->in_dtype, R);
-        load_row(gb, gp, gdt, R);
+        load_row(xb, pe_row(x->in, x->in_stride, xes, b, t, h), x->in_dtype, R);
+        load_row(gb, pe_row(g, gs, ges, b, t, h), gdt, R);
         for (int64_t e = 0; e < R; ++e) acc_c[e] += gb[e] * xb[e];
         if (a->pairing == PE_PAIR_HALF) {
             for (int64_t e = 0; e < h2; ++e) acc_s[e] -= gb[e] * xb[e + h2];
@@ -494,77 +429,47 @@ PE_INLINE void accumulate_heads(const pe_rope_args *a, const pe_rope_tensor *x, 
     }
 }
 
-PE_INLINE int rope_f32_table_grad(const pe_rope_args *a, const pe_rope_plan *plan,
-                                   const pe_rope_grads *g) {
-    const pe_rope_source *src = &a->src;
-    const void *gq = g->grad_q, *gk = g->grad_k;
-    const int64_t *gqs = g->grad_q_stride, *gks = g->grad_k_stride;
-    const pe_dtype gdt = g->grad_dtype;
-    void *dcos = g->dcos, *dsin = g->dsin;
-    const int64_t B = a->batch, T = a->seq, R = a->rot_dim, D = a->head_dim;
-    const int64_t Bc = src->table_batch, A = plan->axes;
-    const int64_t nrow = Bc * T;
-    const size_t oes = pe_dtype_size(src->table_dtype);
-    const int64_t work = B * T * (a->q.heads + a->k.heads) * D;
-    const int nt = (a->nthreads > 1 && work >= PE_SERIAL_ELEMENTS) ? a->nthreads : 1;
-    int failed = 0;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        float *buf = (float *)malloc((size_t)(5 * R) * sizeof(float));
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
+/* Table-gradient rows i0 .. i0+n-1 (row i = bc*T + t of the (Bc, T) tables). */
+PE_INLINE void rope_f32_grad_rows(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                  int64_t n, void *scratch) {
+    const int64_t B = a->batch, T = a->seq, R = a->rot_dim, Bc = a->src.table_batch;
+    const size_t oes = pe_dtype_size(p->out_dtype);
+    float *acc_c = (float *)scratch, *acc_s = acc_c + R, *xb = acc_s + R, *gb = xb + R;
+    float *ob = gb + R;
+    for (int64_t i = i0; i < i0 + n; ++i) {
+        const int64_t bc = i / T, t = i % T;
+        for (int64_t e = 0; e < R; ++e) acc_c[e] = acc_s[e] = 0;
+        const int64_t b0 = Bc == 1 ? 0 : bc, b1 = Bc == 1 ? B : bc + 1;
+        for (int64_t b = b0; b < b1; ++b) {
+            accumulate_heads(a, &a->q, p->grad_q, p->grad_q_stride, p->grad_dtype, b, t, acc_c,
+                             acc_s, xb, gb);
+            accumulate_heads(a, &a->k, p->grad_k, p->grad_k_stride, p->grad_dtype, b, t, acc_c,
+                             acc_s, xb, gb);
         }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < nrow; ++i) {
-            if (!buf) continue;
-            const int64_t bc = i / T, t = i % T;
-            float *acc_c = buf, *acc_s = buf + R, *xb = buf + 2 * R, *gb = buf + 3 * R, *ob = buf + 4 * R;
-            for (int64_t e = 0; e < R; ++e) acc_c[e] = acc_s[e] = 0;
-            const int64_t b0 = Bc == 1 ? 0 : bc, b1 = Bc == 1 ? B : bc + 1;
-            for (int64_t b = b0; b < b1; ++b) {
-                if (a->q.heads) accumulate_heads(a, &a->q, gq, gqs, gdt, b, t, acc_c, acc_s, xb, gb);
-                if (a->k.heads) accumulate_heads(a, &a->k, gk, gks, gdt, b, t, acc_c, acc_s, xb, gb);
-            }
-            for (int64_t ax = 0; ax < A; ++ax) {
-                const int64_t off = ((ax * Bc + bc) * T + t) * R * (int64_t)oes;
-                for (int64_t pass = 0; pass < 2; ++pass) {
-                    const float *acc = pass ? acc_s : acc_c;
-                    for (int64_t e = 0; e < R; ++e)
-                        ob[e] = (A == 1 || plan->chan_axis[e] == ax) ? acc[e] : 0.0f;
-                    store_row((char *)(pass ? dsin : dcos) + off, ob, src->table_dtype, R);
-                }
+        for (int64_t ax = 0; ax < p->axes; ++ax) {
+            const int64_t off = ((ax * Bc + bc) * T + t) * R * (int64_t)oes;
+            for (int pass = 0; pass < 2; ++pass) {
+                const float *acc = pass ? acc_s : acc_c;
+                for (int64_t e = 0; e < R; ++e)
+                    ob[e] = (p->axes == 1 || p->chan_axis[e] == ax) ? acc[e] : 0.0f;
+                store_row((char *)(pass ? p->sin_out : p->cos_out) + off, ob, p->out_dtype, R);
             }
         }
-        free(buf);
     }
-    return failed ? PE_ERR_NOMEM : PE_OK;
 }
 
-/* Tables (B, T, R) from the positions source: fp32 angles and sin/cos, one rounding. */
-PE_INLINE int rope_f32_tables(const pe_rope_args *a, const pe_rope_plan *plan, pe_dtype out_dtype,
-                              void *cos, void *sin) {
-    const int64_t T = a->seq, R = a->rot_dim, nrow = a->src.pos_batch * T;
-    const size_t oes = pe_dtype_size(out_dtype);
-    const int nt = (a->nthreads > 1 && nrow * R >= PE_SERIAL_ELEMENTS) ? a->nthreads : 1;
-    int failed = 0;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        float *buf = (float *)malloc((size_t)(2 * R + 2 * (R / 2) + 1) * sizeof(float));
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < nrow; ++i) {
-            if (!buf) continue;
-            token_tables(a, plan, i / T, i % T, buf, buf + R, NULL, buf + 2 * R);
-            store_row((char *)cos + i * R * (int64_t)oes, buf, out_dtype, R);
-            store_row((char *)sin + i * R * (int64_t)oes, buf + R, out_dtype, R);
-        }
-        free(buf);
+/* Rows i0 .. i0+n-1 of the (Bp, T, R) tables from positions: fp32 angles and sin/cos, one
+ * rounding. */
+PE_INLINE void rope_f32_table_rows(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                   int64_t n, void *scratch) {
+    const int64_t T = a->seq, R = a->rot_dim;
+    const size_t oes = pe_dtype_size(p->out_dtype);
+    float *c = (float *)scratch, *s = c + R, *slots = s + R;
+    for (int64_t i = i0; i < i0 + n; ++i) {
+        token_tables(a, p, i / T, i % T, c, s, NULL, slots);
+        store_row((char *)p->cos_out + i * R * (int64_t)oes, c, p->out_dtype, R);
+        store_row((char *)p->sin_out + i * R * (int64_t)oes, s, p->out_dtype, R);
     }
-    return failed ? PE_ERR_NOMEM : PE_OK;
 }
 
 #endif /* POSENC_ROPE_F32_H */

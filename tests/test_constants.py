@@ -1,0 +1,95 @@
+"""The numbers Python passes to the ops are the ones the C API defines.
+
+csrc/posenc.h holds one enum per set of constants (float dtypes, pairings, models, position
+rules, time rules); the Python package keeps its own copies of those numbers (it passes
+plain ints through the op schemas).  These tests parse the enums out of posenc.h and compare
+them with the Python tables, so a renumbering on either side fails here, not as a silently
+wrong rule or model.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from posenc_torch import _checks, positions
+
+POSENC_H = Path(__file__).resolve().parent.parent / "csrc" / "posenc.h"
+
+
+def _enums(text: str) -> dict[str, dict[str, int]]:
+    """``typedef enum name { A = 0, B, ... } name;`` -> {name: {A: 0, B: 1, ...}}."""
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    out: dict[str, dict[str, int]] = {}
+    for name, body in re.findall(r"typedef\s+enum\s+(\w+)\s*\{(.*?)\}", text, flags=re.S):
+        values: dict[str, int] = {}
+        nxt = 0
+        for item in filter(None, (part.strip() for part in body.split(","))):
+            key, _, value = (s.strip() for s in item.partition("="))
+            nxt = int(value, 0) if value else nxt
+            values[key] = nxt
+            nxt += 1
+        out[name] = values
+    return out
+
+
+@pytest.fixture(scope="module")
+def enums() -> dict[str, dict[str, int]]:
+    if not POSENC_H.exists():
+        pytest.skip(f"needs the source tree (csrc/posenc.h next to tests/), not found at "
+                    f"{POSENC_H}")
+    return _enums(POSENC_H.read_text())
+
+
+def test_parser_reads_explicit_and_implicit_values():
+    got = _enums("typedef enum e { A = 2, /* two */ B, C = -1, D } e;")
+    assert got == {"e": {"A": 2, "B": 3, "C": -1, "D": 0}}
+
+
+def test_float_dtypes_are_the_c_dtypes(enums):
+    c_names = set(enums["pe_dtype"])
+    py_names = {"PE_" + str(dt).removeprefix("torch.").upper() for dt in _checks.FLOAT_DTYPES}
+    assert py_names == c_names
+    # same order as the enum, so the Python list reads as the C table
+    order = [enums["pe_dtype"]["PE_" + str(dt).removeprefix("torch.").upper()]
+             for dt in _checks.FLOAT_DTYPES]
+    assert order == list(range(len(order)))
+    assert all(isinstance(dt, torch.dtype) for dt in _checks.FLOAT_DTYPES)
+
+
+def test_pairing_codes(enums):
+    pairing = enums["pe_pairing"]
+    assert _checks.pairing_code("half") == pairing["PE_PAIR_HALF"]
+    assert _checks.pairing_code("adjacent") == pairing["PE_PAIR_ADJACENT"]
+    assert len(pairing) == 2
+
+
+def test_model_ids(enums):
+    models = enums["pe_mrope_model"]
+    aliases = {"qwen3_vl_moe": "qwen3_vl"}  # the MoE text model shares Qwen3-VL's rules
+    for name, code in positions.MROPE_MODELS.items():
+        assert code == models["PE_MROPE_" + aliases.get(name, name).upper()], name
+    assert set(positions.MROPE_MODELS.values()) == set(models.values())
+
+
+def test_rule_numbers(enums):
+    rules = enums["pe_mrope_rules"]
+    # each convention maps to the rule set of its major release
+    for convention, code in positions._RULES.items():
+        want = "PE_MROPE_RULES_4_57" if convention.startswith("4.") else "PE_MROPE_RULES_5"
+        assert code == rules[want], convention
+    assert set(positions._RULES) == set(positions.MROPE_CONVENTIONS)
+
+
+def test_time_rule_numbers(enums):
+    times = enums["pe_mrope_time"]
+    python = {name.removeprefix("_TIME_"): value for name, value in vars(positions).items()
+              if name.startswith("_TIME_") and isinstance(value, int)}
+    assert python, "positions.py defines no _TIME_* constants"
+    for name, value in python.items():
+        assert value == times["PE_TIME_" + name], name
+    # every time rule but the zero value (the default, never passed by name) is named
+    assert {"PE_TIME_" + n for n in python} == {n for n, v in times.items() if v != 0}
