@@ -24,6 +24,11 @@ import torch
 
 from . import _C
 
+#: The float dtypes of the kernels, in the order of posenc.h's pe_dtype (tests/test_constants.py
+#: holds the two together).
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16,
+                                         torch.float16)
+
 # Devices the kernels run on: the CPU, and CUDA GPUs when the extension has its CUDA kernels.
 KERNEL_DEVICES: tuple[str, ...] = ("cpu", "cuda") if _C.has_cuda() else ("cpu",)
 

@@ -77,7 +77,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from . import rope as _rope
-from ._checks import KERNEL_DEVICES
+from ._checks import FLOAT_DTYPES, KERNEL_DEVICES
 
 # SUPPORTED_MODEL_TYPES comes from the module __getattr__ below.
 __all__ = ["SUPPORTED_MODEL_TYPES", "PatchHandle", "UnsupportedModelWarning", "patch",  # noqa: F822
@@ -108,8 +108,8 @@ _VISION = "apply_rotary_pos_emb_vision"
 _INTERLEAVE = "apply_rotary_pos_emb_interleave"
 _ROTARY_NAMES = (_TEXT, _MULTIMODAL, _VISION, _INTERLEAVE)
 
-_FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_VISION_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+_FLOAT = FLOAT_DTYPES
+_VISION_FLOAT = tuple(dt for dt in FLOAT_DTYPES if dt != torch.float64)
 
 # (module name, attribute) -> the handle whose wrapper is installed there.
 _ACTIVE: dict[tuple[str, str], PatchHandle] = {}
