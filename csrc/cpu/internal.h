@@ -16,6 +16,9 @@
  * other threads by far longer than the whole call. */
 #define PE_SERIAL_ELEMENTS ((int64_t)1 << 17)
 
+/* Outputs of this many bytes and more are asked to be backed by huge pages (rope.c). */
+#define PE_HUGE_PAGE_HINT_BYTES ((uintptr_t)32 << 20)
+
 /* Tokens per tile when the heads are the outer dimension in memory: the tile's cos/sin
  * rows (fp32) stay in L1 while each head's rows of the tile are rotated.  The table passes
  * (gradients, tables from positions) take their rows this many at a time too. */
