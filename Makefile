@@ -61,7 +61,7 @@ pytest-hf4: build
 
 # Position ids and the get_rope_index patch against the other transformers 5.x releases
 # (the version of each requirements file exactly).
-HF5_TESTS := test_positions.py test_hf_positions.py
+HF5_TESTS := test_positions.py test_hf_positions.py test_packing.py
 pytest-hf5_18: build
 	cd tests && PYTHONPATH=$(abspath $(HF5_18)) \
 		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_18.txt) \
