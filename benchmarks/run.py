@@ -34,6 +34,7 @@ sys.path.insert(0, str(HERE))
 import bench_layer  # noqa: E402
 import bench_mrope  # noqa: E402
 import bench_overhead  # noqa: E402
+import bench_packing_train  # noqa: E402
 import bench_positions  # noqa: E402
 import bench_rope  # noqa: E402
 import bench_rotary_step  # noqa: E402
@@ -47,6 +48,7 @@ TOPICS = {m.TOPIC: m for m in (
     bench_rotary_step,
     bench_overhead,
     bench_layer,
+    bench_packing_train,
 )}
 DEFAULT_THREADS = {"quick": "all", "full": "1,all", "smoke": "all"}
 

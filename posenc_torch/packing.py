@@ -203,9 +203,10 @@ def _read_example(i: int, example: object, settings: _ModelSettings) -> _Example
         if not pix.is_floating_point():
             raise TypeError(f"{where(pixel_key)} must be floating, got {pix.dtype}")
         if pix.dim() != 2 or settings.patch_dim not in (None, pix.shape[1]):
-            raise ValueError(f"{where(pixel_key)} must be (patches, {settings.patch_dim or 'patch_dim'})"
-                             f" (in_channels * temporal_patch_size * patch_size**2 of the "
-                             f"config), got shape {tuple(pix.shape)}")
+            width = settings.patch_dim or "patch_dim"
+            raise ValueError(f"{where(pixel_key)} must be (patches, {width}) (in_channels * "
+                             f"temporal_patch_size * patch_size**2 of the config), got shape "
+                             f"{tuple(pix.shape)}")
         patches = 0 if grids[grid_key] is None else int(grids[grid_key].prod(-1).sum())
         if pix.shape[0] != patches:
             raise ValueError(f"{where(pixel_key)} has {pix.shape[0]} patches but {grid_key} "
@@ -414,13 +415,14 @@ def pack_multimodal_examples(
         if not present:
             continue
         pix = [exs[k].pixels[pixel_key] for k in present]
-        if len({p.shape[1] for p in pix}) > 1 or len({p.dtype for p in pix}) > 1:
-            odd = next(k for k in present if exs[k].pixels[pixel_key].shape[1] != pix[0].shape[1]
-                       or exs[k].pixels[pixel_key].dtype != pix[0].dtype)
-            raise ValueError(f"examples[{odd}][{pixel_key!r}] is {tuple(exs[odd].pixels[pixel_key].shape)} "
-                             f"{exs[odd].pixels[pixel_key].dtype}, examples[{present[0]}] "
-                             f"{tuple(pix[0].shape)} {pix[0].dtype}: the patch size and dtype "
-                             "must agree")
+        for k, p in zip(present, pix, strict=True):
+            if p.shape[1] != pix[0].shape[1]:
+                raise ValueError(f"examples[{k}][{pixel_key!r}] has patches of {p.shape[1]} "
+                                 f"values, examples[{present[0]}] of {pix[0].shape[1]}: the "
+                                 "patch size must agree")
+            if p.dtype != pix[0].dtype:
+                raise TypeError(f"examples[{k}][{pixel_key!r}] is {p.dtype}, "
+                                f"examples[{present[0]}] {pix[0].dtype}: the dtype must agree")
         batch[pixel_key] = torch.cat(pix)
         batch[grid_key] = torch.cat([exs[k].grids[grid_key] for k in present])
     if settings.model_type == "qwen2_5_vl":

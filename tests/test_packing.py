@@ -387,7 +387,8 @@ def _bad_cases(config):
     ex = make_examples("qwen2_vl", config)
     image = ex[1]
     return [
-        (dict(image, input_ids=torch.tensor([[1.0, 2.0]])), TypeError, r"examples\[1\]\['input_ids'\]"),
+        (dict(image, input_ids=torch.tensor([[1.0, 2.0]])), TypeError,
+         r"examples\[1\]\['input_ids'\]"),
         (dict(image, labels=torch.tensor([[1, 2]])), ValueError, r"examples\[1\]\['labels'\]"),
         (dict(image, image_grid_thw=torch.tensor([[1, 4, 4]])), ValueError,
          r"examples\[1\]\['pixel_values'\].*image_grid_thw"),
@@ -449,7 +450,7 @@ def test_bad_arguments():
         MultimodalPackingCollator(types.SimpleNamespace())
     # patch sizes that disagree between examples
     odd = dict(examples[2], pixel_values=examples[2]["pixel_values"].double())
-    with pytest.raises(ValueError, match=r"examples\[1\]\['pixel_values'\].*dtype"):
+    with pytest.raises(TypeError, match=r"examples\[1\]\['pixel_values'\].*dtype must agree"):
         pack_multimodal_examples([examples[0], odd], config)
 
 
@@ -535,8 +536,8 @@ def test_trl_sft_trainer_with_lora_and_the_packing_collator(tmp_path):
     collator = RecordingCollator(model.config, max_tokens=96, pad_to_multiple_of=8)
     args = SFTConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
                      learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none",
-                     use_cpu=True, bf16=False, seed=0, gradient_checkpointing=False, max_length=None,
-                     remove_unused_columns=False, dataloader_num_workers=0,
+                     use_cpu=True, bf16=False, seed=0, gradient_checkpointing=False,
+                     max_length=None, remove_unused_columns=False, dataloader_num_workers=0,
                      dataset_kwargs={"skip_prepare_dataset": True})
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                          processing_class=tiny_tokenizer(),
@@ -573,3 +574,32 @@ def test_trl_sft_trainer_with_lora_and_the_packing_collator(tmp_path):
     params = dict(trainer.model.named_parameters())
     assert lora_before and any(not torch.equal(params[n], p) for n, p in lora_before.items())
     assert all(torch.equal(params[n], p) for n, p in base_before.items())
+
+
+def test_training_step_benchmark_checks_the_gradients_before_timing():
+    """benchmarks/bench_packing_train.py (smoke sizes): the padded and the packed step give
+    the same gradients (the harness times a method only after that check) and the summary
+    reports real tokens per second and the padding share."""
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        import bench_packing_train as B
+        import harness as H
+    finally:
+        sys.path.remove(str(bench))
+    opts = H.Options("train", "smoke", torch.get_num_threads(), "cpu", None)
+    (case, methods), = B.plan(opts)
+    rep = H.Reporter(len(methods), to_driver=True)
+    B.run(opts, rep)
+    by = {r.method: r for r in rep.results}
+    assert by.keys() == {"padded", "packed"}
+    for r in by.values():
+        assert r.status == "ok", r.reason
+        assert r.max_rel_err <= H.VERIFY_TOL["fp32"]
+    lengths = B.example_lengths("smoke")
+    (row,) = B.summarize([r.__dict__ for r in rep.results])
+    assert row["real_tokens"] == sum(lengths) and row["padded_slots"] == len(lengths) * max(lengths)
+    assert row["packed_tokens_per_s"] > 0 and row["padded_tokens_per_s"] > 0
