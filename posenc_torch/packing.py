@@ -31,8 +31,7 @@ __all__ = ["pack_multimodal_examples", "MultimodalPackingCollator", "first_fit"]
 
 IGNORE_INDEX = -100  # the label transformers' loss skips
 
-# Keys of an example that are read; any other key is left out of the batch.
-_TOKEN_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids")
+# (pixels, grid) keys of the two kinds of vision input an example may carry.
 _VISION = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
 
 
@@ -231,8 +230,8 @@ def _position_ids_of(i: int, ex: _Example, settings: _ModelSettings,
     seconds = ex.seconds
     if isinstance(seconds, torch.Tensor):
         seconds = seconds.reshape(-1)
-    elif seconds is not None:
-        seconds = [float(s) for s in _as_tensor(seconds, "").reshape(-1).tolist()]
+    elif seconds is not None and not all(isinstance(s, (int, float)) for s in seconds):
+        seconds = _as_tensor(seconds, "").reshape(-1).tolist()  # nested: [[s, ...]]
     try:
         pos, _ = compute_mrope_position_ids(
             ex.input_ids[None], ex.grids["image_grid_thw"], ex.grids["video_grid_thw"],
@@ -247,9 +246,8 @@ def _position_ids_of(i: int, ex: _Example, settings: _ModelSettings,
     return pos[:, 0]
 
 
-def _packed_position_ids_loop(examples: Sequence[_Example], indices: Sequence[int],
-                              rows: list[list[int]], length: int, settings: _ModelSettings,
-                              convention: str) -> torch.Tensor:
+def _packed_position_ids_loop(examples: Sequence[_Example], rows: list[list[int]], length: int,
+                              settings: _ModelSettings, convention: str) -> torch.Tensor:
     """(4, rows, L) int64, one example at a time: row 0 counts 0, 1, ... from each
     example's first token; rows 1-3 its own T/H/W ids; the padding after a row's last
     example counts from 0 on all four rows (its own sequence)."""
@@ -260,7 +258,7 @@ def _packed_position_ids_loop(examples: Sequence[_Example], indices: Sequence[in
             ex = examples[k]
             n = ex.input_ids.numel()
             out[0, r, at:at + n] = torch.arange(n)
-            out[1:, r, at:at + n] = _position_ids_of(indices[k], ex, settings, convention)
+            out[1:, r, at:at + n] = _position_ids_of(k, ex, settings, convention)
             at += n
         out[:, r, at:] = torch.arange(length - at)
     return out
@@ -272,10 +270,8 @@ def _packed_position_ids(examples: list[_Example], rows: list[list[int]], input_
     import posenc_torch
 
     packed = getattr(posenc_torch, "compute_packed_mrope_position_ids", None)
-    indices = list(range(len(examples)))
     if packed is None:
-        return _packed_position_ids_loop(examples, indices, rows, input_ids.shape[1], settings,
-                                         convention)
+        return _packed_position_ids_loop(examples, rows, input_ids.shape[1], settings, convention)
     order = [k for row in rows for k in row]
     kw = {}
     for key in ("image_grid_thw", "video_grid_thw"):
@@ -294,8 +290,7 @@ def _packed_position_ids(examples: list[_Example], rows: list[list[int]], input_
     except (ValueError, TypeError):
         # Name the culprit by its index in ``examples`` (the packed call numbers examples in
         # row order): the walk of each example alone raises for it.
-        _packed_position_ids_loop(examples, indices, rows, input_ids.shape[1], settings,
-                                  convention)
+        _packed_position_ids_loop(examples, rows, input_ids.shape[1], settings, convention)
         raise
 
 

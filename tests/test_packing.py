@@ -312,11 +312,62 @@ def test_packed_function_agrees_with_the_loop():
         exs = [_read_example(i, ex, settings) for i, ex in enumerate(examples)]
         rows = first_fit([ex.input_ids.numel() for ex in exs], MAX_TOKENS)
         convention = posenc_torch.positions.resolve_convention("installed", model_type)
-        loop = _packed_position_ids_loop(exs, list(range(len(exs))), rows,
-                                         batch["input_ids"].shape[1], settings, convention)
+        loop = _packed_position_ids_loop(exs, rows, batch["input_ids"].shape[1], settings,
+                                         convention)
         for r, row in enumerate(rows):
             n = sum(exs[k].input_ids.numel() for k in row)
             assert torch.equal(batch["position_ids"][:, r, :n], loop[:, r, :n]), model_type
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_arguments_given_to_the_packed_function(model_type, monkeypatch):
+    """Where posenc_torch has compute_packed_mrope_position_ids, packing calls it once with
+    the rows' example lengths and the grids and seconds in row order (a stand-in records the
+    call here); an error it raises is re-raised, naming the culprit by its index in
+    ``examples`` when one example alone is at fault."""
+    model = tiny_model(model_type)
+    examples = make_examples(model_type, model.config)
+    expected = pack_multimodal_examples(examples, model, max_tokens=MAX_TOKENS)
+    calls = []
+
+    def stand_in(input_ids, seq_lens, image_grid_thw=None, video_grid_thw=None, **kw):
+        calls.append(dict(kw, input_ids=input_ids, seq_lens=seq_lens,
+                          image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw))
+        return expected["position_ids"].clone()
+
+    monkeypatch.setattr(posenc_torch, "compute_packed_mrope_position_ids", stand_in,
+                        raising=False)
+    batch = pack_multimodal_examples(examples, model, max_tokens=MAX_TOKENS)
+    assert torch.equal(batch["position_ids"], expected["position_ids"]) and len(calls) == 1
+    call = calls[0]
+    rows = first_fit([len(torch.as_tensor(ex["input_ids"]).reshape(-1)) for ex in examples],
+                     MAX_TOKENS)
+    assert call["seq_lens"] == [[len(torch.as_tensor(examples[k]["input_ids"]).reshape(-1))
+                                 for k in row] for row in rows]
+    assert torch.equal(call["input_ids"], batch["input_ids"])
+    order = [k for row in rows for k in row]
+    for key in ("image_grid_thw", "video_grid_thw"):
+        want = torch.cat([torch.as_tensor(examples[k][key]) for k in order if key in examples[k]])
+        assert torch.equal(call[key], want) and torch.equal(batch[key], want), key
+    assert call["model"] == model_type and call["spatial_merge_size"] == 2
+    if model_type == "qwen2_5_vl":
+        want = torch.cat([examples[k]["second_per_grid_ts"] for k in order
+                          if "second_per_grid_ts" in examples[k]])
+        assert torch.equal(call["second_per_grid_ts"], want)
+        assert torch.equal(batch["second_per_grid_ts"], want)
+
+    def refusing(*args, **kw):
+        raise ValueError("example 3 of the batch: a vision run is cut")
+
+    monkeypatch.setattr(posenc_torch, "compute_packed_mrope_position_ids", refusing)
+    with pytest.raises(ValueError, match="a vision run is cut"):
+        pack_multimodal_examples(examples, model, max_tokens=MAX_TOKENS)
+    keep = torch.ones(examples[1]["input_ids"].shape[1], dtype=torch.bool)
+    keep[(examples[1]["input_ids"][0] == IMAGE).nonzero()[0]] = False
+    bad = {k: v[:, keep] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
+           for k, v in examples[1].items()}
+    with pytest.raises(ValueError, match=r"examples\[1\].*image_grid_thw"):
+        pack_multimodal_examples([examples[0], bad], model)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl"])
