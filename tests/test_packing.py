@@ -558,10 +558,16 @@ class RecordingCollator(MultimodalPackingCollator):
         return super().__call__(examples)
 
 
-@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
-                    reason="the transformers 4.57.6 overlay brings huggingface_hub 0.36, older "
-                           "than the datasets release beside TRL 1.16 imports (make test runs "
-                           "this under 5.17.0, 5.18.0 and 5.24.0)")
+# transformers' Trainer imports `datasets` where it is installed; the datasets release that
+# TRL 1.16 brings needs a newer huggingface_hub than the 0.36 of the 4.57.6 overlay.
+TRAINER_NEEDS_5 = pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5,
+    reason="the transformers 4.57.6 overlay brings huggingface_hub 0.36, older than the "
+           "datasets release (beside TRL 1.16) that Trainer imports; make test runs this under "
+           "5.17.0, 5.18.0 and 5.24.0")
+
+
+@TRAINER_NEEDS_5
 @pytest.mark.skipif(not (_have("trl") and _have("peft") and _have("datasets")),
                     reason="needs trl, peft and datasets (requirements-dev.txt)")
 def test_trl_sft_trainer_with_lora_and_the_packing_collator(tmp_path):
@@ -654,3 +660,41 @@ def test_training_step_benchmark_checks_the_gradients_before_timing():
     (row,) = B.summarize([r.__dict__ for r in rep.results])
     assert row["real_tokens"] == sum(lengths) and row["padded_slots"] == len(lengths) * max(lengths)
     assert row["packed_tokens_per_s"] > 0 and row["padded_tokens_per_s"] > 0
+
+
+@TRAINER_NEEDS_5
+def test_transformers_trainer_with_the_packing_collator(tmp_path):
+    """transformers.Trainer with the collator as data_collator (examples from a plain list):
+    two optimizer steps; the first step's loss is that of the same examples run alone."""
+    import copy
+
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_model("qwen2_5_vl").train()
+    reference = copy.deepcopy(model).eval()
+    examples = make_examples("qwen2_5_vl", model.config, seed=6)
+    collator = RecordingCollator(model, max_tokens=MAX_TOKENS, pad_to_multiple_of=MULTIPLE)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=3,
+                             learning_rate=1e-3, save_strategy="no", report_to="none",
+                             use_cpu=True, seed=0, remove_unused_columns=False,
+                             dataloader_num_workers=0, logging_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=examples, data_collator=collator)
+    losses = []
+    compute_loss = trainer.compute_loss
+
+    def recording_compute_loss(*a, **kw):
+        loss = compute_loss(*a, **kw)
+        losses.append(loss.detach().item())
+        return loss
+
+    trainer.compute_loss = recording_compute_loss
+    trainer.train()
+    assert trainer.state.global_step == 2 and len(losses) == 2
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ex in collator.calls[0]:
+            inputs = alone_inputs(ex)
+            logits = reference(**inputs, use_cache=False).logits[0]
+            total += summed_token_loss(logits, inputs["input_ids"][0]).item()
+            count += inputs["input_ids"].shape[1] - 1
+    assert math.isclose(losses[0], total / count, rel_tol=1e-5), (losses[0], total / count)
