@@ -18,6 +18,14 @@ or FSDP2 (``torch.distributed.fsdp.fully_shard`` on every decoder layer and the 
 
 Each rank trains on its own batches; the printed losses are the mean over the ranks.
 
+Packed (padding-free) batches: ``--packed`` lays each step's examples, of different
+lengths, end to end in one row with ``posenc_torch.packing.pack_multimodal_examples`` (the
+function behind ``MultimodalPackingCollator``), with per-example 3-D position ids and no
+padding; it combines with ``--distributed``:
+
+    python examples/finetune_qwen2_vl.py --quick --packed
+    torchrun --nproc-per-node 2 examples/finetune_qwen2_vl.py --quick --packed --distributed fsdp2
+
 Nothing is downloaded: the model is built from a small config with random weights.  Works
 with transformers 4.57 and 5.x.
 """
@@ -38,6 +46,7 @@ from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
 import posenc_torch
 import posenc_torch.hf
+from posenc_torch.packing import pack_multimodal_examples
 
 IMAGE, VIDEO, VISION_START, VISION_END = 1020, 1021, 1022, 1023
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
@@ -80,6 +89,33 @@ def synthetic_batch(model, batch: int, text_len: int, grid: tuple[int, int, int]
     if TRANSFORMERS_MAJOR >= 5:  # 5.x builds the 3-D positions from the token types
         out["mm_token_type_ids"] = (input_ids == IMAGE).int()
     return out
+
+
+def synthetic_packed_batch(model, batch: int, text_len: int, grid: tuple[int, int, int],
+                           gen: torch.Generator) -> dict[str, object]:
+    """``batch`` examples of ``[text, <vision_start>, image tokens, <vision_end>, text]`` with
+    text of ``text_len / 2`` to ``text_len`` tokens, each as a processor returns it, packed
+    into one row (no padding)."""
+    vc = model.config.vision_config
+    t, h, w = grid
+    patches = t * h * w
+    patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+    examples = []
+    for _ in range(batch):
+        n = int(torch.randint(text_len // 2, text_len + 1, (1,), generator=gen))
+        ids = torch.cat([torch.randint(3, 1000, (n // 4,), generator=gen),
+                         torch.tensor([VISION_START]),
+                         torch.full((patches // vc.spatial_merge_size ** 2,), IMAGE),
+                         torch.tensor([VISION_END]),
+                         torch.randint(3, 1000, (n - n // 4,), generator=gen)])[None]
+        example = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                       labels=ids.masked_fill(ids >= IMAGE, -100),
+                       pixel_values=torch.randn(patches, patch_dim, generator=gen),
+                       image_grid_thw=torch.tensor([grid]))
+        if TRANSFORMERS_MAJOR >= 5:
+            example["mm_token_type_ids"] = (ids == IMAGE).int()
+        examples.append(example)
+    return pack_multimodal_examples(examples, model)
 
 
 def compile_regions(model) -> None:
@@ -248,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                              "machine, where waking a second thread can wait for a time slice")
     parser.add_argument("--distributed", choices=["ddp", "fsdp2"], default=None,
                         help="data-parallel training under torchrun (eager only)")
+    parser.add_argument("--packed", action="store_true",
+                        help="examples of different lengths packed into one row per step "
+                             "(posenc_torch.packing) instead of a batch of equal rows")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -264,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     initial = tiny_qwen2_vl(args.quick)
     gen = torch.Generator().manual_seed(1 + rank)  # each rank its own data
-    batches = [{key: value.to(device) for key, value in
-                synthetic_batch(initial, batch, text_len, grid, gen).items()}
+    make = synthetic_packed_batch if args.packed else synthetic_batch
+    batches = [{key: value.to(device) if isinstance(value, torch.Tensor) else value
+                for key, value in make(initial, batch, text_len, grid, gen).items()}
                for _ in range(steps)]
     seq = batches[0]["input_ids"].shape[1]
     text_cfg = initial.config.text_config
@@ -274,9 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.distributed:
         say(f"{args.distributed.upper()} on {dist.get_world_size()} ranks "
             f"({dist.get_backend()}, {device.type}); per-rank batches, mean loss over ranks")
+    shape = (f"{batch} examples packed into 1 row of {seq} tokens" if args.packed
+             else f"batch {batch} x {seq} tokens")
     say(f"tiny Qwen2-VL: {text_cfg.num_hidden_layers} decoder layers, "
           f"{sum(p.numel() for p in initial.parameters()) / 1e6:.1f}M parameters; "
-          f"batch {batch} x {seq} tokens (image grid {grid}), {steps} steps")
+          f"{shape} (image grid {grid}), {steps} steps")
 
     ok = True
     for compiled in compiled_modes:
@@ -299,7 +341,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{ref_ms:.1f}, posenc {pe_ms:.1f} (speed-up {ref_ms / pe_ms:.2f}x)")
         say(f"{'':{len(mode) + 3}} posenc calls: {calls}, fallbacks: {fallbacks}")
         worst = max(abs(a - b) / abs(a) for a, b in zip(ref_losses, pe_losses, strict=True))
-        ran = all(n > 0 for n in calls.values()) and fallbacks == 0
+        # A packed batch brings its position ids (from posenc_torch.packing), so the model
+        # never calls get_rope_index; every other patched function must have run.
+        expected = [t for t in calls if not (args.packed and t.endswith(".get_rope_index"))]
+        ran = all(calls[t] > 0 for t in expected) and fallbacks == 0
         same = worst <= args.rtol
         say(f"{'':{len(mode) + 3}} {'OK' if same and ran else 'MISMATCH'}: losses "
               f"{'match' if same else 'differ'} (largest relative difference {worst:.2e}, "

@@ -617,3 +617,18 @@ def test_finetune_example_on_two_ranks(mode, tmp_path):
     assert f"{mode.upper()} on 2 ranks (gloo, cpu)" in proc.stdout
     assert "OK: losses match" in proc.stdout and "posenc kernels ran" in proc.stdout
     assert "all losses match" in proc.stdout
+
+
+def test_finetune_example_packed_on_two_ranks(tmp_path):
+    """--packed under torchrun, FSDP2 on 2 CPU ranks: each rank's examples packed into one
+    row (posenc_torch.packing), the same mean losses with and without the patch."""
+    script = REPO / "examples" / "finetune_qwen2_vl.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), "--quick", "--packed", "--distributed", "fsdp2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "FSDP2 on 2 ranks (gloo, cpu)" in proc.stdout
+    assert "examples packed into 1 row" in proc.stdout
+    assert "OK: losses match" in proc.stdout and "posenc kernels ran" in proc.stdout

@@ -1,0 +1,470 @@
+"""Packed (padding-free) batches for Qwen-VL training.
+
+A padded batch spends the padded share of every matrix product on nothing.  Packing lays
+the examples end to end in a few rows instead; the Qwen-VL models of transformers (4.57 and
+5.x: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) keep the examples apart when they get
+``position_ids`` of shape (4, rows, L): row 0 holds the text positions, restarting at 0 for
+every example (from which the model builds a block-diagonal causal mask for eager and
+sdpa attention, and the varlen boundaries for flash-attention), rows 1-3 the temporal,
+height and width MRoPE ids of each example as its ``get_rope_index`` gives them alone.
+
+:func:`pack_multimodal_examples` builds such a batch from examples as a Qwen-VL processor
+returns them one by one; :class:`MultimodalPackingCollator` is the same as a
+``data_collator`` for ``transformers.Trainer`` and TRL's ``SFTTrainer``.
+
+The batch carries ``use_cache=False``: transformers builds the block-diagonal mask only
+when no cache is passed, and a forward with the models' default ``use_cache=True`` creates
+one first and then lets every token attend across the example boundaries of its row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .positions import MROPE_MODELS, compute_mrope_position_ids, resolve_convention
+
+__all__ = ["pack_multimodal_examples", "MultimodalPackingCollator", "first_fit"]
+
+IGNORE_INDEX = -100  # the label transformers' loss skips
+
+# (pixels, grid) keys of the two kinds of vision input an example may carry.
+_VISION = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+
+
+@dataclass(frozen=True)
+class _ModelSettings:
+    """What packing needs from a Qwen-VL config."""
+
+    model_type: str
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    spatial_merge_size: int
+    tokens_per_second: float | None
+    pad_token_id: int
+    patch_dim: int | None  # values per patch row of pixel_values, when the config says
+
+
+def _settings(config: object) -> _ModelSettings:
+    """Model type and token ids from a Qwen-VL model (or anything with its ``config``, such
+    as a PEFT wrapper) or its config; the vision settings are read from ``vision_config``,
+    the pad token from the text config where the top level has none."""
+    cfg = config if hasattr(config, "model_type") else getattr(config, "config", None)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in MROPE_MODELS:
+        raise ValueError(f"config must be a Qwen-VL model or config (model_type one of "
+                         f"{sorted(MROPE_MODELS)}), got "
+                         f"{model_type if model_type is not None else type(config).__name__!r}")
+    vision = getattr(cfg, "vision_config", None)
+    text = getattr(cfg, "text_config", None)
+    ids = {}
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id"):
+        value = getattr(cfg, name, None)
+        if not isinstance(value, int):
+            raise ValueError(f"config has no integer {name} (got {value!r})")
+        ids[name] = value
+    merge = getattr(vision, "spatial_merge_size", None)
+    if not isinstance(merge, int) or merge < 1:
+        raise ValueError(f"config.vision_config.spatial_merge_size must be an int >= 1, got "
+                         f"{merge!r}")
+    tokens_per_second = getattr(vision, "tokens_per_second", None) \
+        if model_type == "qwen2_5_vl" else None
+    pad = getattr(cfg, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(text, "pad_token_id", None)
+    sizes = [getattr(vision, name, None) for name in
+             ("in_channels", "temporal_patch_size", "patch_size")]
+    patch_dim = sizes[0] * sizes[1] * sizes[2] ** 2 \
+        if all(isinstance(v, int) for v in sizes) else None
+    return _ModelSettings(model_type, **ids, spatial_merge_size=merge,
+                          tokens_per_second=tokens_per_second,
+                          pad_token_id=pad if isinstance(pad, int) else 0, patch_dim=patch_dim)
+
+
+def first_fit(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]:
+    """Rows of example indices: each example, in order, goes into the first row whose
+    examples leave room for it (at most ``max_tokens`` tokens a row); all in one row when
+    ``max_tokens`` is None.  The batch lays the examples of row 0 first, then row 1, ..."""
+    if max_tokens is None:
+        return [list(range(len(lengths)))] if lengths else []
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for i, n in enumerate(lengths):
+        if n > max_tokens:
+            raise ValueError(f"examples[{i}] has {n} tokens, more than max_tokens={max_tokens}")
+        row = next((r for r, u in enumerate(used) if u + n <= max_tokens), None)
+        if row is None:
+            rows.append([])
+            used.append(0)
+            row = len(rows) - 1
+        rows[row].append(i)
+        used[row] += n
+    return rows
+
+
+def _check_count(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _as_tensor(value: object, where: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)) or hasattr(value, "__array__"):
+        try:
+            return torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"{where} must be a tensor or a (nested) list of numbers: {e}") \
+                from None
+    raise TypeError(f"{where} must be a tensor or a list, got {type(value).__name__}")
+
+
+def _token_row(value: object, where: str) -> torch.Tensor:
+    """(L,) int64 from a (L,) or (1, L) tensor, or a list of ints (or a list of one)."""
+    t = _as_tensor(value, where)
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1:
+        raise ValueError(f"{where} must be (length,) or (1, length), got shape "
+                         f"{tuple(t.shape)}")
+    if t.numel() and (t.is_floating_point() or t.is_complex()):
+        raise TypeError(f"{where} must hold integers, got {t.dtype}")
+    return t.to(torch.int64)
+
+
+def _grid(value: object, where: str) -> torch.Tensor:
+    t = _as_tensor(value, where)
+    if t.dim() == 3 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 2 or t.shape[1] != 3:
+        raise ValueError(f"{where} must be (n, 3) of (t, h, w), got shape {tuple(t.shape)}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{where} must hold integers, got {t.dtype}")
+    return t.to(torch.int64)
+
+
+@dataclass
+class _Example:
+    input_ids: torch.Tensor                 # (n,) int64
+    labels: torch.Tensor                    # (n,) int64, first entry IGNORE_INDEX
+    mm_token_type_ids: torch.Tensor | None  # (n,) int64
+    grids: dict[str, torch.Tensor | None]   # image_grid_thw / video_grid_thw: (k, 3)
+    pixels: dict[str, torch.Tensor | None]  # pixel_values / pixel_values_videos: (patches, d)
+    seconds: object                         # second_per_grid_ts as given (tensor or list)
+
+
+def _read_example(i: int, example: object, settings: _ModelSettings) -> _Example:
+    if not isinstance(example, Mapping):
+        raise TypeError(f"examples[{i}] must be a mapping (dict or BatchFeature), got "
+                        f"{type(example).__name__}")
+    where = lambda key: f"examples[{i}][{key!r}]"  # noqa: E731
+    if example.get("input_ids") is None:
+        raise ValueError(f"examples[{i}] has no 'input_ids'")
+    ids = _token_row(example["input_ids"], where("input_ids"))
+    rows = {"input_ids": ids}
+    for key in ("attention_mask", "labels", "mm_token_type_ids"):
+        if example.get(key) is not None:
+            rows[key] = _token_row(example[key], where(key))
+            if rows[key].shape != ids.shape:
+                raise ValueError(f"{where(key)} has {rows[key].numel()} entries, input_ids "
+                                 f"{ids.numel()}")
+    mask = rows.pop("attention_mask", None)
+    if mask is not None and not bool((mask == 1).all()):
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(f"{where('attention_mask')} must hold 0 and 1")
+        keep = mask == 1  # an example padded by its processor: drop the padding
+        rows = {key: row[keep] for key, row in rows.items()}
+        ids = rows["input_ids"]
+    if ids.numel() == 0:
+        raise ValueError(f"examples[{i}] has no tokens")
+    labels = rows.get("labels", ids).clone()
+    labels[0] = IGNORE_INDEX
+    grids, pixels = {}, {}
+    for pixel_key, grid_key in _VISION:
+        grid = example.get(grid_key)
+        grids[grid_key] = None if grid is None else _grid(grid, where(grid_key))
+        pix = example.get(pixel_key)
+        if pix is None:
+            if grids[grid_key] is not None and grids[grid_key].shape[0]:
+                raise ValueError(f"examples[{i}] has {grid_key} but no {pixel_key}")
+            pixels[pixel_key] = None
+            continue
+        pix = _as_tensor(pix, where(pixel_key))
+        if not pix.is_floating_point():
+            raise TypeError(f"{where(pixel_key)} must be floating, got {pix.dtype}")
+        if pix.dim() != 2 or settings.patch_dim not in (None, pix.shape[1]):
+            width = settings.patch_dim or "patch_dim"
+            raise ValueError(f"{where(pixel_key)} must be (patches, {width}) (in_channels * "
+                             f"temporal_patch_size * patch_size**2 of the config), got shape "
+                             f"{tuple(pix.shape)}")
+        patches = 0 if grids[grid_key] is None else int(grids[grid_key].prod(-1).sum())
+        if pix.shape[0] != patches:
+            raise ValueError(f"{where(pixel_key)} has {pix.shape[0]} patches but {grid_key} "
+                             f"describes {patches}")
+        pixels[pixel_key] = pix
+    seconds = example.get("second_per_grid_ts")
+    if seconds is not None and settings.model_type != "qwen2_5_vl":
+        raise ValueError(f"{where('second_per_grid_ts')} applies only to qwen2_5_vl, the "
+                         f"config is {settings.model_type}")
+    if seconds is not None:
+        n_seconds = _as_tensor(seconds, where("second_per_grid_ts")).reshape(-1).numel()
+        n_videos = 0 if grids["video_grid_thw"] is None else grids["video_grid_thw"].shape[0]
+        if n_seconds != n_videos:
+            raise ValueError(f"{where('second_per_grid_ts')} has {n_seconds} values for "
+                             f"{n_videos} videos")
+    return _Example(ids, labels, rows.get("mm_token_type_ids"), grids, pixels, seconds)
+
+
+def _position_ids_of(i: int, ex: _Example, settings: _ModelSettings,
+                     convention: str) -> torch.Tensor:
+    """(3, n) T/H/W ids of one example alone, as transformers' get_rope_index gives them."""
+    seconds = ex.seconds
+    if isinstance(seconds, torch.Tensor):
+        seconds = seconds.reshape(-1)
+    elif seconds is not None and not all(isinstance(s, (int, float)) for s in seconds):
+        seconds = _as_tensor(seconds, "").reshape(-1).tolist()  # nested: [[s, ...]]
+    try:
+        pos, _ = compute_mrope_position_ids(
+            ex.input_ids[None], ex.grids["image_grid_thw"], ex.grids["video_grid_thw"],
+            model=settings.model_type, convention=convention,
+            mm_token_type_ids=None if ex.mm_token_type_ids is None else ex.mm_token_type_ids[None],
+            image_token_id=settings.image_token_id, video_token_id=settings.video_token_id,
+            vision_start_token_id=settings.vision_start_token_id,
+            spatial_merge_size=settings.spatial_merge_size, second_per_grid_ts=seconds,
+            tokens_per_second=settings.tokens_per_second)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"examples[{i}]: {e}") from None
+    return pos[:, 0]
+
+
+def _packed_position_ids_loop(examples: Sequence[_Example], rows: list[list[int]], length: int,
+                              settings: _ModelSettings, convention: str) -> torch.Tensor:
+    """(4, rows, L) int64, one example at a time: row 0 counts 0, 1, ... from each
+    example's first token; rows 1-3 its own T/H/W ids; the padding after a row's last
+    example counts from 0 on all four rows (its own sequence)."""
+    out = torch.empty(4, len(rows), length, dtype=torch.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for k in row:
+            ex = examples[k]
+            n = ex.input_ids.numel()
+            out[0, r, at:at + n] = torch.arange(n)
+            out[1:, r, at:at + n] = _position_ids_of(k, ex, settings, convention)
+            at += n
+        out[:, r, at:] = torch.arange(length - at)
+    return out
+
+
+def _packed_position_ids(examples: list[_Example], rows: list[list[int]], input_ids: torch.Tensor,
+                         types: torch.Tensor | None, settings: _ModelSettings,
+                         convention: str) -> torch.Tensor:
+    import posenc_torch
+
+    packed = getattr(posenc_torch, "compute_packed_mrope_position_ids", None)
+    if packed is None:
+        return _packed_position_ids_loop(examples, rows, input_ids.shape[1], settings, convention)
+    order = [k for row in rows for k in row]
+    kw = {}
+    for key in ("image_grid_thw", "video_grid_thw"):
+        grids = [examples[k].grids[key] for k in order if examples[k].grids[key] is not None]
+        kw[key] = torch.cat(grids) if grids else None
+    if settings.model_type == "qwen2_5_vl":
+        kw["second_per_grid_ts"] = _seconds(examples, order)
+        kw["tokens_per_second"] = settings.tokens_per_second
+    try:
+        return packed(
+            input_ids, [[examples[k].input_ids.numel() for k in row] for row in rows],
+            model=settings.model_type, convention=convention, mm_token_type_ids=types,
+            image_token_id=settings.image_token_id, video_token_id=settings.video_token_id,
+            vision_start_token_id=settings.vision_start_token_id,
+            spatial_merge_size=settings.spatial_merge_size, **kw)
+    except (ValueError, TypeError):
+        # Name the culprit by its index in ``examples`` (the packed call numbers examples in
+        # row order): the walk of each example alone raises for it.
+        _packed_position_ids_loop(examples, rows, input_ids.shape[1], settings, convention)
+        raise
+
+
+def _seconds(examples: list[_Example], order: list[int]) -> torch.Tensor | None:
+    """second_per_grid_ts of the videos in row order (float32, as the processor gives it,
+    unless the examples carry another float dtype), or None when no example has any."""
+    with_videos = [k for k in order if examples[k].grids["video_grid_thw"] is not None
+                   and examples[k].grids["video_grid_thw"].shape[0]]
+    given = [k for k in with_videos if examples[k].seconds is not None]
+    if not given:
+        return None
+    if len(given) != len(with_videos):
+        missing = next(k for k in with_videos if examples[k].seconds is None)
+        raise ValueError(f"examples[{missing}] has videos but no second_per_grid_ts, which "
+                         "other examples have")
+    parts = [_as_tensor(examples[k].seconds, "").reshape(-1) for k in given]
+    dtype = next((p.dtype for p in parts if p.is_floating_point()), torch.float32)
+    return torch.cat([p.to(dtype) for p in parts])
+
+
+def pack_multimodal_examples(
+    examples: Sequence[Mapping[str, object]],
+    config: object,
+    *,
+    max_tokens: int | None = None,
+    pad_to_multiple_of: int | None = None,
+    return_flash_attn_kwargs: bool = False,
+    convention: str = "installed",
+) -> dict[str, object]:
+    """One packed batch for ``model(**batch)`` from Qwen-VL examples.
+
+    ``examples``: what a Qwen-VL processor returns for one example each (a dict or
+    ``BatchFeature``), with tensors of a leading batch dimension of 1 or lists:
+
+        input_ids:            (1, n) or (n,) token ids
+        attention_mask:       (1, n) of 0/1, optional; tokens where it is 0 are dropped
+        labels:               (1, n), optional; input_ids when absent
+        mm_token_type_ids:    (1, n), optional (transformers 5.x processors)
+        pixel_values:         (patches, patch_dim) with image_grid_thw (k, 3)
+        pixel_values_videos:  (patches, patch_dim) with video_grid_thw (k, 3)
+        second_per_grid_ts:   (k_videos,) (Qwen2.5-VL)
+
+    Other keys are ignored.  ``config``: the Qwen-VL model, or its config (model type, token
+    ids, ``vision_config.spatial_merge_size`` and, for Qwen2.5-VL,
+    ``vision_config.tokens_per_second`` are read from it).
+
+    The examples are placed in rows by :func:`first_fit` (one row when ``max_tokens`` is
+    None), each row filled up to L (the longest row, rounded up to a multiple of
+    ``pad_to_multiple_of``) with the config's pad token.  Returns
+
+        input_ids:         (rows, L) int64
+        labels:            (rows, L) int64: each example's labels with its first token set to
+                           -100 (the last token of one example does not learn to predict
+                           the first of the next), -100 on the padding
+        position_ids:      (4, rows, L) int64: row 0 the text positions 0, 1, ... of each
+                           example, rows 1-3 its T/H/W MRoPE ids as transformers'
+                           ``get_rope_index`` gives for the example alone; the padding counts
+                           from 0 on all four rows, a sequence of its own
+        pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw: concatenated in
+                           the order the examples lie in the batch (row 0 left to right,
+                           then row 1, ...), which is the order the model assigns them to
+                           the placeholder tokens; absent when no example has any
+        second_per_grid_ts:(videos,) Qwen2.5-VL, when the examples carry it
+        mm_token_type_ids: (rows, L), when the examples carry it (0 on padding)
+        use_cache:         False (see the module docstring)
+        cu_seq_lens_q/k, max_length_q/k: with ``return_flash_attn_kwargs``: int32
+                           cumulative lengths of every sequence (examples, and each row's
+                           padding) over the rows laid end to end, and the longest one
+
+    There is no ``attention_mask``: the models derive the per-example causal mask from
+    ``position_ids[0]``.  ``convention`` chooses the position-id rules as in
+    :func:`posenc_torch.compute_mrope_position_ids` ("installed": those of the installed
+    transformers).  ``max_tokens`` bounds the example tokens of a row; the padding to a
+    multiple can add up to ``pad_to_multiple_of - 1``.
+
+    Bad input raises TypeError (wrong type or dtype) or ValueError (wrong shape, an example
+    longer than ``max_tokens``, grids that disagree with the tokens or the pixel rows,
+    ...) naming ``examples[i]`` and the key.
+    """
+    settings = _settings(config)
+    convention = resolve_convention(convention, settings.model_type)
+    max_tokens = _check_count("max_tokens", max_tokens)
+    multiple = _check_count("pad_to_multiple_of", pad_to_multiple_of) or 1
+    if isinstance(examples, Mapping) or not isinstance(examples, Sequence):
+        raise TypeError(f"examples must be a list of examples (mappings), got "
+                        f"{type(examples).__name__}")
+    if not examples:
+        raise ValueError("examples is empty")
+    exs = [_read_example(i, ex, settings) for i, ex in enumerate(examples)]
+    lengths = [ex.input_ids.numel() for ex in exs]
+    rows = first_fit(lengths, max_tokens)
+    order = [k for row in rows for k in row]
+    used = [sum(lengths[k] for k in row) for row in rows]
+    length = math.ceil(max(used) / multiple) * multiple
+
+    input_ids = torch.full((len(rows), length), settings.pad_token_id, dtype=torch.int64)
+    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.int64)
+    with_types = any(ex.mm_token_type_ids is not None for ex in exs)
+    types = torch.zeros(len(rows), length, dtype=torch.int64) if with_types else None
+    for r, row in enumerate(rows):
+        at = 0
+        for k in row:
+            ex, n = exs[k], lengths[k]
+            input_ids[r, at:at + n] = ex.input_ids
+            labels[r, at:at + n] = ex.labels
+            if types is not None:
+                types[r, at:at + n] = ex.mm_token_type_ids if ex.mm_token_type_ids is not None \
+                    else ((ex.input_ids == settings.image_token_id).long()
+                          + 2 * (ex.input_ids == settings.video_token_id).long())
+            at += n
+
+    batch: dict[str, object] = {"input_ids": input_ids, "labels": labels}
+    batch["position_ids"] = _packed_position_ids(exs, rows, input_ids, types, settings,
+                                                 convention)
+    for pixel_key, grid_key in _VISION:
+        present = [k for k in order if exs[k].pixels[pixel_key] is not None]
+        if not present:
+            continue
+        pix = [exs[k].pixels[pixel_key] for k in present]
+        for k, p in zip(present, pix, strict=True):
+            if p.shape[1] != pix[0].shape[1]:
+                raise ValueError(f"examples[{k}][{pixel_key!r}] has patches of {p.shape[1]} "
+                                 f"values, examples[{present[0]}] of {pix[0].shape[1]}: the "
+                                 "patch size must agree")
+            if p.dtype != pix[0].dtype:
+                raise TypeError(f"examples[{k}][{pixel_key!r}] is {p.dtype}, "
+                                f"examples[{present[0]}] {pix[0].dtype}: the dtype must agree")
+        batch[pixel_key] = torch.cat(pix)
+        batch[grid_key] = torch.cat([exs[k].grids[grid_key] for k in present])
+    if settings.model_type == "qwen2_5_vl":
+        seconds = _seconds(exs, order)
+        if seconds is not None:
+            batch["second_per_grid_ts"] = seconds
+    if types is not None:
+        batch["mm_token_type_ids"] = types
+    batch["use_cache"] = False
+    if return_flash_attn_kwargs:
+        seqs = []
+        for row, u in zip(rows, used, strict=True):
+            seqs += [lengths[k] for k in row] + ([length - u] if length > u else [])
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(seqs).cumsum(0)
+        batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=max(seqs),
+                     max_length_k=max(seqs))
+    return batch
+
+
+class MultimodalPackingCollator:
+    """``data_collator`` for ``transformers.Trainer`` and TRL's ``SFTTrainer``: packs each
+    list of examples with :func:`pack_multimodal_examples` and these options.
+
+    ``config`` (the model or its config) is read once, here; so is ``convention``, which is
+    resolved against the transformers installed now.
+    """
+
+    def __init__(self, config: object, *, max_tokens: int | None = None,
+                 pad_to_multiple_of: int | None = None, return_flash_attn_kwargs: bool = False,
+                 convention: str = "installed") -> None:
+        settings = _settings(config)
+        self.config = getattr(config, "config", config) if not hasattr(config, "model_type") \
+            else config
+        self.convention = resolve_convention(convention, settings.model_type)
+        self.max_tokens = _check_count("max_tokens", max_tokens)
+        self.pad_to_multiple_of = _check_count("pad_to_multiple_of", pad_to_multiple_of)
+        self.return_flash_attn_kwargs = bool(return_flash_attn_kwargs)
+
+    def __call__(self, examples: Sequence[Mapping[str, object]]) -> dict[str, object]:
+        return pack_multimodal_examples(
+            examples, self.config, max_tokens=self.max_tokens,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            return_flash_attn_kwargs=self.return_flash_attn_kwargs, convention=self.convention)
+
+    def __repr__(self) -> str:
+        return (f"MultimodalPackingCollator({self.config.model_type}, max_tokens="
+                f"{self.max_tokens}, pad_to_multiple_of={self.pad_to_multiple_of}, "
+                f"return_flash_attn_kwargs={self.return_flash_attn_kwargs}, convention="
+                f"{self.convention!r})")
