@@ -186,7 +186,7 @@ def run(opts: H.Options, rep: H.Reporter) -> None:
                          transformers_version=transformers.__version__)
     for res in results:
         rep.add(res, f"{case.name} {res.method}")
-    for line in format_summary(summarize([res.__dict__ for res in results])).splitlines():
+    for line in format_summary(summarize([res.to_dict() for res in results])).splitlines():
         print(line, flush=True)
 
 
@@ -238,4 +238,5 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--summary":
         print(format_summary(summarize(json.loads(Path(sys.argv[2]).read_text())["results"])))
         sys.exit(0)
-    sys.exit(H.worker_main(sys.modules[__name__]))
+    sys.exit("usage: bench_packing_train.py --summary RESULTS.json (the case itself runs in "
+             "topic packing: benchmarks/run.py --topics packing)")

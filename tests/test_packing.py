@@ -660,7 +660,7 @@ def test_training_step_benchmark_checks_the_gradients_before_timing():
         assert r.status == "ok", r.reason
         assert r.max_rel_err <= H.VERIFY_TOL["fp32"]
     lengths = B.example_lengths("smoke")
-    (row,) = B.summarize([r.__dict__ for r in rep.results])
+    (row,) = B.summarize([r.to_dict() for r in rep.results])
     assert row["real_tokens"] == sum(lengths) and row["padded_slots"] == len(lengths) * max(lengths)
     assert row["packed_tokens_per_s"] > 0 and row["padded_tokens_per_s"] > 0
 
