@@ -1104,13 +1104,22 @@ def _modeling_module(model_type: str) -> types.ModuleType:
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        raise _Unsupported(
+        # the model itself missing from this release, or its module failing to import
+        absent = isinstance(e, ModuleNotFoundError) and e.name in (
+            name, f"transformers.models.{model_type}")
+        raise (_Absent if absent else _Unsupported)(
             f"cannot import {name} from transformers {version} ({e}); model type "
             f"{model_type!r} needs a transformers version that has it") from e
 
 
 class _Unsupported(RuntimeError):
     """A known model type that the installed transformers does not let posenc patch."""
+
+
+class _Absent(_Unsupported):
+    """A known model type that the installed transformers does not have at all: patch()
+    with no arguments passes it by without a warning (it did not drop out, it is not
+    there); asked for by name it is refused like any other."""
 
 
 def _plan(model_type: str, module: types.ModuleType) -> list[tuple[str, _Form | None]]:
@@ -1194,6 +1203,9 @@ def __getattr__(name: str) -> object:
 def _normalize(model_types: str | Iterable[str] | None) -> tuple[str, ...]:
     if isinstance(model_types, str):
         model_types = [model_types]
+    if not isinstance(model_types, Iterable):
+        raise TypeError(f"model_types must be a model type, a sequence of them or None, got "
+                        f"{type(model_types).__name__}")
     out: list[str] = []
     for mt in model_types:
         if not isinstance(mt, str):
@@ -1247,16 +1259,23 @@ def patch(model_types: str | Sequence[str] | None = None, *,
     every model of those types in the process, including ones built before the call.
     ``patch`` and ``undo`` are thread-safe (one lock orders them).
     """
+    for name, flag in (("fallback", fallback), ("count", count)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     requested = KNOWN_MODEL_TYPES if model_types is None else _normalize(model_types)
     with _LOCK:
-        plans, refused = [], {}
+        plans, refused, absent = [], {}, {}
         for mt in requested:
             try:
                 module = _modeling_module(mt)
                 plans.append((mt, module, _plan(mt, module)))
+            except _Absent as e:
+                (absent if model_types is None else refused)[mt] = str(e)
             except _Unsupported as e:
                 refused[mt] = str(e)
         if not plans:
+            refused.update(absent)
+        if not plans:  # (absent types included: nothing at all could be patched)
             if len(refused) == 1:
                 raise RuntimeError(f"posenc_torch.hf.patch: {next(iter(refused.values()))}")
             raise RuntimeError("posenc_torch.hf.patch: none of the model types can be patched "
@@ -1272,7 +1291,7 @@ def patch(model_types: str | Sequence[str] | None = None, *,
         for mt, why in refused.items():
             warnings.warn(f"posenc_torch.hf.patch leaves {mt} to transformers: {why}",
                           UnsupportedModelWarning, stacklevel=2)
-        handle = PatchHandle(tuple(mt for mt, _, _ in plans), bool(fallback), bool(count))
+        handle = PatchHandle(tuple(mt for mt, _, _ in plans), fallback, count)
         try:
             for mt, module, names in plans:
                 for name, form in names:

@@ -263,6 +263,9 @@ CASES = [
     ("patch/type", lambda: _patch(model_types=["llama", 3]), TypeError,
      "model_types must be strings"),
     ("patch/unknown", lambda: _patch(model_types="gpt99"), ValueError, "gpt99"),
+    ("patch/not-iterable", lambda: _patch(model_types=3), TypeError, "model_types"),
+    ("patch/fallback", lambda: _patch(fallback="no"), TypeError, "fallback"),
+    ("patch/count", lambda: _patch(count=1), TypeError, "count"),
     ("patch/empty", lambda: _patch(model_types=[]), ValueError, "model_types is empty"),
 ]
 
