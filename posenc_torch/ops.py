@@ -56,6 +56,8 @@ def _rope_fake(q, k, cos, sin, mrope_section, interleaved, pairing, transpose,
     check_same_device(q=q, k=k, cos=cos, sin=sin)
     qd = q_dtype if q_dtype is not None else torch.result_type(q, cos)
     kd = k_dtype if k_dtype is not None else torch.result_type(k, cos)
+    if transpose:  # the backward pass writes contiguous gradients (stable_support.h)
+        return q.new_empty(q.shape, dtype=qd), k.new_empty(k.shape, dtype=kd)
     return _output_like(q, qd), _output_like(k, kd)
 
 
@@ -69,6 +71,8 @@ def _rope_table_grad_fake(grad_q, grad_k, q, k, cos, mrope_section, interleaved,
 def _rope_fused_fake(q, k, position_ids, inv_freq, mrope_section, interleaved,
                      attention_scaling, pairing, transpose, heads_first=False):
     check_same_device(q=q, k=k, position_ids=position_ids, inv_freq=inv_freq)
+    if transpose:  # the backward pass writes contiguous gradients (stable_support.h)
+        return q.new_empty(q.shape), k.new_empty(k.shape)
     return _output_like(q, q.dtype), _output_like(k, k.dtype)
 
 
@@ -121,11 +125,10 @@ def _rope_backward(ctx, grad_q, grad_k):
     grad_k = _grad_or_zeros(grad_k, ctx.out_meta[1])
     dq, dk = rope(grad_q, grad_k, cos, sin, sections, interleaved, pairing, not transpose,
                   ctx.dtypes[0], ctx.dtypes[1], heads_first)
-    # Contiguous, as autograd of transformers' expression returns them whatever the layout
-    # of the incoming gradient (its rotate_half slices backpropagate into fresh contiguous
-    # buffers): what consumes them (e.g. a per-head norm's weight gradient) then sums in
-    # the same order, and a training step is bit-identical.
-    dq, dk = dq.contiguous(), dk.contiguous()
+    # dq, dk come contiguous (the op's transpose pass writes them so), as autograd of
+    # transformers' expression returns them whatever the layout of the incoming gradient:
+    # what consumes them (e.g. a per-head norm's weight gradient) then sums in the same
+    # order, and a training step is bit-identical.
     dcos = dsin = None
     if ctx.table_grad:
         q, k = saved

@@ -9,13 +9,23 @@ those marked ``any_transformers`` (they hold under both, e.g. the transformers p
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
-import pytest
-import torch
-import transformers
+# torch.compile's on-disk caches (under the system temp dir by default) outlive a run and are
+# keyed on the graph, not on the fake kernels of custom ops: a graph compiled against an
+# older build of the extension would be replayed with its old output layouts.  Each run
+# compiles into a fresh directory of its own.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="posenc-inductor-")
+atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
-import posenc_torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import posenc_torch  # noqa: E402
 
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 

@@ -263,8 +263,8 @@ TensorPair rope_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& cos_in
     const int32_t kd = k_dtype ? dtype_code(*k_dtype) : result_type(km.dtype, cm.dtype);
     to_pe_dtype(qd, "q_dtype");
     to_pe_dtype(kd, "k_dtype");
-    const Output q_out = output_like(q_in, qm, qd);
-    const Output k_out = output_like(k_in, km, kd);
+    const Output q_out = transpose ? contiguous_output(qm, qd) : output_like(q_in, qm, qd);
+    const Output k_out = transpose ? contiguous_output(km, kd) : output_like(k_in, km, kd);
 
     set_table_source(a.src, cos.t, cos.m, sin.t, Bc, map);
     bind(a.q, q.t, q.m, q_out.t, q_out.m, "q", L);
@@ -384,8 +384,10 @@ TensorPair rope_fused_cpu(const Tensor& q_in, const Tensor& k_in, const Tensor& 
     PositionSource ps = position_source(a.src, position_ids, inv_freq, mrope_section, interleaved,
                                         attention_scaling, a.batch, a.seq);
     const Dense q(q_in, qm), k(k_in, km);
-    const Output q_out = output_like(q_in, qm, qm.dtype);
-    const Output k_out = output_like(k_in, km, km.dtype);
+    const Output q_out =
+        transpose ? contiguous_output(qm, qm.dtype) : output_like(q_in, qm, qm.dtype);
+    const Output k_out =
+        transpose ? contiguous_output(km, km.dtype) : output_like(k_in, km, km.dtype);
     bind(a.q, q.t, q.m, q_out.t, q_out.m, "q", L);
     bind(a.k, k.t, k.m, k_out.t, k_out.m, "k", L);
     check_status(run_rope_apply(q_in, a), "posenc::rope_fused");

@@ -353,4 +353,13 @@ inline Output output_like(const Tensor& x, const Meta& m, int32_t dtype) {
     return {out, Meta(out)};
 }
 
+// Output of the backward (transpose) pass: contiguous in x's shape, the layout in which
+// autograd of transformers' expressions returns the gradients of q and k whatever the
+// incoming gradient's layout, so that what consumes them (a per-head norm's weight
+// gradient, say) sums in the same order.  The kernels write it directly: no copy after.
+inline Output contiguous_output(const Meta& m, int32_t dtype) {
+    Tensor out = empty(m.sizes, dtype, m);
+    return {out, Meta(out)};
+}
+
 }  // namespace posenc
