@@ -143,22 +143,10 @@ def _rows_needed(examples: list[dict], row: int) -> tuple[int, int]:
 
 
 def _first_fit(examples: list[dict], row: int) -> list[list[int]]:
-    """Example indices per row: each example goes into the first row with room left, rows
-    keep the examples in order (grids are in example order across the batch)."""
-    rows: list[list[int]] = []
-    used: list[int] = []
-    for i, ex in enumerate(examples):
-        n = len(ex["ids"])
-        if n > row:
-            raise ValueError(f"example {i} has {n} tokens, rows hold {row}")
-        b = next((b for b, u in enumerate(used) if u + n <= row), None)
-        if b is None:
-            rows.append([])
-            used.append(0)
-            b = len(rows) - 1
-        rows[b].append(i)
-        used[b] += n
-    return rows
+    """Example indices per row, as the packing collator places them (first fit, in order)."""
+    from posenc_torch.packing import first_fit
+
+    return first_fit([len(ex["ids"]) for ex in examples], row)
 
 
 def pack(examples: list[dict], row: int):
