@@ -269,9 +269,7 @@ def _packed_position_ids(examples: list[_Example], rows: list[list[int]], input_
                          convention: str) -> torch.Tensor:
     import posenc_torch
 
-    packed = getattr(posenc_torch, "compute_packed_mrope_position_ids", None)
-    if packed is None:
-        return _packed_position_ids_loop(examples, rows, input_ids.shape[1], settings, convention)
+    packed = posenc_torch.compute_packed_mrope_position_ids  # looked up per call (tests wrap it)
     order = [k for row in rows for k in row]
     kw = {}
     for key in ("image_grid_thw", "video_grid_thw"):

@@ -301,11 +301,8 @@ def test_position_ids_are_get_rope_index_of_each_example(model_type):
 
 
 def test_packed_function_agrees_with_the_loop():
-    """Where posenc has its one-call packed position ids, they equal the per-example loop
-    (also the fallback here) on every example token."""
-    if not hasattr(posenc_torch, "compute_packed_mrope_position_ids"):
-        pytest.skip("posenc_torch.compute_packed_mrope_position_ids is not in this build; the "
-                    "packing module uses its per-example loop, checked by the tests above")
+    """The one-call packed position ids equal the per-example loop (packing's way of naming
+    the example at fault) on every example token."""
     for model_type in MODEL_TYPES:
         model = tiny_model(model_type)
         examples = make_examples(model_type, model.config, seed=3)
@@ -324,7 +321,7 @@ def test_packed_function_agrees_with_the_loop():
 
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
 def test_arguments_given_to_the_packed_function(model_type, monkeypatch):
-    """Where posenc_torch has compute_packed_mrope_position_ids, packing calls it once with
+    """Packing calls compute_packed_mrope_position_ids once with
     the rows' example lengths and the grids and seconds in row order (a stand-in records the
     call here); an error it raises is re-raised, naming the culprit by its index in
     ``examples`` when one example alone is at fault."""
