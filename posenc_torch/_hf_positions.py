@@ -35,11 +35,12 @@ from collections.abc import Callable
 
 import torch
 
+from . import _installed
 from . import positions as _positions
+from ._tables import CONVENTIONS, MROPE_MODELS, MROPE_QWEN3_VL
 
-#: model type -> the ``model=`` of compute_mrope_position_ids.
-MODEL_TYPES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl",
-               "qwen3_vl_moe": "qwen3_vl"}
+#: The model types whose get_rope_index is replaced.
+MODEL_TYPES = tuple(MROPE_MODELS)
 _NAME = "get_rope_index"
 
 
@@ -70,12 +71,13 @@ def _tensor(value, name: str, dims: int | None = None) -> torch.Tensor | None:
 
 def _seconds(value, convention: str) -> torch.Tensor | None:
     """second_per_grid_ts as the walk takes it under ``convention`` (see module doc)."""
+    fractional = CONVENTIONS[convention].fractional_seconds
     if value is None or isinstance(value, torch.Tensor):
-        if (value is not None and convention == "5.18"
+        if (value is not None and fractional
                 and value.dtype in (torch.float16, torch.bfloat16)):
             raise _Skip("half-precision seconds")
         return value
-    if convention == "5.18":
+    if fractional:
         raise _Skip("5.18 multiplies Python floats in float64, then float32")
     # 4.57 and 5.17 truncate each value: float64 keeps a Python float exactly
     return torch.tensor([float(s) for s in value], dtype=torch.float64)
@@ -101,7 +103,7 @@ def _walk(self, arguments: dict, model: str, convention: str):
     vision = config.vision_config
     kwargs = dict(model=model, convention=convention,
                   spatial_merge_size=vision.spatial_merge_size)
-    v5 = convention != "4.57"
+    v5 = CONVENTIONS[convention].v5
     if v5:
         types = _tensor(arguments.get("mm_token_type_ids"), "mm_token_type_ids", 2)
         if types is None:
@@ -110,9 +112,10 @@ def _walk(self, arguments: dict, model: str, convention: str):
     else:
         kwargs.update(image_token_id=config.image_token_id, video_token_id=config.video_token_id,
                       vision_start_token_id=config.vision_start_token_id)
-    if model == "qwen2_5_vl":
+    if MROPE_MODELS[model].reads_seconds:
         tps = vision.tokens_per_second
-        if convention == "5.17" and (isinstance(tps, bool) or not isinstance(tps, int)):
+        if CONVENTIONS[convention].integral_tokens_per_second and (
+                isinstance(tps, bool) or not isinstance(tps, int)):
             raise _Skip("5.17 needs an int tokens_per_second")
         kwargs["tokens_per_second"] = tps
         kwargs["second_per_grid_ts"] = host(_seconds(arguments.get("second_per_grid_ts"),
@@ -180,7 +183,7 @@ def _probe_prompts(model: str, config) -> list[tuple[str, dict]]:
     special = {image, video, start, end}
     text_ids = [i for i in range(3, 60) if i not in special]
     merge = config.vision_config.spatial_merge_size
-    per_frame = model == "qwen3_vl"
+    per_frame = MROPE_MODELS[model].mrope == MROPE_QWEN3_VL
 
     def text(n: int, offset: int) -> list[int]:
         return [text_ids[(offset + j) % len(text_ids)] for j in range(n)]
@@ -201,7 +204,7 @@ def _probe_prompts(model: str, config) -> list[tuple[str, dict]]:
                   attention_mask=torch.tensor([[0] * (width - len(r)) + [1] * len(r)
                                                for r in rows]) if mask else None,
                   mm_token_type_ids=(ids == image).long() + 2 * (ids == video).long())
-        if model == "qwen2_5_vl":
+        if MROPE_MODELS[model].reads_seconds:
             kw["second_per_grid_ts"] = (torch.tensor(seconds, dtype=torch.float32)
                                         if seconds else None)
         return kw
@@ -209,7 +212,7 @@ def _probe_prompts(model: str, config) -> list[tuple[str, dict]]:
     img, img2, vid = (1, 4, 8), (2, 4, 4), (6, 4, 4)
     mixed = [text(3, 0) + vision(image, img) + text(2, 1) + vision(video, vid) + text(3, 2),
              text(5, 3) + vision(image, img2) + text(2, 4)]
-    seconds = [0.5] if model == "qwen2_5_vl" else None
+    seconds = [0.5] if MROPE_MODELS[model].reads_seconds else None
     return [
         ("image and video rows, left padding", batch(mixed, [img, img2], [vid], True, seconds)),
         ("the same without attention_mask", batch(mixed, [img, img2], [vid], False, seconds)),
@@ -230,16 +233,13 @@ def _identical(ours: tuple, theirs: object) -> bool:
 # The special tokens of the released Qwen-VL checkpoints, for configs that leave them unset.
 _QWEN_TOKEN_IDS = {"image_token_id": 151655, "video_token_id": 151656,
                    "vision_start_token_id": 151652, "vision_end_token_id": 151653}
-# Conventions whose rules are the same for a model (Qwen2.5-VL alone reads the seconds
-# that 5.17 and 5.18 treat differently): the first is not probed, the second stands for it.
-_SAME_RULES = {"qwen2_vl": {"5.17": "5.18"}, "qwen3_vl": {"5.17": "5.18"}}
 _DECIDED: dict[tuple[str, types.ModuleType], tuple[str | None, str]] = {}
 
 
 def _decide(model_type: str, module: types.ModuleType) -> tuple[str | None, str]:
     """(the convention whose walk gives what the module's get_rope_index gives on every
     probe prompt, "") or (None, why none or several do)."""
-    model = MODEL_TYPES[model_type]
+    model = model_type
     try:
         owner = _owner_class(module)
     except RuntimeError as e:
@@ -259,8 +259,15 @@ def _decide(model_type: str, module: types.ModuleType) -> tuple[str | None, str]
     except Exception as e:  # noqa: BLE001 -- reported as the reason
         return None, (f"the probe of {owner.__qualname__}.{_NAME} could not be set up "
                       f"({type(e).__name__}: {e})")
-    aliases = _SAME_RULES.get(model, {})
-    candidates = [c for c in _positions.MROPE_CONVENTIONS if c not in aliases]
+    # Conventions with the same rules for this model (all but Qwen2.5-VL, which reads the
+    # seconds that 5.17 and 5.18 treat differently, have one rule set per major release)
+    # are probed once, under the newest name.
+    reads_seconds = MROPE_MODELS[model].reads_seconds
+    candidates = []
+    for convention in reversed(CONVENTIONS.values()):
+        if not any(convention.same_rules_for(CONVENTIONS[c], reads_seconds) for c in candidates):
+            candidates.append(convention.name)
+    candidates.reverse()
     for label, kw in prompts:
         kw = {name: value for name, value in kw.items() if name in params}
         try:
@@ -286,14 +293,13 @@ def _decide(model_type: str, module: types.ModuleType) -> tuple[str | None, str]
         return None, (f"{owner.__qualname__}.{_NAME} matches several conventions "
                       f"({', '.join(candidates)}) on the probe prompts")
     convention = candidates[0]
-    if convention in aliases.values():
-        # The same rules under two names: the one of the installed version's release.
-        try:
-            named = _positions.convention_for_version(transformers.__version__)
-        except ValueError:
-            named = convention
-        if aliases.get(named) == convention:
-            convention = named
+    # The same rules under two names: the one of the installed version's release.
+    try:
+        named = _positions.convention_for_version(transformers.__version__)
+    except ValueError:
+        named = convention
+    if CONVENTIONS[named].same_rules_for(CONVENTIONS[convention], reads_seconds):
+        convention = named
     return convention, ""
 
 
@@ -347,7 +353,10 @@ def install(handle, model_types: tuple[str, ...]) -> None:
         original = vars(owner)[_NAME]
         target = f"{mt}.{_NAME}"
         handle._add_counters(target)
-        wrapper = _make(original, handle, target, MODEL_TYPES[mt], convention)
+        wrapper = _make(original, handle, target, mt, convention)
         wrapper.__doc__ = (f"posenc_torch replacement for transformers' {owner.__qualname__}."
                            f"{_NAME}; see posenc_torch._hf_positions.")
         handle.install(owner, _NAME, wrapper, target)
+
+
+_installed.provide("convention", installed_convention)

@@ -78,29 +78,17 @@ import torch.autograd.forward_ad as _forward_ad
 
 from . import rope as _rope
 from ._checks import FLOAT_DTYPES, KERNEL_DEVICES
+from ._tables import MODELS
 
 # SUPPORTED_MODEL_TYPES comes from the module __getattr__ below.
 __all__ = ["SUPPORTED_MODEL_TYPES", "PatchHandle", "UnsupportedModelWarning", "patch",  # noqa: F822
            "unsupported_model_types"]
 
 # The model types this integration knows and tests (tests/test_hf_models.py builds each
-# from a tiny config).  ``SUPPORTED_MODEL_TYPES`` is the subset whose installed code fits.
-KNOWN_MODEL_TYPES: tuple[str, ...] = (
-    # The first five, with their vision towers and the 4.x multimodal function.
-    "llama", "qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-    # Llama's rotate_half math (olmo*: the result is cast back to q's and k's dtypes).
-    "mistral", "mixtral", "ministral", "gemma", "gemma2", "gemma3", "phi", "qwen2_moe",
-    "qwen3", "qwen3_moe", "qwen3_vl_moe", "olmo", "olmo2", "olmo3", "granite", "granitemoe",
-    "starcoder2", "smollm3", "deepseek_v3", "exaone4", "seed_oss", "apertus",
-    "hunyuan_v1_dense", "paddleocr_vl",
-    # Adjacent pairs (2i, 2i+1).
-    "cohere", "cohere2", "glm4v",
-    # Partial rotary: tables narrower than head_dim, the other channels pass through.
-    "phi3", "gpt_neox", "qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe", "glm4v_moe",
-    # Tables reshaped inside the function.
-    "glm", "glm4", "ernie4_5", "gpt_oss",
-)
-_VISION_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+# from a tiny config), from the one model table.  ``SUPPORTED_MODEL_TYPES`` is the subset
+# whose installed code fits.
+KNOWN_MODEL_TYPES: tuple[str, ...] = tuple(MODELS)
+_VISION_MODEL_TYPES = frozenset(name for name, m in MODELS.items() if m.vision_rotary)
 
 _TEXT = "apply_rotary_pos_emb"
 _MULTIMODAL = "apply_multimodal_rotary_pos_emb"

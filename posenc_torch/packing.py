@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .positions import MROPE_MODELS, compute_mrope_position_ids, resolve_convention
+from ._tables import MROPE_MODELS
+from .positions import compute_mrope_position_ids, resolve_convention
 
 __all__ = ["pack_multimodal_examples", "MultimodalPackingCollator", "first_fit"]
 
@@ -72,7 +73,7 @@ def _settings(config: object) -> _ModelSettings:
         raise ValueError(f"config.vision_config.spatial_merge_size must be an int >= 1, got "
                          f"{merge!r}")
     tokens_per_second = getattr(vision, "tokens_per_second", None) \
-        if model_type == "qwen2_5_vl" else None
+        if MROPE_MODELS[model_type].reads_seconds else None
     pad = getattr(cfg, "pad_token_id", None)
     if pad is None:
         pad = getattr(text, "pad_token_id", None)
@@ -212,7 +213,7 @@ def _read_example(i: int, example: object, settings: _ModelSettings) -> _Example
                              f"describes {patches}")
         pixels[pixel_key] = pix
     seconds = example.get("second_per_grid_ts")
-    if seconds is not None and settings.model_type != "qwen2_5_vl":
+    if seconds is not None and not MROPE_MODELS[settings.model_type].reads_seconds:
         raise ValueError(f"{where('second_per_grid_ts')} applies only to qwen2_5_vl, the "
                          f"config is {settings.model_type}")
     if seconds is not None:
@@ -275,7 +276,7 @@ def _packed_position_ids(examples: list[_Example], rows: list[list[int]], input_
     for key in ("image_grid_thw", "video_grid_thw"):
         grids = [examples[k].grids[key] for k in order if examples[k].grids[key] is not None]
         kw[key] = torch.cat(grids) if grids else None
-    if settings.model_type == "qwen2_5_vl":
+    if MROPE_MODELS[settings.model_type].reads_seconds:
         kw["second_per_grid_ts"] = _seconds(examples, order)
         kw["tokens_per_second"] = settings.tokens_per_second
     try:
@@ -418,7 +419,7 @@ def pack_multimodal_examples(
                                 f"examples[{present[0]}] {pix[0].dtype}: the dtype must agree")
         batch[pixel_key] = torch.cat(pix)
         batch[grid_key] = torch.cat([exs[k].grids[grid_key] for k in present])
-    if settings.model_type == "qwen2_5_vl":
+    if MROPE_MODELS[settings.model_type].reads_seconds:
         seconds = _seconds(exs, order)
         if seconds is not None:
             batch["second_per_grid_ts"] = seconds

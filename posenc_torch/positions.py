@@ -18,12 +18,13 @@ from typing import NamedTuple
 
 import torch
 
+from . import _installed
 from ._checks import check_same_device, check_tensor, explain
-
-MROPE_MODELS = {"qwen2_vl": 0, "qwen2_5_vl": 1, "qwen3_vl": 2, "qwen3_vl_moe": 2}
+from ._tables import CONVENTIONS, MROPE_MODELS, TIME_F32, TIME_F64_INTERVAL, \
+    TIME_TRUNC_SECONDS, Convention
 
 #: The position-id rules of the transformers releases that were checked bit for bit,
-#: by the name ``convention=`` takes:
+#: by the name ``convention=`` takes (each one's record is in ``posenc_torch._tables``):
 #:
 #: - ``"4.57"``: transformers 4.57 (checked: 4.57.6).  Vision items are found in the token
 #:   ids (a placeholder right after ``vision_start_token_id``); text after an item resumes
@@ -39,10 +40,7 @@ MROPE_MODELS = {"qwen2_vl": 0, "qwen2_5_vl": 1, "qwen3_vl": 2, "qwen3_vl_moe": 2
 #:   that Qwen2.5-VL keeps the fraction of the seconds: frame k of a video gets
 #:   ``long(k * (tokens_per_second * s))`` computed in the dtype of ``second_per_grid_ts``
 #:   (float32 as the processor returns it; float64 when given so).
-MROPE_CONVENTIONS = ("4.57", "5.17", "5.18")
-_RULES = {"4.57": 0, "5.17": 1, "5.18": 1}
-# pe_mrope_time: F64 = 0, TRUNC_SECONDS = 1, F32 = 2, F64_INTERVAL = 3
-_TIME_TRUNC_SECONDS, _TIME_F32, _TIME_F64_INTERVAL = 1, 2, 3
+MROPE_CONVENTIONS = tuple(CONVENTIONS)
 
 #: ``vision_config.tokens_per_second`` of the released Qwen2.5-VL checkpoints (3B, 7B, 32B,
 #: 72B).  The config class default is 4 and some docstrings say 25; pass the value of your
@@ -76,15 +74,13 @@ def convention_for_version(version: str) -> str:
         major, minor = (int(part) for part in version.split(".")[:2])
     except ValueError:
         raise ValueError(f"cannot read the transformers version {version!r}") from None
-    if major == 4:
-        return "4.57"
-    if major == 5 and minor == 17:
-        return "5.17"
-    if major == 5 and minor >= 18:
-        return "5.18"
+    for convention in CONVENTIONS.values():
+        if convention.names_release(major, minor):
+            return convention.name
+    checked = ", ".join(r for c in CONVENTIONS.values() for r in c.checked)
     raise ValueError(
-        f"the position-id rules of transformers {version} were not checked (checked: 4.57.6, "
-        f"5.17.0, 5.18.0, 5.24.0); pass convention= one of {MROPE_CONVENTIONS} explicitly")
+        f"the position-id rules of transformers {version} were not checked (checked: "
+        f"{checked}); pass convention= one of {MROPE_CONVENTIONS} explicitly")
 
 
 @torch.compiler.assume_constant_result  # traced code gets the answer, not the check
@@ -93,9 +89,7 @@ def _installed_convention(model: str) -> str:
         raise ValueError(
             "convention='installed' needs transformers installed; without it pass "
             f"convention= one of {MROPE_CONVENTIONS}")
-    from ._hf_positions import installed_convention
-
-    return installed_convention(model)
+    return _installed.ask("convention", model)
 
 
 def resolve_convention(convention: str, model: str | None = None) -> str:
@@ -109,14 +103,19 @@ def resolve_convention(convention: str, model: str | None = None) -> str:
     modeling module; this imports transformers and the model's modeling module.
     ValueError when transformers is not installed, or when no convention (or more than
     one) gives its results on every prompt."""
+    return _convention(convention, model).name
+
+
+def _convention(convention: str, model: str | None = None) -> Convention:
+    """The record of :func:`resolve_convention`'s answer."""
     if convention == "installed":
         if model is not None and model not in MROPE_MODELS:
             raise ValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")
-        return _installed_convention(model or "qwen2_vl")
-    if not isinstance(convention, str) or convention not in MROPE_CONVENTIONS:
+        return CONVENTIONS[_installed_convention(model or "qwen2_vl")]
+    if not isinstance(convention, str) or convention not in CONVENTIONS:
         raise ValueError(f"convention must be 'installed' or one of {MROPE_CONVENTIONS}, got "
                          f"{convention!r}")
-    return convention
+    return CONVENTIONS[convention]
 
 
 def _check_int_arg(name: str, value: object, minimum: int) -> int:
@@ -290,8 +289,8 @@ def _walk_arguments(
     (everything but the mask and the example lengths) and converts it for the ops."""
     if not isinstance(model, str) or model not in MROPE_MODELS:
         raise ValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")
-    convention = resolve_convention(convention, model)
-    v5 = _RULES[convention] == 1
+    convention = _convention(convention, model)
+    v5 = convention.v5
     _check_integer_tensor("input_ids", input_ids, 2, "2-D (batch, seq)")
     image_grid_thw = _check_grid("image_grid_thw", image_grid_thw)
     video_grid_thw = _check_grid("video_grid_thw", video_grid_thw)
@@ -302,7 +301,7 @@ def _walk_arguments(
     else:
         missing = [name for name, value in given.items() if value is None]
         if missing:
-            raise TypeError(f"convention {convention!r} finds vision runs from token ids: "
+            raise TypeError(f"convention {convention.name!r} finds vision runs from token ids: "
                             f"pass {', '.join(missing)}")
         token_ids = tuple(_check_int_arg(name, value, 0) for name, value in given.items())
         if len(set(token_ids)) != 3:
@@ -324,7 +323,7 @@ def _walk_arguments(
         types = tensors["mm_token_type_ids"] = mm_token_type_ids
     elif v5 and has_grids:
         if image_token_id is None or video_token_id is None:
-            raise ValueError(f"convention {convention!r} finds vision runs from "
+            raise ValueError(f"convention {convention.name!r} finds vision runs from "
                              "mm_token_type_ids (0 text, 1 image, 2 video, from the processor): "
                              "pass it, or image_token_id and video_token_id to derive it")
         # as the 5.x processors build it (create_mm_token_type_ids)
@@ -333,7 +332,7 @@ def _walk_arguments(
         types = (input_ids == image_token_id).long() + 2 * (input_ids == video_token_id).long()
 
     time_rule = 0
-    if model == "qwen2_5_vl":
+    if MROPE_MODELS[model].reads_seconds:
         if tokens_per_second is None:
             tokens_per_second = QWEN2_5_VL_TOKENS_PER_SECOND
         if isinstance(tokens_per_second, bool) or not isinstance(tokens_per_second,
@@ -343,23 +342,25 @@ def _walk_arguments(
         if not math.isfinite(tokens_per_second) or tokens_per_second < 0:
             raise ValueError(f"tokens_per_second must be finite and >= 0, got "
                              f"{tokens_per_second}")
-        if convention == "5.17" and tokens_per_second != math.floor(tokens_per_second):
-            raise ValueError(f"tokens_per_second must be integral under convention '5.17' "
+        if (convention.integral_tokens_per_second
+                and tokens_per_second != math.floor(tokens_per_second)):
+            raise ValueError(f"tokens_per_second must be integral under convention "
+                             f"{convention.name!r} "
                              f"(its temporal step is tokens_per_second * int(s)), got "
                              f"{tokens_per_second}")
-        time_rule = _TIME_TRUNC_SECONDS
+        time_rule = TIME_TRUNC_SECONDS
         if second_per_grid_ts is not None:
             n_videos = 0 if video_grid_thw is None else video_grid_thw.shape[0]
             second_per_grid_ts = _seconds_tensor(
                 second_per_grid_ts, n_videos, input_ids.device,
-                torch.float32 if convention == "5.18" else torch.float64)
+                torch.float32 if convention.fractional_seconds else torch.float64)
             tensors["second_per_grid_ts"] = second_per_grid_ts
-        if convention == "5.18":
+        if convention.fractional_seconds:
             dtype = None if second_per_grid_ts is None else second_per_grid_ts.dtype
             if dtype in (torch.float16, torch.bfloat16):
                 raise TypeError("second_per_grid_ts must be float32, float64 or integer under "
-                                f"convention '5.18', got {dtype}")
-            time_rule = _TIME_F64_INTERVAL if dtype == torch.float64 else _TIME_F32
+                                f"convention {convention.name!r}, got {dtype}")
+            time_rule = TIME_F64_INTERVAL if dtype == torch.float64 else TIME_F32
     else:
         if second_per_grid_ts is not None:
             raise ValueError(f"second_per_grid_ts applies only to model='qwen2_5_vl', "
@@ -370,8 +371,8 @@ def _walk_arguments(
         tokens_per_second = 0.0
     return _WalkArguments(
         image_grid_thw, video_grid_thw, second_per_grid_ts,
-        (MROPE_MODELS[model], *token_ids, spatial_merge_size, float(tokens_per_second), types,
-         _RULES[convention], time_rule),
+        (MROPE_MODELS[model].mrope, *token_ids, spatial_merge_size, float(tokens_per_second),
+         types, convention.rules, time_rule),
         tensors)
 
 
@@ -434,7 +435,7 @@ def compute_mrope_decode_position_ids(
                          f"{tuple(mrope_position_deltas.shape)}")
     _check_int_arg("num_new_tokens", num_new_tokens, 0)
     deltas = mrope_position_deltas.reshape(-1, 1).long()
-    use_mask = attention_mask is not None and _RULES[resolve_convention(convention)] == 1
+    use_mask = attention_mask is not None and _convention(convention).v5
     if batch_size is None and use_mask:
         batch_size = attention_mask.shape[0] if isinstance(attention_mask, torch.Tensor) else None
     if batch_size is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posenc_torch import _checks, positions
+from posenc_torch import _checks, _tables
 
 POSENC_H = Path(__file__).resolve().parent.parent / "csrc" / "posenc.h"
 
@@ -70,26 +70,24 @@ def test_pairing_codes(enums):
 def test_model_ids(enums):
     models = enums["pe_mrope_model"]
     aliases = {"qwen3_vl_moe": "qwen3_vl"}  # the MoE text model shares Qwen3-VL's rules
-    for name, code in positions.MROPE_MODELS.items():
-        assert code == models["PE_MROPE_" + aliases.get(name, name).upper()], name
-    assert set(positions.MROPE_MODELS.values()) == set(models.values())
+    for name, entry in _tables.MROPE_MODELS.items():
+        assert entry.mrope == models["PE_MROPE_" + aliases.get(name, name).upper()], name
+    assert {m.mrope for m in _tables.MROPE_MODELS.values()} == set(models.values())
+    for name, code in models.items():
+        assert getattr(_tables, name.removeprefix("PE_")) == code, name
 
 
 def test_rule_numbers(enums):
     rules = enums["pe_mrope_rules"]
+    assert {"PE_MROPE_" + n: v for n, v in vars(_tables).items() if n.startswith("RULES_")} == rules
     # each convention maps to the rule set of its major release
-    for convention, code in positions._RULES.items():
-        want = "PE_MROPE_RULES_4_57" if convention.startswith("4.") else "PE_MROPE_RULES_5"
-        assert code == rules[want], convention
-    assert set(positions._RULES) == set(positions.MROPE_CONVENTIONS)
+    for name, convention in _tables.CONVENTIONS.items():
+        want = "PE_MROPE_RULES_4_57" if name.startswith("4.") else "PE_MROPE_RULES_5"
+        assert convention.rules == rules[want], name
 
 
 def test_time_rule_numbers(enums):
     times = enums["pe_mrope_time"]
-    python = {name.removeprefix("_TIME_"): value for name, value in vars(positions).items()
-              if name.startswith("_TIME_") and isinstance(value, int)}
-    assert python, "positions.py defines no _TIME_* constants"
-    for name, value in python.items():
-        assert value == times["PE_TIME_" + name], name
-    # every time rule but the zero value (the default, never passed by name) is named
-    assert {"PE_TIME_" + n for n in python} == {n for n, v in times.items() if v != 0}
+    python = {name: value for name, value in vars(_tables).items()
+              if name.startswith("TIME_") and isinstance(value, int)}
+    assert {"PE_" + n: v for n, v in python.items()} == times
