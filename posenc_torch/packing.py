@@ -494,9 +494,9 @@ _CACHE_LEAK = (
     "posenc_torch.packing carry it)")
 _MASK_LEAK = (
     "packed position ids (several sequences in a row) reach the model with a 2-D "
-    "attention_mask: transformers then builds the mask from it alone (and flash-attention "
-    "unpads by it, ignoring cu_seq_lens), and the examples of a row attend to each other; "
-    "pass no attention_mask with a packed batch")
+    "attention_mask: transformers then builds the mask from it alone (flash-attention, for a "
+    "mask that holds a 0, unpads by it and ignores cu_seq_lens), and the examples of a row "
+    "attend to each other; pass no attention_mask with a packed batch")
 _FLASH_LEAK = (
     "packed position ids in a batch of several rows reach a flash-attention model without "
     "cu_seq_lens_q/k: transformers reads the boundaries from position ids only for one row, "
@@ -545,10 +545,12 @@ def packed_attention_leaks(
     Packed means that some row of the text positions holds several sequences (a position
     not above the one before it; with a 0/1 mask, over the tokens it keeps).  The reasons:
     a cache (transformers builds the block-diagonal mask only without one), a 2-D attention
-    mask (it replaces the block-diagonal mask; flash-attention unpads by it), and several
-    rows under flash-attention without ``cu_seq_lens_q`` (boundaries are read from position
-    ids only for one row).  The position ids are read (a device sync for CUDA tensors) only
-    when one of these is present, so a call that keeps its examples apart costs nothing.
+    mask (it replaces the block-diagonal mask; under flash-attention only a mask that holds
+    a 0, which it unpads by: it drops one of all ones), and several rows under
+    flash-attention without ``cu_seq_lens_q`` (boundaries are read from position ids only
+    for one row).  The position ids are read (a device sync for CUDA tensors) only when one
+    of these is present, so a call that keeps its examples apart costs nothing (a mask under
+    flash-attention is read to see whether it holds a 0).
     TypeError for arguments of the wrong type (``use_cache`` a bool), ValueError for
     position ids of another rank.
     """
@@ -566,10 +568,14 @@ def packed_attention_leaks(
     mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 \
         and attention_mask.shape == text.shape else None
     flash = attn_implementation is not None and "flash" in attn_implementation
+    if text.is_meta:
+        return []
+    # flash-attention drops a mask without a 0 (masking_utils' flash_attention_mask)
+    masked = mask is not None and (not flash or not bool((mask != 0).all()))
     candidates = [reason for reason, present in (
-        (_CACHE_LEAK, use_cache), (_MASK_LEAK, mask is not None),
+        (_CACHE_LEAK, use_cache), (_MASK_LEAK, masked),
         (_FLASH_LEAK, flash and text.shape[0] > 1 and cu_seq_lens_q is None)) if present]
-    if not candidates or text.is_meta:
+    if not candidates:
         return []
     keep = None if mask is None else mask.to(device=text.device) != 0
     return candidates if _row_restarts(text.long(), keep) else []

@@ -541,17 +541,28 @@ def test_flash_attention_keeps_the_examples_of_every_row_apart(model_type, cpu_f
 # packed_attention_leaks: what a transformers integration calls with the model's arguments.
 
 
-def leak_hook(model):
-    """A forward pre-hook that reports what the model gets, as an integration would."""
+def padding_mask(batch: dict) -> dict:
+    """The 0/1 mask a padded batch would carry: 0 on the padding after the row's examples."""
+    text = batch["position_ids"][0]
+    assert text.shape[0] == 1
+    starts = (text[0] == 0).nonzero().flatten().tolist()
+    mask = torch.ones_like(batch["input_ids"])
+    mask[0, starts[-1]:] = 0  # the last sequence of the row is its padding
+    return {"attention_mask": mask}
+
+
+def leak_hook(model, found: list):
+    """A forward pre-hook that reports what the model gets, as an integration would (the
+    reasons of each call go to ``found``)."""
     def hook(module, args, kwargs):
         use_cache = kwargs.get("use_cache")
-        if use_cache is None:
+        if use_cache is None:  # the model takes its config's
             use_cache = getattr(module.config.get_text_config(), "use_cache", False)
-        warn_packed_attention_leaks(
+        found.append(warn_packed_attention_leaks(
             kwargs.get("position_ids"), attention_mask=kwargs.get("attention_mask"),
             use_cache=bool(use_cache) or kwargs.get("past_key_values") is not None,
             cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
-            attn_implementation=module.config._attn_implementation)
+            attn_implementation=module.config._attn_implementation))
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
@@ -564,8 +575,8 @@ def fresh_warnings(monkeypatch):
 def test_leak_warnings_name_exactly_the_calls_that_leak(model_type, cpu_flash_attention,
                                                        fresh_warnings):
     """Each call: whether the examples get their logits alone, against whether the hook
-    warned.  Several rows under flash-attention use text examples (see the test above for
-    transformers 5.17 and 5.18 with vision inputs there)."""
+    found a reason; each reason is warned once.  Several rows under flash-attention use text
+    examples (see the test above for transformers 5.17 and 5.18 with vision inputs there)."""
     import warnings
 
     sdpa = tiny_model(model_type)
@@ -575,32 +586,42 @@ def test_leak_warnings_name_exactly_the_calls_that_leak(model_type, cpu_flash_at
     cases = [  # (name, model, examples, max_tokens, pack keywords, extra model arguments)
         ("sdpa", sdpa, examples, MAX_TOKENS, {}, lambda b: {}),
         ("sdpa cache", sdpa, examples, MAX_TOKENS, {}, lambda b: {"use_cache": True}),
+        # use_cache not given: the config's (True), as the model calls it directly
+        ("sdpa config cache", sdpa, examples, None, {}, lambda b: {"use_cache": None}),
         ("sdpa mask", sdpa, examples, None, {}, ones),
         ("flash one row", flash, examples, None, {}, lambda b: {}),
         ("flash rows", flash, text_examples(), MAX_TOKENS, {}, lambda b: {}),
         ("flash rows, no boundaries", flash, text_examples(), MAX_TOKENS,
          {"return_flash_attn_kwargs": False}, lambda b: {}),
-        ("flash mask", flash, text_examples(), None, {}, ones),
+        ("flash mask", flash, text_examples(), None, {}, ones),  # dropped there: no leak
+        ("flash mask with padding", flash, text_examples(), None, {"pad_to_multiple_of": 8},
+         padding_mask),
     ]
-    hooks = [leak_hook(sdpa), leak_hook(flash)]
+    found: list[list[str]] = []
+    hooks = [leak_hook(sdpa, found), leak_hook(flash, found)]
+    warned = []
     try:
         for name, model, exs, max_tokens, pack_kw, extra in cases:
             batch = pack_multimodal_examples(exs, model, max_tokens=max_tokens, **pack_kw)
+            found.clear()
             with warnings.catch_warnings(record=True) as caught, torch.no_grad():
                 warnings.simplefilter("always")
                 logits = model(**{**batch, **extra(batch)}).logits
-            warned = [str(w.message) for w in caught if "packed position ids" in str(w.message)]
+            reasons = found[0]
+            warned += [str(w.message) for w in caught if "packed position ids" in str(w.message)]
             worst = 0.0
             with torch.no_grad():
                 for k, (r, start, n) in placements(exs, max_tokens).items():
                     alone = model(**alone_inputs(exs[k]), use_cache=False).logits[0]
                     worst = max(worst, rel_err(logits[r, start:start + n], alone))
-            assert (worst > 1e-3) == bool(warned), (name, worst, warned)
+            assert (worst > 1e-3) == bool(reasons), (name, worst, reasons)
             assert worst <= TOL or worst > 1e-3, (name, worst)
     finally:
         for h in hooks:
             h.remove()
-    assert len(packing._WARNED) == 3  # cache, mask, flash rows: each warned once
+    # cache, mask, flash rows: each warned once, though found in several calls
+    assert sorted(warned) == sorted([packing._CACHE_LEAK, packing._MASK_LEAK,
+                                     packing._FLASH_LEAK])
 
 
 def test_packed_attention_leaks_reasons():
@@ -628,7 +649,12 @@ def test_packed_attention_leaks_reasons():
     assert packed_attention_leaks(two_rows, cu_seq_lens_q=cu, **fa) == []
     assert packed_attention_leaks(packed, **fa) == []  # one row: read from position ids
     assert packed_attention_leaks(two_rows, attn_implementation="sdpa") == []
-    assert packed_attention_leaks(two_rows, use_cache=True, attention_mask=ones.expand(2, 10),
+    # flash-attention drops a mask of all ones (no leak), and unpads by one that holds a 0
+    assert packed_attention_leaks(packed, attention_mask=ones, **fa) == []
+    padded = ones.clone()
+    padded[0, -1] = 0
+    assert packed_attention_leaks(packed, attention_mask=padded, **fa) == [mask]
+    assert packed_attention_leaks(two_rows, use_cache=True, attention_mask=padded.expand(2, 10),
                                   **fa) == [cache, mask, flash_rows]
     assert packed_attention_leaks(packed[0], use_cache=True) == [cache]  # (B, L) ids
     assert packed_attention_leaks(None, use_cache=True) == []
