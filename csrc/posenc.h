@@ -374,6 +374,14 @@ int pe_mrope_position_ids(const pe_mrope_args *a, int64_t *position_ids, int64_t
  * else in a is read as there; no deltas are computed.  Examples run on up to nthreads
  * threads from 2^18 tokens on.
  *
+ * example_grids (may be NULL): (n_examples, 2) contiguous, the image grids and the video
+ * grids of each example (rows of image_grid_thw / video_grid_thw; Qwen3-VL: video grids,
+ * not frames), summing to n_images and n_videos.  With it every example owns its grids:
+ * its items must be exactly as many as its grids (frames), checked for every example
+ * before any is walked, so an error names the example whose grids are at fault rather
+ * than a later one that a shifted grid lands on.  Without it the grids are handed out in
+ * order and only their total is checked.
+ *
  * Errors are those of pe_mrope_position_ids, with err->example the example at fault (the
  * lowest one) and err->token its position in the padded row, plus:
  *   PE_POS_BAD_LENGTH (PE_ERR_ARG)  a negative length, or examples that need more than L
@@ -381,15 +389,21 @@ int pe_mrope_position_ids(const pe_mrope_args *a, int64_t *position_ids, int64_t
  *   PE_POS_CUT_RUN (PE_ERR_GRID)    an item still open at its example's end, whose run goes
  *                                   on in the next token of the row (a vision run cut by
  *                                   an example boundary);
- *   PE_POS_GRID_COUNT               with example >= 0: an item of that example finds no
- *                                   grid left (found = items up to it, expected = grids);
- *                                   with example -1: grids left over after the last example.
- * n_examples < 0, row_examples negative or not summing to n_examples, a mask, or 4*B*L
- * overflowing int64 are PE_ERR_ARG (PE_POS_BAD_ARG).
+ *   PE_POS_GRID_COUNT               with example >= 0 and example_grids: that example has
+ *                                   `found` items of the kind (images first) and owns
+ *                                   `expected` grids (frames); without example_grids: an
+ *                                   item of that example finds no grid left (found = items
+ *                                   up to it, expected = grids), or with example -1, grids
+ *                                   are left over after the last example;
+ *   PE_POS_BAD_GRID, PE_POS_BAD_SECONDS  with example_grids, example is the grid's owner.
+ * n_examples < 0, row_examples negative or not summing to n_examples, example_grids
+ * negative or not summing to the grid counts, a mask, or 4*B*L overflowing int64 are
+ * PE_ERR_ARG (PE_POS_BAD_ARG).
  */
 int pe_mrope_packed_position_ids(const pe_mrope_args *a, int64_t n_examples,
                                  const int64_t *example_lens, const int64_t *row_examples,
-                                 int64_t *position_ids, pe_pos_error *err);
+                                 const int64_t *example_grids, int64_t *position_ids,
+                                 pe_pos_error *err);
 
 /*
  * Vision tower rotary positions (Qwen2-VL / Qwen2.5-VL / Qwen3-VL ViT): for grids

@@ -57,11 +57,34 @@ def explain(err: BaseException, check: Callable[..., None], *args: object) -> Ba
     return op_error(err)
 
 
+#: The range of the ops' ``int`` arguments (int64): a Python int outside it never reaches
+#: the op (the dispatcher would refuse it without naming the argument).
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+
+
+def check_int(name: str, value: object, minimum: int | None = None) -> int:
+    """An int (not a bool) that fits in int64 and, with ``minimum``, is at least that."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must fit in int64 (-2^63 to 2^63 - 1), got {value}")
+    return value
+
+
+def check_str(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    return value
+
+
 def pairing_code(pairing: str) -> int:
     if pairing == "half":
         return 0
     if pairing == "adjacent":
         return 1
+    check_str("pairing", pairing)
     raise ValueError(f"pairing must be 'half' or 'adjacent', got {pairing!r}")
 
 
@@ -79,7 +102,10 @@ def check_real(name: str, value: object) -> float:
             or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name} must be a real number (int or float), got "
                         f"{type(value).__name__}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is too large for a float: {value}") from None
 
 
 def check_dtype(name: str, dtype: object) -> torch.dtype:
@@ -96,6 +122,15 @@ def check_tensor(name: str, t: object, ndim: int | tuple[int, ...], layout: str)
     if t.dim() not in dims:
         raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
     return t
+
+
+def check_tensors(**tensors: object) -> None:
+    """Each argument that is not None is a tensor (else TypeError), and all are on one
+    device where the kernels run (:func:`check_same_device`)."""
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_same_device(**{name: t for name, t in tensors.items() if t is not None})
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:
@@ -124,6 +159,8 @@ def check_sections(mrope_section: object, name: str = "mrope_section") -> list[i
         raise ValueError(f"{name} must be 3 ints (T, H, W), got {mrope_section!r}")
     if any(s < 0 for s in sections):
         raise ValueError(f"{name} entries must be non-negative, got {mrope_section!r}")
+    if any(s > INT64_MAX for s in sections):
+        raise ValueError(f"{name} entries must fit in int64, got {mrope_section!r}")
     return sections
 
 

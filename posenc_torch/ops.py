@@ -226,11 +226,19 @@ torch.library.register_autograd("posenc::rope_fused", _rope_fused_backward,
 # Position ids (integer outputs, not differentiable).
 
 
+def _present(**tensors: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    return {name: t for name, t in tensors.items() if t is not None}
+
+
 @torch.library.register_fake("posenc::mrope_position_ids")
 def _mrope_position_ids_fake(input_ids, image_grid_thw, video_grid_thw, attention_mask,
                              second_per_grid_ts, model, image_token_id, video_token_id,
                              vision_start_token_id, spatial_merge_size, tokens_per_second,
                              mm_token_type_ids=None, rules=0, time_rule=0):
+    check_same_device(**_present(
+        input_ids=input_ids, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+        attention_mask=attention_mask, second_per_grid_ts=second_per_grid_ts,
+        mm_token_type_ids=mm_token_type_ids))
     batch, seq = input_ids.shape
     return (input_ids.new_empty((3, batch, seq), dtype=torch.int64),
             input_ids.new_empty((batch, 1), dtype=torch.int64))
@@ -240,7 +248,13 @@ def _mrope_position_ids_fake(input_ids, image_grid_thw, video_grid_thw, attentio
 def _mrope_packed_position_ids_fake(input_ids, example_lens, row_examples, image_grid_thw,
                                     video_grid_thw, second_per_grid_ts, model, image_token_id,
                                     video_token_id, vision_start_token_id, spatial_merge_size,
-                                    tokens_per_second, mm_token_type_ids, rules, time_rule):
+                                    tokens_per_second, mm_token_type_ids, rules, time_rule,
+                                    example_ids=None, example_grids=None):
+    check_same_device(**_present(
+        input_ids=input_ids, example_lens=example_lens, row_examples=row_examples,
+        image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+        second_per_grid_ts=second_per_grid_ts, mm_token_type_ids=mm_token_type_ids,
+        example_ids=example_ids, example_grids=example_grids))
     batch, seq = input_ids.shape
     return input_ids.new_empty((4, batch, seq), dtype=torch.int64)
 

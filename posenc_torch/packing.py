@@ -14,21 +14,30 @@ returns them one by one; :class:`MultimodalPackingCollator` is the same as a
 
 The batch carries ``use_cache=False``: transformers builds the block-diagonal mask only
 when no cache is passed, and a forward with the models' default ``use_cache=True`` creates
-one first and then lets every token attend across the example boundaries of its row.
+one first and then lets every token attend across the example boundaries of its row.  A
+batch of several rows also carries ``cu_seq_lens_q/k`` and ``max_length_q/k``:
+transformers reads the flash-attention boundaries from the position ids only for a batch of
+one row.  :func:`packed_attention_leaks` names the calls that would still let the examples
+attend to each other (a cache, an attention mask, several rows under flash-attention without
+the boundaries), for a caller that sees the model's arguments.
 """
 
 from __future__ import annotations
 
 import math
+import operator
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ._checks import check_bool, check_tensor
 from ._tables import MROPE_MODELS
-from .positions import compute_mrope_position_ids, resolve_convention
+from .positions import MropeOptions, _Layout, _packed_for_examples, resolve_convention
 
-__all__ = ["pack_multimodal_examples", "MultimodalPackingCollator", "first_fit"]
+__all__ = ["pack_multimodal_examples", "MultimodalPackingCollator", "first_fit",
+           "packed_attention_leaks", "warn_packed_attention_leaks"]
 
 IGNORE_INDEX = -100  # the label transformers' loss skips
 
@@ -48,6 +57,16 @@ class _ModelSettings:
     tokens_per_second: float | None
     pad_token_id: int
     patch_dim: int | None  # values per patch row of pixel_values, when the config says
+
+    def options(self, convention: str) -> MropeOptions:
+        """The position-id keywords this config gives (posenc_torch.positions)."""
+        options = MropeOptions(
+            model=self.model_type, convention=convention, image_token_id=self.image_token_id,
+            video_token_id=self.video_token_id, vision_start_token_id=self.vision_start_token_id,
+            spatial_merge_size=self.spatial_merge_size)
+        if MROPE_MODELS[self.model_type].reads_seconds:
+            options["tokens_per_second"] = self.tokens_per_second
+        return options
 
 
 def _settings(config: object) -> _ModelSettings:
@@ -89,7 +108,14 @@ def _settings(config: object) -> _ModelSettings:
 def first_fit(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]:
     """Rows of example indices: each example, in order, goes into the first row whose
     examples leave room for it (at most ``max_tokens`` tokens a row); all in one row when
-    ``max_tokens`` is None.  The batch lays the examples of row 0 first, then row 1, ..."""
+    ``max_tokens`` is None.  The batch lays the examples of row 0 first, then row 1, ...
+
+    ``lengths``: a sequence of ints >= 0 (TypeError for a float or a bool, ValueError for a
+    negative one, naming ``lengths[i]``); ``max_tokens``: an int >= 1 or None."""
+    max_tokens = _check_count("max_tokens", max_tokens)
+    if isinstance(lengths, (str, bytes, Mapping)) or not isinstance(lengths, Sequence):
+        raise TypeError(f"lengths must be a sequence of ints, got {type(lengths).__name__}")
+    lengths = [_example_length(i, n) for i, n in enumerate(lengths)]
     if max_tokens is None:
         return [list(range(len(lengths)))] if lengths else []
     rows: list[list[int]] = []
@@ -105,6 +131,18 @@ def first_fit(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]
         rows[row].append(i)
         used[row] += n
     return rows
+
+
+def _example_length(i: int, n: object) -> int:
+    if isinstance(n, bool):
+        raise TypeError(f"lengths[{i}] must be an int, got bool")
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(f"lengths[{i}] must be an int, got {type(n).__name__}") from None
+    if n < 0:
+        raise ValueError(f"lengths[{i}] must be >= 0, got {n}")
+    return n
 
 
 def _check_count(name: str, value: object) -> int | None:
@@ -225,72 +263,29 @@ def _read_example(i: int, example: object, settings: _ModelSettings) -> _Example
     return _Example(ids, labels, rows.get("mm_token_type_ids"), grids, pixels, seconds)
 
 
-def _position_ids_of(i: int, ex: _Example, settings: _ModelSettings,
-                     convention: str) -> torch.Tensor:
-    """(3, n) T/H/W ids of one example alone, as transformers' get_rope_index gives them."""
-    seconds = ex.seconds
-    if isinstance(seconds, torch.Tensor):
-        seconds = seconds.reshape(-1)
-    elif seconds is not None and not all(isinstance(s, (int, float)) for s in seconds):
-        seconds = _as_tensor(seconds, "").reshape(-1).tolist()  # nested: [[s, ...]]
-    try:
-        pos, _ = compute_mrope_position_ids(
-            ex.input_ids[None], ex.grids["image_grid_thw"], ex.grids["video_grid_thw"],
-            model=settings.model_type, convention=convention,
-            mm_token_type_ids=None if ex.mm_token_type_ids is None else ex.mm_token_type_ids[None],
-            image_token_id=settings.image_token_id, video_token_id=settings.video_token_id,
-            vision_start_token_id=settings.vision_start_token_id,
-            spatial_merge_size=settings.spatial_merge_size, second_per_grid_ts=seconds,
-            tokens_per_second=settings.tokens_per_second)
-    except (ValueError, TypeError) as e:
-        raise type(e)(f"examples[{i}]: {e}") from None
-    return pos[:, 0]
-
-
-def _packed_position_ids_loop(examples: Sequence[_Example], rows: list[list[int]], length: int,
-                              settings: _ModelSettings, convention: str) -> torch.Tensor:
-    """(4, rows, L) int64, one example at a time: row 0 counts 0, 1, ... from each
-    example's first token; rows 1-3 its own T/H/W ids; the padding after a row's last
-    example counts from 0 on all four rows (its own sequence)."""
-    out = torch.empty(4, len(rows), length, dtype=torch.int64)
-    for r, row in enumerate(rows):
-        at = 0
-        for k in row:
-            ex = examples[k]
-            n = ex.input_ids.numel()
-            out[0, r, at:at + n] = torch.arange(n)
-            out[1:, r, at:at + n] = _position_ids_of(k, ex, settings, convention)
-            at += n
-        out[:, r, at:] = torch.arange(length - at)
-    return out
-
-
 def _packed_position_ids(examples: list[_Example], rows: list[list[int]], input_ids: torch.Tensor,
-                         types: torch.Tensor | None, settings: _ModelSettings,
-                         convention: str) -> torch.Tensor:
-    import posenc_torch
-
-    packed = posenc_torch.compute_packed_mrope_position_ids  # looked up per call (tests wrap it)
+                         types: torch.Tensor | None, seconds: torch.Tensor | None,
+                         settings: _ModelSettings, convention: str) -> torch.Tensor:
+    """(4, rows, L) int64 position ids in one call of the packed walk, which names an
+    example at fault ``examples[i]``: it gets each example's index and the grids it owns."""
     order = [k for row in rows for k in row]
-    kw = {}
+    grids = {}
     for key in ("image_grid_thw", "video_grid_thw"):
-        grids = [examples[k].grids[key] for k in order if examples[k].grids[key] is not None]
-        kw[key] = torch.cat(grids) if grids else None
-    if MROPE_MODELS[settings.model_type].reads_seconds:
-        kw["second_per_grid_ts"] = _seconds(examples, order)
-        kw["tokens_per_second"] = settings.tokens_per_second
-    try:
-        return packed(
-            input_ids, [[examples[k].input_ids.numel() for k in row] for row in rows],
-            model=settings.model_type, convention=convention, mm_token_type_ids=types,
-            image_token_id=settings.image_token_id, video_token_id=settings.video_token_id,
-            vision_start_token_id=settings.vision_start_token_id,
-            spatial_merge_size=settings.spatial_merge_size, **kw)
-    except (ValueError, TypeError):
-        # Name the culprit by its index in ``examples`` (the packed call numbers examples in
-        # row order): the walk of each example alone raises for it.
-        _packed_position_ids_loop(examples, rows, input_ids.shape[1], settings, convention)
-        raise
+        parts = [examples[k].grids[key] for k in order if examples[k].grids[key] is not None]
+        grids[key] = torch.cat(parts) if parts else None
+    owned = torch.tensor([[0 if examples[k].grids[key] is None else examples[k].grids[key].shape[0]
+                           for key in ("image_grid_thw", "video_grid_thw")] for k in order],
+                         dtype=torch.int64).reshape(-1, 2)
+    options = settings.options(convention)
+    if types is not None:
+        options["mm_token_type_ids"] = types
+    if seconds is not None:
+        options["second_per_grid_ts"] = seconds
+    layout = _Layout(torch.tensor([examples[k].input_ids.numel() for k in order],
+                                  dtype=torch.int64),
+                     torch.tensor([len(row) for row in rows], dtype=torch.int64))
+    return _packed_for_examples(input_ids, layout, torch.tensor(order, dtype=torch.int64), owned,
+                                grids["image_grid_thw"], grids["video_grid_thw"], **options)
 
 
 def _seconds(examples: list[_Example], order: list[int]) -> torch.Tensor | None:
@@ -316,7 +311,7 @@ def pack_multimodal_examples(
     *,
     max_tokens: int | None = None,
     pad_to_multiple_of: int | None = None,
-    return_flash_attn_kwargs: bool = False,
+    return_flash_attn_kwargs: bool | None = None,
     convention: str = "installed",
 ) -> dict[str, object]:
     """One packed batch for ``model(**batch)`` from Qwen-VL examples.
@@ -355,24 +350,42 @@ def pack_multimodal_examples(
         second_per_grid_ts:(videos,) Qwen2.5-VL, when the examples carry it
         mm_token_type_ids: (rows, L), when the examples carry it (0 on padding)
         use_cache:         False (see the module docstring)
-        cu_seq_lens_q/k, max_length_q/k: with ``return_flash_attn_kwargs``: int32
-                           cumulative lengths of every sequence (examples, and each row's
-                           padding) over the rows laid end to end, and the longest one
+        cu_seq_lens_q/k, max_length_q/k: when the batch has more than one row (or with
+                           ``return_flash_attn_kwargs=True``): int32 cumulative lengths of
+                           every sequence (examples, and each row's padding) over the rows
+                           laid end to end, and the longest one
 
     There is no ``attention_mask``: the models derive the per-example causal mask from
-    ``position_ids[0]``.  ``convention`` chooses the position-id rules as in
+    ``position_ids[0]`` (eager, sdpa; flash-attention for one row), and flash-attention
+    takes the boundaries from ``cu_seq_lens_q/k``.  Those are returned by default
+    (``return_flash_attn_kwargs=None``) whenever the batch has more than one row, because
+    transformers derives flash-attention's boundaries from the position ids only for a
+    batch of one row: without them, the examples of a row would attend to the earlier ones
+    under flash-attention, silently.  A batch of one row goes without them, as the models
+    read its boundaries from ``position_ids[0]`` under every attention implementation and
+    every release, so nothing that works changes (transformers 5.17 and 5.18 pass these
+    keywords on to the Qwen-VL vision tower too, whose flash-attention call then gets them
+    twice: a TypeError there, for batches with images or videos; use one row on those
+    releases).  ``True`` returns them for one row as well, ``False`` never (then a batch of
+    several rows keeps its examples apart under eager and sdpa attention only).
+
+    ``convention`` chooses the position-id rules as in
     :func:`posenc_torch.compute_mrope_position_ids` ("installed": those of the installed
     transformers).  ``max_tokens`` bounds the example tokens of a row; the padding to a
     multiple can add up to ``pad_to_multiple_of - 1``.
 
-    Bad input raises TypeError (wrong type or dtype) or ValueError (wrong shape, an example
-    longer than ``max_tokens``, grids that disagree with the tokens or the pixel rows,
-    ...) naming ``examples[i]`` and the key.
+    Bad input raises TypeError (wrong type or dtype, a flag that is not a bool) or
+    ValueError (wrong shape, an example longer than ``max_tokens``, grids that disagree
+    with the tokens or the pixel rows, ...) naming ``examples[i]`` and the key; the
+    position walk's errors (a grid that does not fit its example's tokens) name
+    ``examples[i]`` and speak of that example alone, its tokens and grids numbered from 0.
     """
     settings = _settings(config)
     convention = resolve_convention(convention, settings.model_type)
     max_tokens = _check_count("max_tokens", max_tokens)
     multiple = _check_count("pad_to_multiple_of", pad_to_multiple_of) or 1
+    if return_flash_attn_kwargs is not None:
+        check_bool("return_flash_attn_kwargs", return_flash_attn_kwargs)
     if isinstance(examples, Mapping) or not isinstance(examples, Sequence):
         raise TypeError(f"examples must be a list of examples (mappings), got "
                         f"{type(examples).__name__}")
@@ -401,8 +414,9 @@ def pack_multimodal_examples(
                           + 2 * (ex.input_ids == settings.video_token_id).long())
             at += n
 
+    seconds = _seconds(exs, order) if MROPE_MODELS[settings.model_type].reads_seconds else None
     batch: dict[str, object] = {"input_ids": input_ids, "labels": labels}
-    batch["position_ids"] = _packed_position_ids(exs, rows, input_ids, types, settings,
+    batch["position_ids"] = _packed_position_ids(exs, rows, input_ids, types, seconds, settings,
                                                  convention)
     for pixel_key, grid_key in _VISION:
         present = [k for k in order if exs[k].pixels[pixel_key] is not None]
@@ -419,14 +433,12 @@ def pack_multimodal_examples(
                                 f"examples[{present[0]}] {pix[0].dtype}: the dtype must agree")
         batch[pixel_key] = torch.cat(pix)
         batch[grid_key] = torch.cat([exs[k].grids[grid_key] for k in present])
-    if MROPE_MODELS[settings.model_type].reads_seconds:
-        seconds = _seconds(exs, order)
-        if seconds is not None:
-            batch["second_per_grid_ts"] = seconds
+    if seconds is not None:
+        batch["second_per_grid_ts"] = seconds
     if types is not None:
         batch["mm_token_type_ids"] = types
     batch["use_cache"] = False
-    if return_flash_attn_kwargs:
+    if return_flash_attn_kwargs or (return_flash_attn_kwargs is None and len(rows) > 1):
         seqs = []
         for row, u in zip(rows, used, strict=True):
             seqs += [lengths[k] for k in row] + ([length - u] if length > u else [])
@@ -442,11 +454,13 @@ class MultimodalPackingCollator:
     list of examples with :func:`pack_multimodal_examples` and these options.
 
     ``config`` (the model or its config) is read once, here; so is ``convention``, which is
-    resolved against the transformers installed now.
+    resolved against the transformers installed now.  The options are checked here, as
+    :func:`pack_multimodal_examples` checks them.
     """
 
     def __init__(self, config: object, *, max_tokens: int | None = None,
-                 pad_to_multiple_of: int | None = None, return_flash_attn_kwargs: bool = False,
+                 pad_to_multiple_of: int | None = None,
+                 return_flash_attn_kwargs: bool | None = None,
                  convention: str = "installed") -> None:
         settings = _settings(config)
         self.config = getattr(config, "config", config) if not hasattr(config, "model_type") \
@@ -454,7 +468,8 @@ class MultimodalPackingCollator:
         self.convention = resolve_convention(convention, settings.model_type)
         self.max_tokens = _check_count("max_tokens", max_tokens)
         self.pad_to_multiple_of = _check_count("pad_to_multiple_of", pad_to_multiple_of)
-        self.return_flash_attn_kwargs = bool(return_flash_attn_kwargs)
+        self.return_flash_attn_kwargs = return_flash_attn_kwargs if return_flash_attn_kwargs \
+            is None else check_bool("return_flash_attn_kwargs", return_flash_attn_kwargs)
 
     def __call__(self, examples: Sequence[Mapping[str, object]]) -> dict[str, object]:
         return pack_multimodal_examples(
@@ -467,3 +482,115 @@ class MultimodalPackingCollator:
                 f"{self.max_tokens}, pad_to_multiple_of={self.pad_to_multiple_of}, "
                 f"return_flash_attn_kwargs={self.return_flash_attn_kwargs}, convention="
                 f"{self.convention!r})")
+
+
+# ---------------------------------------------------------------------------------------
+# Calls that let packed examples attend to each other, seen from the model's arguments.
+
+_CACHE_LEAK = (
+    "packed position ids (several sequences in a row) reach the model with a KV cache "
+    "(use_cache on, or past_key_values given): transformers then builds a plain causal mask "
+    "and the examples of a row attend to each other; pass use_cache=False (the batches of "
+    "posenc_torch.packing carry it)")
+_MASK_LEAK = (
+    "packed position ids (several sequences in a row) reach the model with a 2-D "
+    "attention_mask: transformers then builds the mask from it alone (flash-attention, for a "
+    "mask that holds a 0, unpads by it and ignores cu_seq_lens), and the examples of a row "
+    "attend to each other; pass no attention_mask with a packed batch")
+_FLASH_LEAK = (
+    "packed position ids in a batch of several rows reach a flash-attention model without "
+    "cu_seq_lens_q/k: transformers reads the boundaries from position ids only for one row, "
+    "so the examples of a row attend to each other; pass cu_seq_lens_q/k and "
+    "max_length_q/k (the batches of posenc_torch.packing carry them), or one row")
+
+
+def _row_restarts(text: torch.Tensor, keep: torch.Tensor | None) -> bool:
+    """Some row of (B, L) text positions holds more than one sequence: a kept token whose
+    position is not above the kept token before it (padding, where ``keep`` is False, is
+    skipped)."""
+    if text.shape[-1] < 2:
+        return False
+    if keep is None:
+        return bool((text[:, 1:] <= text[:, :-1]).any())
+    filled = text.masked_fill(~keep, torch.iinfo(torch.int64).min)
+    before = torch.cummax(filled, dim=-1).values[:, :-1]  # the kept token before each one
+    later = keep[:, 1:] & (before > torch.iinfo(torch.int64).min)
+    return bool((later & (text[:, 1:] <= before)).any())
+
+
+def packed_attention_leaks(
+    position_ids: torch.Tensor | None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    use_cache: bool = False,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    attn_implementation: str | None = None,
+) -> list[str]:
+    """Why the examples of a packed batch would attend to each other in this model call,
+    as messages (empty when they are kept apart, or when the position ids are not packed).
+
+    The arguments are those a Qwen-VL model's ``forward`` receives (transformers 4.57 and
+    5.x):
+        position_ids:        (4, B, L) or (3, B, L) with the text positions in row 0, or
+                             (B, L); None: not packed
+        attention_mask:      as passed to the model; a 2-D (B, L) mask counts (a 4-D mask
+                             is the caller's own)
+        use_cache:           whether the call builds or reads a KV cache: ``use_cache``
+                             resolved against the model's config, or ``past_key_values``
+                             given
+        cu_seq_lens_q:       the varlen boundaries passed along, or None
+        attn_implementation: ``config._attn_implementation`` (a name containing "flash"
+                             is a flash-attention implementation)
+
+    Packed means that some row of the text positions holds several sequences (a position
+    not above the one before it; with a 0/1 mask, over the tokens it keeps).  The reasons:
+    a cache (transformers builds the block-diagonal mask only without one), a 2-D attention
+    mask (it replaces the block-diagonal mask; under flash-attention only a mask that holds
+    a 0, which it unpads by: it drops one of all ones), and several rows under
+    flash-attention without ``cu_seq_lens_q`` (boundaries are read from position ids only
+    for one row).  The position ids are read (a device sync for CUDA tensors) only when one
+    of these is present, so a call that keeps its examples apart costs nothing (a mask under
+    flash-attention is read to see whether it holds a 0).
+    TypeError for arguments of the wrong type (``use_cache`` a bool), ValueError for
+    position ids of another rank.
+    """
+    check_bool("use_cache", use_cache)
+    if attn_implementation is not None and not isinstance(attn_implementation, str):
+        raise TypeError(f"attn_implementation must be a str or None, got "
+                        f"{type(attn_implementation).__name__}")
+    for name, t in (("attention_mask", attention_mask), ("cu_seq_lens_q", cu_seq_lens_q)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
+    if position_ids is None:
+        return []
+    check_tensor("position_ids", position_ids, (2, 3), "(3 or 4, batch, seq) or (batch, seq)")
+    text = position_ids[0] if position_ids.dim() == 3 else position_ids
+    mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 \
+        and attention_mask.shape == text.shape else None
+    flash = attn_implementation is not None and "flash" in attn_implementation
+    if text.is_meta:
+        return []
+    # flash-attention drops a mask without a 0 (masking_utils' flash_attention_mask)
+    masked = mask is not None and (not flash or not bool((mask != 0).all()))
+    candidates = [reason for reason, present in (
+        (_CACHE_LEAK, use_cache), (_MASK_LEAK, masked),
+        (_FLASH_LEAK, flash and text.shape[0] > 1 and cu_seq_lens_q is None)) if present]
+    if not candidates:
+        return []
+    keep = None if mask is None else mask.to(device=text.device) != 0
+    return candidates if _row_restarts(text.long(), keep) else []
+
+
+_WARNED: set[str] = set()
+
+
+def warn_packed_attention_leaks(position_ids: torch.Tensor | None,
+                                **arguments: object) -> list[str]:
+    """:func:`packed_attention_leaks` with the same arguments, each reason warned once per
+    process (``UserWarning``); returns the reasons found in this call."""
+    reasons = packed_attention_leaks(position_ids, **arguments)
+    for reason in reasons:
+        if reason not in _WARNED:
+            _WARNED.add(reason)
+            warnings.warn(reason, UserWarning, stacklevel=2)
+    return reasons

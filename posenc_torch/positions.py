@@ -14,14 +14,31 @@ import math
 import operator
 import sys
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypedDict, Unpack
 
 import torch
 
 from . import _installed
-from ._checks import check_same_device, check_tensor, explain
-from ._tables import CONVENTIONS, MROPE_MODELS, TIME_F32, TIME_F64_INTERVAL, \
-    TIME_TRUNC_SECONDS, Convention
+from ._checks import (
+    INT64_MAX,
+    check_int,
+    check_real,
+    check_same_device,
+    check_str,
+    check_tensor,
+    check_tensors,
+    explain,
+    op_error,
+)
+from ._tables import (
+    CONVENTIONS,
+    MROPE_MODELS,
+    TIME_F32,
+    TIME_F64_INTERVAL,
+    TIME_TRUNC_SECONDS,
+    Convention,
+    ModelType,
+)
 
 #: The position-id rules of the transformers releases that were checked bit for bit,
 #: by the name ``convention=`` takes (each one's record is in ``posenc_torch._tables``):
@@ -47,7 +64,6 @@ MROPE_CONVENTIONS = tuple(CONVENTIONS)
 #: checkpoint's config when it differs.
 QWEN2_5_VL_TOKENS_PER_SECOND = 2
 
-_INT64_MAX = 2**63 - 1
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -108,67 +124,155 @@ def resolve_convention(convention: str, model: str | None = None) -> str:
 
 def _convention(convention: str, model: str | None = None) -> Convention:
     """The record of :func:`resolve_convention`'s answer."""
+    if model is not None:
+        _model(model)
     if convention == "installed":
-        if model is not None and model not in MROPE_MODELS:
-            raise ValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")
         return CONVENTIONS[_installed_convention(model or "qwen2_vl")]
-    if not isinstance(convention, str) or convention not in CONVENTIONS:
+    record = CONVENTIONS.get(check_str("convention", convention))
+    if record is None:
         raise ValueError(f"convention must be 'installed' or one of {MROPE_CONVENTIONS}, got "
                          f"{convention!r}")
-    return CONVENTIONS[convention]
+    return record
 
 
-def _check_int_arg(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+def _model(model: object) -> ModelType:
+    """The table record of a Qwen-VL model type."""
+    record = MROPE_MODELS.get(model) if isinstance(model, str) else None
+    if record is None:
+        check_str("model", model)
+        raise ValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")
+    return record
 
 
-def _check_integer_tensor(name: str, t: object, ndim: int, layout: str) -> torch.Tensor:
-    check_tensor(name, t, ndim, layout)
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor (int64 or int32), got {t.dtype}")
-    return t
+# Kept under its old name: the vision-tower ids below use it.
+_check_int_arg = check_int
 
 
-def _check_grid(name: str, grid: object) -> torch.Tensor | None:
-    if grid is None:
-        return None
-    _check_integer_tensor(name, grid, 2, "2-D (num_grids, 3) of (t, h, w)")
-    if grid.shape[1] != 3:
-        raise ValueError(f"{name} must have shape (num_grids, 3) of (t, h, w) patch counts, "
-                         f"got shape {tuple(grid.shape)}")
-    return grid
+class MropeOptions(TypedDict, total=False):
+    """The keyword arguments that :func:`compute_mrope_position_ids` and
+    :func:`compute_packed_mrope_position_ids` share (one definition for both, taken as
+    ``**options``; the defaults are :data:`MROPE_OPTION_DEFAULTS`; an unknown keyword is a
+    TypeError).
+
+    model: the model type, "qwen2_vl", "qwen2_5_vl", "qwen3_vl" or "qwen3_vl_moe"
+        (``config.model_type``; the last two share one rule).
+    convention: "installed" or one of :data:`MROPE_CONVENTIONS` (see
+        :func:`compute_mrope_position_ids`).
+    mm_token_type_ids: (B, L) integer, 0 text, 1 image, 2 video, as the transformers 5.x
+        processors return it (5.x conventions only; when None it is derived from
+        ``image_token_id`` / ``video_token_id`` as the processors derive it).
+    image_token_id, video_token_id, vision_start_token_id: the config's token ids (ints;
+        the "4.57" convention finds vision runs from them).
+    spatial_merge_size: ``vision_config.spatial_merge_size`` (an int >= 1).
+    second_per_grid_ts: (n_videos,) seconds per temporal grid step (Qwen2.5-VL only;
+        ``temporal_patch_size / fps`` from the processor), a tensor or a sequence of real
+        numbers; a sequence is taken as float32 under "5.18" (the processor's tensor), as
+        float64 (exactly) under the others.
+    tokens_per_second: ``vision_config.tokens_per_second`` (Qwen2.5-VL only; a real number,
+        default :data:`QWEN2_5_VL_TOKENS_PER_SECOND`).
+    """
+
+    model: str
+    convention: str
+    mm_token_type_ids: torch.Tensor | None
+    image_token_id: int | None
+    video_token_id: int | None
+    vision_start_token_id: int | None
+    spatial_merge_size: int
+    second_per_grid_ts: torch.Tensor | Sequence[float] | None
+    tokens_per_second: float | None
 
 
-def _check_mask(attention_mask: object, input_ids: torch.Tensor) -> torch.Tensor:
-    check_tensor("attention_mask", attention_mask, 2, "2-D (batch, seq)")
-    if attention_mask.is_complex():
-        raise TypeError(f"attention_mask must be bool, integer or floating, got "
-                        f"{attention_mask.dtype}")
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal "
-                         f"input_ids shape {tuple(input_ids.shape)}")
-    return attention_mask
+#: The defaults of :class:`MropeOptions` (``model`` has none for packed rows).
+MROPE_OPTION_DEFAULTS: dict[str, object] = {
+    "model": "qwen2_vl", "convention": "installed", "mm_token_type_ids": None,
+    "image_token_id": None, "video_token_id": None, "vision_start_token_id": None,
+    "spatial_merge_size": 2, "second_per_grid_ts": None, "tokens_per_second": None}
 
 
-def _seconds_tensor(second_per_grid_ts: object, n_videos: int, device: torch.device,
-                    dtype: torch.dtype) -> torch.Tensor:
-    if not isinstance(second_per_grid_ts, torch.Tensor):
-        if not isinstance(second_per_grid_ts, Sequence):
-            raise TypeError("second_per_grid_ts must be a tensor or a sequence of floats, got "
-                            f"{type(second_per_grid_ts).__name__}")
-        second_per_grid_ts = torch.tensor([float(s) for s in second_per_grid_ts],
-                                          dtype=dtype, device=device)
-    check_tensor("second_per_grid_ts", second_per_grid_ts, 1, "1-D (num_videos,)")
-    if second_per_grid_ts.is_complex() or second_per_grid_ts.dtype == torch.bool:
-        raise TypeError(f"second_per_grid_ts must be real, got {second_per_grid_ts.dtype}")
-    if second_per_grid_ts.shape[0] != n_videos:
-        raise ValueError(f"second_per_grid_ts has {second_per_grid_ts.shape[0]} values but "
-                         f"video_grid_thw has {n_videos} rows")
-    return second_per_grid_ts
+class _Walk(NamedTuple):
+    """The options of a position walk, converted for its ops."""
+
+    second_per_grid_ts: torch.Tensor | None
+    op_args: tuple  # model .. time_rule, as the ops list them after second_per_grid_ts
+    mm_token_type_ids: torch.Tensor | None  # as given (None when derived or not read)
+
+
+def _walk_options(function: str, options: dict[str, object], input_ids: object,
+                  has_grids: bool, *required: str) -> _Walk:
+    """Checks what only Python sees of :class:`MropeOptions` (names, types, int64 ranges,
+    what a convention needs) and converts it for the ops; the ops check the rest."""
+    unknown = options.keys() - MROPE_OPTION_DEFAULTS.keys()
+    if unknown:
+        raise TypeError(f"{function}() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+    missing = [name for name in required if name not in options]
+    if missing:
+        raise TypeError(f"{function}() missing required keyword argument {missing[0]!r}")
+    opt = {**MROPE_OPTION_DEFAULTS, **options}
+    model_type = _model(opt["model"])
+    convention = _convention(opt["convention"], opt["model"])
+    ids = {name: opt[name] for name in ("image_token_id", "video_token_id",
+                                        "vision_start_token_id")}
+    for name, value in ids.items():
+        if value is not None:
+            check_int(name, value)
+    merge = check_int("spatial_merge_size", opt["spatial_merge_size"])
+    given_types = types = opt["mm_token_type_ids"] if convention.v5 else None
+    if convention.v5:
+        if types is None and has_grids:
+            missing = [n for n in ("image_token_id", "video_token_id") if ids[n] is None]
+            if missing:
+                raise TypeError(f"convention {convention.name!r} finds vision runs from "
+                                "mm_token_type_ids (0 text, 1 image, 2 video, from the "
+                                f"processor): pass it, or {' and '.join(missing)} to derive it")
+            if isinstance(input_ids, torch.Tensor):  # else the op names input_ids
+                # as the 5.x processors build it (create_mm_token_type_ids)
+                types = ((input_ids == ids["image_token_id"]).long()
+                         + 2 * (input_ids == ids["video_token_id"]).long())
+        token_ids = (0, 1, 2)  # not read by the 5.x walk
+    else:
+        missing = [name for name, value in ids.items() if value is None]
+        if missing:
+            raise TypeError(f"convention {convention.name!r} finds vision runs from token ids: "
+                            f"pass {', '.join(missing)}")
+        token_ids = tuple(ids.values())
+
+    seconds, tps, time_rule = opt["second_per_grid_ts"], opt["tokens_per_second"], 0
+    if seconds is not None and not isinstance(seconds, torch.Tensor):
+        seconds = _seconds_tensor(seconds, input_ids, convention)
+    if model_type.reads_seconds:
+        tps = check_real("tokens_per_second",
+                         QWEN2_5_VL_TOKENS_PER_SECOND if tps is None else tps)
+        if convention.integral_tokens_per_second and math.isfinite(tps) and tps != int(tps):
+            raise ValueError(f"tokens_per_second must be integral under convention "
+                             f"{convention.name!r} (its temporal step is tokens_per_second * "
+                             f"int(s)), got {tps}")
+        time_rule = TIME_TRUNC_SECONDS
+        if convention.fractional_seconds:
+            dtype = None if seconds is None else seconds.dtype
+            if dtype in (torch.float16, torch.bfloat16):
+                raise TypeError("second_per_grid_ts must be float32, float64 or integer under "
+                                f"convention {convention.name!r}, got {dtype}")
+            time_rule = TIME_F64_INTERVAL if dtype == torch.float64 else TIME_F32
+    else:
+        if tps is not None:
+            raise ValueError(f"tokens_per_second applies only to model='qwen2_5_vl', "
+                             f"got model={opt['model']!r}")
+        tps = 0.0
+    return _Walk(seconds, (model_type.mrope, *token_ids, merge, tps, types, convention.rules,
+                           time_rule), given_types)
+
+
+def _seconds_tensor(seconds: object, input_ids: object, convention: Convention) -> torch.Tensor:
+    """A sequence of seconds as the tensor the processor gives (float32 under 5.18 and
+    later), or exactly (float64) under the conventions that truncate them."""
+    if isinstance(seconds, (str, bytes)) or not isinstance(seconds, Sequence):
+        raise TypeError("second_per_grid_ts must be a tensor or a sequence of real numbers, "
+                        f"got {type(seconds).__name__}")
+    values = [check_real(f"second_per_grid_ts[{i}]", s) for i, s in enumerate(seconds)]
+    device = input_ids.device if isinstance(input_ids, torch.Tensor) else None
+    dtype = torch.float32 if convention.fractional_seconds else torch.float64
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def compute_mrope_position_ids(
@@ -176,16 +280,7 @@ def compute_mrope_position_ids(
     image_grid_thw: torch.Tensor | None = None,
     video_grid_thw: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
-    *,
-    model: str = "qwen2_vl",
-    convention: str = "installed",
-    mm_token_type_ids: torch.Tensor | None = None,
-    image_token_id: int | None = None,
-    video_token_id: int | None = None,
-    vision_start_token_id: int | None = None,
-    spatial_merge_size: int = 2,
-    second_per_grid_ts: torch.Tensor | Sequence[float] | None = None,
-    tokens_per_second: float | None = None,
+    **options: Unpack[MropeOptions],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """3-D (T, H, W) position ids of a multimodal prompt, bit for bit as transformers'
     ``get_rope_index`` of Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE (``model`` =
@@ -198,19 +293,17 @@ def compute_mrope_position_ids(
         video_grid_thw:     (n_videos, 3), likewise
         attention_mask:     (B, L) of 0/1 (bool, integer or floating); 0 marks padding,
                             left or right
-        mm_token_type_ids:  (B, L) integer, 0 text, 1 image, 2 video, as the transformers
-                            5.x processors return it (5.x conventions only; when None it is
-                            derived from ``image_token_id`` / ``video_token_id`` as the
-                            processors derive it)
-        second_per_grid_ts: (n_videos,) seconds per temporal grid step (Qwen2.5-VL only;
-                            ``temporal_patch_size / fps`` from the processor); a sequence
-                            is taken as float32 under "5.18" (the processor's tensor), as
-                            float64 (exactly) under the others
+    Keywords (:class:`MropeOptions`; defaults ``model="qwen2_vl"``,
+    ``convention="installed"``, ``spatial_merge_size=2``, the rest None):
+        mm_token_type_ids:  (B, L) integer, 0 text, 1 image, 2 video (5.x conventions)
+        second_per_grid_ts: (n_videos,) seconds per temporal grid step (Qwen2.5-VL)
+        model, convention, image_token_id, video_token_id, vision_start_token_id,
+        spatial_merge_size, tokens_per_second: as :class:`MropeOptions` says
     Returns ``(position_ids, mrope_position_deltas)``: (3, B, L) int64 and (B, 1) int64.
 
     ``convention`` is ``"installed"`` (the default: the rules of the transformers release
-    that ``import transformers`` finds, read without importing it; ValueError when it is not
-    installed or its release was not checked) or one of :data:`MROPE_CONVENTIONS`:
+    that ``import transformers`` finds; ValueError when it is not installed or its rules
+    are none of the conventions) or one of :data:`MROPE_CONVENTIONS`:
     ``"4.57"`` (4.57.6 checked), ``"5.17"`` (5.17.0), ``"5.18"`` (5.18.0 and 5.24.0).  Per row,
     over the unmasked tokens, with m = ``spatial_merge_size``:
 
@@ -239,141 +332,30 @@ def compute_mrope_position_ids(
 
     Arguments a convention does not read may be passed and are ignored, so that one call
     serves every release: ``mm_token_type_ids`` under ``"4.57"``, the token ids under 5.x
-    when ``mm_token_type_ids`` is given (they are required under ``"4.57"``).  Without grids
-    (both None) every row gets text positions as transformers does; a row that nevertheless
-    holds a vision run is an error.  Grids that disagree with the tokens raise
-    ``ValueError`` naming ``image_grid_thw`` / ``video_grid_thw``: too few or too many
-    grids, a run shorter or longer than its grid, a placeholder without vision start
-    (``"4.57"``), h or w not divisible by ``spatial_merge_size``, or values <= 0.
+    when ``mm_token_type_ids`` is given (they are required under ``"4.57"``, and under 5.x
+    with grids but no ``mm_token_type_ids``: a ``TypeError`` names the missing ones either
+    way).  Without grids (both None) every row gets text positions as transformers does; a
+    row that nevertheless holds a vision run is an error.  Grids that disagree with the
+    tokens raise ``ValueError`` naming ``image_grid_thw`` / ``video_grid_thw``: too few or
+    too many grids, a run shorter or longer than its grid, a placeholder without vision
+    start (``"4.57"``), h or w not divisible by ``spatial_merge_size``, or values <= 0.
+    The op validates the tensors (csrc/torch/ops.cpp); this function checks what only
+    Python sees and explains an op's failure in its own arguments' names.
     """
-    walk = _walk_arguments(
-        input_ids, image_grid_thw, video_grid_thw, model=model, convention=convention,
-        mm_token_type_ids=mm_token_type_ids, image_token_id=image_token_id,
-        video_token_id=video_token_id, vision_start_token_id=vision_start_token_id,
-        spatial_merge_size=spatial_merge_size, second_per_grid_ts=second_per_grid_ts,
-        tokens_per_second=tokens_per_second)
-    if attention_mask is not None:
-        walk.tensors["attention_mask"] = _check_mask(attention_mask, input_ids)
-    check_same_device(**walk.tensors)
-    return torch.ops.posenc.mrope_position_ids(
-        input_ids, walk.image_grid_thw, walk.video_grid_thw, attention_mask,
-        walk.second_per_grid_ts, *walk.op_args)
-
-
-class _WalkArguments(NamedTuple):
-    """The checked arguments of the position walk, as its ops take them."""
-
-    image_grid_thw: torch.Tensor | None
-    video_grid_thw: torch.Tensor | None
-    second_per_grid_ts: torch.Tensor | None
-    op_args: tuple  # model .. time_rule, as the ops list them after second_per_grid_ts
-    tensors: dict[str, torch.Tensor]  # the tensor arguments by name, for the device check
-
-
-def _walk_arguments(
-    input_ids: torch.Tensor,
-    image_grid_thw: torch.Tensor | None,
-    video_grid_thw: torch.Tensor | None,
-    *,
-    model: str,
-    convention: str,
-    mm_token_type_ids: torch.Tensor | None,
-    image_token_id: int | None,
-    video_token_id: int | None,
-    vision_start_token_id: int | None,
-    spatial_merge_size: int,
-    second_per_grid_ts: torch.Tensor | Sequence[float] | None,
-    tokens_per_second: float | None,
-) -> _WalkArguments:
-    """Checks what compute_mrope_position_ids and compute_packed_mrope_position_ids share
-    (everything but the mask and the example lengths) and converts it for the ops."""
-    if not isinstance(model, str) or model not in MROPE_MODELS:
-        raise ValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")
-    convention = _convention(convention, model)
-    v5 = convention.v5
-    _check_integer_tensor("input_ids", input_ids, 2, "2-D (batch, seq)")
-    image_grid_thw = _check_grid("image_grid_thw", image_grid_thw)
-    video_grid_thw = _check_grid("video_grid_thw", video_grid_thw)
-    names = ("image_token_id", "video_token_id", "vision_start_token_id")
-    given = dict(zip(names, (image_token_id, video_token_id, vision_start_token_id)))
-    if v5:
-        token_ids = (0, 1, 2)  # not read by the 5.x walk
-    else:
-        missing = [name for name, value in given.items() if value is None]
-        if missing:
-            raise TypeError(f"convention {convention.name!r} finds vision runs from token ids: "
-                            f"pass {', '.join(missing)}")
-        token_ids = tuple(_check_int_arg(name, value, 0) for name, value in given.items())
-        if len(set(token_ids)) != 3:
-            raise ValueError(f"image_token_id, video_token_id and vision_start_token_id must "
-                             f"be distinct, got {given}")
-    _check_int_arg("spatial_merge_size", spatial_merge_size, 1)
-    tensors = {"input_ids": input_ids}
-    has_grids = image_grid_thw is not None or video_grid_thw is not None
-    if image_grid_thw is not None:
-        tensors["image_grid_thw"] = image_grid_thw
-    if video_grid_thw is not None:
-        tensors["video_grid_thw"] = video_grid_thw
-    types = None
-    if v5 and mm_token_type_ids is not None:
-        _check_integer_tensor("mm_token_type_ids", mm_token_type_ids, 2, "2-D (batch, seq)")
-        if mm_token_type_ids.shape != input_ids.shape:
-            raise ValueError(f"mm_token_type_ids shape {tuple(mm_token_type_ids.shape)} must "
-                             f"equal input_ids shape {tuple(input_ids.shape)}")
-        types = tensors["mm_token_type_ids"] = mm_token_type_ids
-    elif v5 and has_grids:
-        if image_token_id is None or video_token_id is None:
-            raise ValueError(f"convention {convention.name!r} finds vision runs from "
-                             "mm_token_type_ids (0 text, 1 image, 2 video, from the processor): "
-                             "pass it, or image_token_id and video_token_id to derive it")
-        # as the 5.x processors build it (create_mm_token_type_ids)
-        for name in ("image_token_id", "video_token_id"):
-            _check_int_arg(name, given[name], 0)
-        types = (input_ids == image_token_id).long() + 2 * (input_ids == video_token_id).long()
-
-    time_rule = 0
-    if MROPE_MODELS[model].reads_seconds:
-        if tokens_per_second is None:
-            tokens_per_second = QWEN2_5_VL_TOKENS_PER_SECOND
-        if isinstance(tokens_per_second, bool) or not isinstance(tokens_per_second,
-                                                                 (int, float)):
-            raise TypeError(f"tokens_per_second must be a number, got "
-                            f"{type(tokens_per_second).__name__}")
-        if not math.isfinite(tokens_per_second) or tokens_per_second < 0:
-            raise ValueError(f"tokens_per_second must be finite and >= 0, got "
-                             f"{tokens_per_second}")
-        if (convention.integral_tokens_per_second
-                and tokens_per_second != math.floor(tokens_per_second)):
-            raise ValueError(f"tokens_per_second must be integral under convention "
-                             f"{convention.name!r} "
-                             f"(its temporal step is tokens_per_second * int(s)), got "
-                             f"{tokens_per_second}")
-        time_rule = TIME_TRUNC_SECONDS
-        if second_per_grid_ts is not None:
-            n_videos = 0 if video_grid_thw is None else video_grid_thw.shape[0]
-            second_per_grid_ts = _seconds_tensor(
-                second_per_grid_ts, n_videos, input_ids.device,
-                torch.float32 if convention.fractional_seconds else torch.float64)
-            tensors["second_per_grid_ts"] = second_per_grid_ts
-        if convention.fractional_seconds:
-            dtype = None if second_per_grid_ts is None else second_per_grid_ts.dtype
-            if dtype in (torch.float16, torch.bfloat16):
-                raise TypeError("second_per_grid_ts must be float32, float64 or integer under "
-                                f"convention {convention.name!r}, got {dtype}")
-            time_rule = TIME_F64_INTERVAL if dtype == torch.float64 else TIME_F32
-    else:
-        if second_per_grid_ts is not None:
-            raise ValueError(f"second_per_grid_ts applies only to model='qwen2_5_vl', "
-                             f"got model={model!r}")
-        if tokens_per_second is not None:
-            raise ValueError(f"tokens_per_second applies only to model='qwen2_5_vl', "
-                             f"got model={model!r}")
-        tokens_per_second = 0.0
-    return _WalkArguments(
-        image_grid_thw, video_grid_thw, second_per_grid_ts,
-        (MROPE_MODELS[model].mrope, *token_ids, spatial_merge_size, float(tokens_per_second),
-         types, convention.rules, time_rule),
-        tensors)
+    walk = _walk_options("compute_mrope_position_ids", options, input_ids,
+                         image_grid_thw is not None or video_grid_thw is not None)
+    named = dict(input_ids=input_ids, image_grid_thw=image_grid_thw,
+                 video_grid_thw=video_grid_thw, attention_mask=attention_mask,
+                 second_per_grid_ts=walk.second_per_grid_ts,
+                 mm_token_type_ids=walk.mm_token_type_ids)
+    if _is_compiling():
+        check_tensors(**named)
+    try:
+        return torch.ops.posenc.mrope_position_ids(
+            input_ids, image_grid_thw, video_grid_thw, attention_mask, walk.second_per_grid_ts,
+            *walk.op_args)
+    except Exception as err:
+        raise explain(err, lambda: check_tensors(**named)) from None
 
 
 def compute_mrope_decode_position_ids(
@@ -427,41 +409,42 @@ def compute_mrope_decode_position_ids(
     ``past_length`` and the deltas are read for that check (a sync for CUDA tensors).
     """
     check_tensor("mrope_position_deltas", mrope_position_deltas, (1, 2), "(batch, 1) or (batch,)")
-    if mrope_position_deltas.is_floating_point() or mrope_position_deltas.dtype == torch.bool:
-        raise TypeError(f"mrope_position_deltas must be an integer tensor, got "
-                        f"{mrope_position_deltas.dtype}")
+    _check_integer("mrope_position_deltas", mrope_position_deltas)
     if mrope_position_deltas.dim() == 2 and mrope_position_deltas.shape[1] != 1:
         raise ValueError(f"mrope_position_deltas must be (batch, 1) or (batch,), got shape "
                          f"{tuple(mrope_position_deltas.shape)}")
-    _check_int_arg("num_new_tokens", num_new_tokens, 0)
+    check_int("num_new_tokens", num_new_tokens, 0)
     deltas = mrope_position_deltas.reshape(-1, 1).long()
     use_mask = attention_mask is not None and _convention(convention).v5
+    if attention_mask is None and convention != "installed":
+        _convention(convention)  # checked also where the rules agree
     if batch_size is None and use_mask:
         batch_size = attention_mask.shape[0] if isinstance(attention_mask, torch.Tensor) else None
     if batch_size is not None:
-        _check_int_arg("batch_size", batch_size, 1)
+        check_int("batch_size", batch_size, 1)
         if batch_size % deltas.shape[0]:
             raise ValueError(f"batch_size {batch_size} must be a multiple of the "
                              f"{deltas.shape[0]} rows of mrope_position_deltas")
         deltas = deltas.repeat_interleave(batch_size // deltas.shape[0], dim=0)
     if isinstance(past_length, torch.Tensor):
-        if past_length.is_floating_point() or past_length.dtype == torch.bool:
+        if not _is_integer(past_length):
             raise TypeError(f"past_length must be an int or an integer tensor, got "
                             f"{past_length.dtype}")
         if past_length.dim() > 1 or past_length.numel() == 0:
             raise ValueError("past_length as a tensor must be 0-d, or 1-D cache_position "
                              f"with at least one entry, got shape {tuple(past_length.shape)}")
+        _check_movable("past_length", past_length, mrope_position_deltas)
         start = past_length.reshape(-1)[:1].to(device=deltas.device, dtype=torch.int64)
-        first = None if _is_compiling() else int(start)  # a sync for CUDA cache_position
+        # a sync for CUDA cache_position; meta values are unknown, as while tracing
+        first = None if _is_compiling() or start.is_meta else int(start)
         if first is not None and first < 0:
             raise ValueError(f"past_length must be >= 0, got {first}")
     else:
-        start = first = _check_int_arg("past_length", past_length, 0)
+        start = first = check_int("past_length", past_length, 0)
     if prompt_position_ids is not None:
         check_tensor("prompt_position_ids", prompt_position_ids, 3, "(3 or 4, batch, seq)")
-        if prompt_position_ids.is_floating_point() or prompt_position_ids.dtype == torch.bool:
-            raise TypeError(f"prompt_position_ids must be an integer tensor, got "
-                            f"{prompt_position_ids.dtype}")
+        _check_integer("prompt_position_ids", prompt_position_ids)
+        _check_movable("prompt_position_ids", prompt_position_ids, mrope_position_deltas)
         if prompt_position_ids.shape[0] not in (3, 4) or prompt_position_ids.shape[2] == 0:
             raise ValueError(f"prompt_position_ids must be (3 or 4, batch, seq >= 1), got shape "
                              f"{tuple(prompt_position_ids.shape)}")
@@ -474,6 +457,10 @@ def compute_mrope_decode_position_ids(
         return last + 1 + (start - prompt_position_ids.shape[2]) + steps
     if use_mask:
         check_tensor("attention_mask", attention_mask, 2, "2-D (batch, past_length + n)")
+        if attention_mask.is_complex():
+            raise TypeError(f"attention_mask must be bool, integer or floating, got "
+                            f"{attention_mask.dtype}")
+        _check_movable("attention_mask", attention_mask, mrope_position_deltas)
         if attention_mask.shape[0] != deltas.shape[0]:
             raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows, "
                              f"mrope_position_deltas {deltas.shape[0]} (after batch_size)")
@@ -491,16 +478,33 @@ def compute_mrope_decode_position_ids(
     return ids.unsqueeze(0).repeat(3, 1, 1)
 
 
+def _is_integer(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _check_integer(name: str, t: torch.Tensor) -> None:
+    if not _is_integer(t):
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+
+
+def _check_movable(name: str, t: torch.Tensor, deltas: torch.Tensor) -> None:
+    """Decoding moves its other tensors to the deltas' device; a meta tensor has no values
+    to move (and no values to move into)."""
+    if t.device != deltas.device and "meta" in (t.device.type, deltas.device.type):
+        raise ValueError(f"{name} is on {t.device} but mrope_position_deltas is on "
+                         f"{deltas.device}; meta tensors cannot be mixed with others")
+
+
 def _check_no_overflow(past_length: int | None, num_new_tokens: int, offsets: torch.Tensor,
                        shift: int) -> None:
     """The largest id, past_length + num_new_tokens - 1 + max(offsets) + shift, computed in
     Python ints, must fit in int64 (the ids are int64: they would wrap around).  Eager only:
-    the values are not known while tracing (past_length is None then)."""
-    if past_length is None or _is_compiling():
+    the values are not known while tracing (past_length is None then) or on meta tensors."""
+    if past_length is None or _is_compiling() or offsets.is_meta:
         return
     largest = past_length + num_new_tokens - 1 + shift + (
         int(offsets.max()) if offsets.numel() else 0)
-    if largest > _INT64_MAX:
+    if largest > INT64_MAX:
         raise ValueError(f"past_length {past_length} + num_new_tokens {num_new_tokens} and the "
                          f"position offsets give ids up to {largest}, past int64 (2^63 - 1)")
 
@@ -547,6 +551,12 @@ def _length(name: str, value: object) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
 
 
+def _on_device_of(name: str, t: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """A layout tensor whose values are read here: on input_ids' device, or an error."""
+    check_tensors(input_ids=input_ids, **{name: t})
+    return t
+
+
 def _rows_of(name: str, value: object, batch: int) -> list[list[int]]:
     """``value`` as one list of ints per row of input_ids: a (B, n) tensor or a sequence of
     B sequences; for B = 1 also a 1-D tensor or a flat sequence."""
@@ -560,7 +570,7 @@ def _rows_of(name: str, value: object, batch: int) -> list[list[int]]:
                              f"rows of input_ids){' or 1-D' if batch == 1 else ''}, got shape "
                              f"{tuple(value.shape)}")
         return value.tolist()
-    if not isinstance(value, Sequence) or isinstance(value, str):
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be a tensor or a list of lists of ints (one list per row), "
                         f"got {type(value).__name__}")
     if batch == 1 and all(not isinstance(v, Sequence | torch.Tensor) or
@@ -573,55 +583,92 @@ def _rows_of(name: str, value: object, batch: int) -> list[list[int]]:
     for b, row in enumerate(value):
         if isinstance(row, torch.Tensor):
             row = row.tolist() if row.dim() == 1 else row
-        if not isinstance(row, Sequence) or isinstance(row, str):
+        if not isinstance(row, Sequence) or isinstance(row, (str, bytes)):
             raise TypeError(f"{name}[{b}] must be a list of ints, got {type(row).__name__}")
         rows.append([_length(f"{name}[{b}][{k}]", v) for k, v in enumerate(row)])
     return rows
 
 
+class _Layout(NamedTuple):
+    """Where the packed examples lie, as the packed op takes it."""
+
+    example_lens: torch.Tensor  # (N,) integer, in example order across the batch
+    row_examples: torch.Tensor  # (B,) integer: examples per row
+
+
 def _packed_layout(input_ids: torch.Tensor, seq_lens: object, cu_seqlens: object,
-                   attention_mask: object) -> tuple[list[int], list[int]]:
-    """Example lengths (in example order across the batch) and examples per row, from
-    whichever of the three descriptions was given, checked against the rows of input_ids."""
+                   attention_mask: object) -> _Layout:
+    """The example lengths and examples per row from whichever of the three descriptions
+    was given.  A (B, n) or 1-D tensor ``seq_lens`` is passed on as it is (no value is read:
+    it traces); lists are read here; ``cu_seqlens`` must start every row at 0 and a packed
+    mask must number its examples 1, 2, 3, ... (what the op cannot see).  The lengths'
+    values (>= 0, within the row) are the op's to check."""
     given = [name for name, v in (("seq_lens", seq_lens), ("cu_seqlens", cu_seqlens),
                                   ("attention_mask", attention_mask)) if v is not None]
     if len(given) != 1:
         raise TypeError("pass exactly one of seq_lens, cu_seqlens and attention_mask, got "
                         f"{', '.join(given) if given else 'none'}")
-    batch, length = input_ids.shape
+    check_tensor("input_ids", input_ids, 2, "2-D (batch, seq)")  # the layout reads its shape
+    batch, device = input_ids.shape[0], input_ids.device
     if attention_mask is not None:
-        return _mask_layout(attention_mask, input_ids)
-    lens: list[int] = []
-    per_row: list[int] = []
-    if seq_lens is not None:
-        for b, row in enumerate(_rows_of("seq_lens", seq_lens, batch)):
-            used = 0
-            for k, n in enumerate(row):
-                where = f"seq_lens[{b}][{k}] (example {len(lens)})"
-                if n < 0:
-                    raise ValueError(f"{where} is {n}; lengths must be >= 0")
-                used += n
-                if used > length:
-                    raise ValueError(f"{where}: the examples of row {b} up to this one need "
-                                     f"{used} tokens, but input_ids rows have {length}")
-                lens.append(n)
-            per_row.append(len(row))
-        return lens, per_row
-    for b, row in enumerate(_rows_of("cu_seqlens", cu_seqlens, batch)):
-        if not row or row[0] != 0:
-            raise ValueError(f"cu_seqlens[{b}] must start with 0 (cumulative lengths "
-                             f"[0, l0, l0 + l1, ...]), got {row[:3]}")
-        for k in range(1, len(row)):
-            where = f"cu_seqlens[{b}][{k}] (end of example {len(lens)})"
-            if row[k] < row[k - 1]:
-                raise ValueError(f"{where} is {row[k]}, below cu_seqlens[{b}][{k - 1}] = "
-                                 f"{row[k - 1]}; cumulative lengths must not decrease")
-            if row[k] > length:
-                raise ValueError(f"{where} is {row[k]}, past the {length} tokens of the "
-                                 "input_ids rows")
-            lens.append(row[k] - row[k - 1])
-        per_row.append(len(row) - 1)
-    return lens, per_row
+        lens, per_row = _mask_layout(_on_device_of("attention_mask", attention_mask, input_ids),
+                                     input_ids)
+    elif isinstance(seq_lens, torch.Tensor) and (seq_lens.dim() == 2 or (
+            seq_lens.dim() == 1 and batch == 1)):
+        if seq_lens.dim() == 2 and seq_lens.shape[0] != batch:
+            raise ValueError(f"seq_lens as a tensor must be (batch, n) with batch = {batch} "
+                             f"(the rows of input_ids), got shape {tuple(seq_lens.shape)}")
+        n = seq_lens.shape[-1]
+        return _Layout(seq_lens.reshape(-1),
+                       torch.full((batch,), n, dtype=torch.int64, device=seq_lens.device))
+    elif seq_lens is not None:
+        if isinstance(seq_lens, torch.Tensor):
+            _on_device_of("seq_lens", seq_lens, input_ids)
+        rows = _rows_of("seq_lens", seq_lens, batch)
+        lens, per_row = [n for row in rows for n in row], [len(row) for row in rows]
+    else:
+        if isinstance(cu_seqlens, torch.Tensor):
+            _on_device_of("cu_seqlens", cu_seqlens, input_ids)
+        lens, per_row = [], []
+        for b, row in enumerate(_rows_of("cu_seqlens", cu_seqlens, batch)):
+            if not row or row[0] != 0:
+                raise ValueError(f"cu_seqlens[{b}] must start with 0 (cumulative lengths "
+                                 f"[0, l0, l0 + l1, ...]), got {row[:3]}")
+            lens += [row[k] - row[k - 1] for k in range(1, len(row))]
+            per_row.append(len(row) - 1)
+    return _Layout(torch.tensor(lens, dtype=torch.int64, device=device),
+                   torch.tensor(per_row, dtype=torch.int64, device=device))
+
+
+def _explain_layout(input_ids: torch.Tensor, seq_lens: object, cu_seqlens: object) -> None:
+    """The lengths' values in the caller's terms, run after the op refused them: a
+    negative length or examples that need more tokens than a row has."""
+    batch, length = input_ids.shape
+    name = "seq_lens" if seq_lens is not None else "cu_seqlens"
+    rows = _rows_of(name, seq_lens if seq_lens is not None else cu_seqlens, batch)
+    example = 0
+    for b, row in enumerate(rows):
+        if name == "cu_seqlens":
+            for k in range(1, len(row)):
+                where = f"cu_seqlens[{b}][{k}] (end of example {example + k - 1})"
+                if row[k] < row[k - 1]:
+                    raise ValueError(f"{where} is {row[k]}, below cu_seqlens[{b}][{k - 1}] = "
+                                     f"{row[k - 1]}; cumulative lengths must not decrease")
+                if row[k] > length:
+                    raise ValueError(f"{where} is {row[k]}, past the {length} tokens of the "
+                                     "input_ids rows")
+            example += len(row) - 1
+            continue
+        used = 0
+        for k, n in enumerate(row):
+            where = f"seq_lens[{b}][{k}] (example {example})"
+            if n < 0:
+                raise ValueError(f"{where} is {n}; lengths must be >= 0")
+            used += n
+            if used > length:
+                raise ValueError(f"{where}: the examples of row {b} up to this one need "
+                                 f"{used} tokens, but input_ids rows have {length}")
+            example += 1
 
 
 def _mask_layout(mask: object, input_ids: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -667,17 +714,9 @@ def compute_packed_mrope_position_ids(
     image_grid_thw: torch.Tensor | None = None,
     video_grid_thw: torch.Tensor | None = None,
     *,
-    model: str,
-    convention: str = "installed",
     cu_seqlens: torch.Tensor | Sequence[Sequence[int]] | Sequence[int] | None = None,
     attention_mask: torch.Tensor | None = None,
-    mm_token_type_ids: torch.Tensor | None = None,
-    image_token_id: int | None = None,
-    video_token_id: int | None = None,
-    vision_start_token_id: int | None = None,
-    spatial_merge_size: int = 2,
-    second_per_grid_ts: torch.Tensor | Sequence[float] | None = None,
-    tokens_per_second: float | None = None,
+    **options: Unpack[MropeOptions],
 ) -> torch.Tensor:
     """Position ids of packed rows (padding-free batches): several examples laid end to end
     in each row, every one given the ids it would get alone, in the (4, B, L) layout that
@@ -701,10 +740,10 @@ def compute_packed_mrope_position_ids(
         image_grid_thw:     (n_images, 3) patch grids (t, h, w) before merging, in example
                             order across the batch (row 0's examples first, left to right)
         video_grid_thw:     (n_videos, 3), likewise
-        mm_token_type_ids:  (B, L) integer, 0 text, 1 image, 2 video (5.x conventions), as
-                            for :func:`compute_mrope_position_ids`
-        second_per_grid_ts: (n_videos,) seconds per temporal grid step (Qwen2.5-VL), in
-                            example order
+    Keywords (:class:`MropeOptions`; ``model`` is required here): ``mm_token_type_ids``
+    (B, L), ``second_per_grid_ts`` (n_videos,) in example order, and the others, mean what
+    they mean for :func:`compute_mrope_position_ids`, and the convention is resolved the
+    same way (:func:`resolve_convention`).
     Exactly one of ``seq_lens``, ``cu_seqlens`` and ``attention_mask`` (else TypeError).
     Returns int64 (4, B, L).  For token k (0-based) of an example:
 
@@ -720,14 +759,16 @@ def compute_packed_mrope_position_ids(
     ``masking_utils``, 4.57 and 5.x; the padding's 0 follows an example's last position, which
     is >= 0), and for flash-attention it starts a sequence wherever row 0 holds its minimum,
     0 (``prepare_fa_kwargs_from_position_ids``; transformers reads packed boundaries from
-    position ids there only for B = 1).  Both block-diagonal forms need no attention mask:
-    pass none to the model (and no cache: transformers builds the packed mask only when
-    ``past_key_values`` is empty).
+    position ids there only for B = 1: for B > 1 pass ``cu_seq_lens_q/k`` and
+    ``max_length_q/k``, as :func:`posenc_torch.packing.pack_multimodal_examples` does).  Both
+    block-diagonal forms need no attention mask: pass none to the model (and no cache:
+    transformers builds the packed mask only when ``past_key_values`` is empty).
 
-    All other keywords (``model``, ``convention``, token ids, ``spatial_merge_size``,
-    ``tokens_per_second``, ...) mean what they mean for :func:`compute_mrope_position_ids`,
-    and the convention is resolved the same way (:func:`resolve_convention`).  The whole
-    batch is one call into the C walk, its examples spread over threads.
+    The whole batch is one call into the C walk, its examples spread over threads.  Under
+    ``torch.compile(fullgraph=True)`` the forms whose layout is known without reading a
+    tensor trace: ``seq_lens`` and ``cu_seqlens`` as lists of ints (constants of the graph)
+    and ``seq_lens`` as a tensor; a ``cu_seqlens`` tensor and a packed ``attention_mask``
+    are read (their layout is checked) and break the graph.
 
     Bad input raises ``ValueError`` naming the argument and the example (numbered from 0
     across the batch, row 0's first): a negative length, examples longer than their row,
@@ -739,18 +780,44 @@ def compute_packed_mrope_position_ids(
     wrong types or dtypes (a float length, a float mask, ...).  Examples of length 1 and
     text-only examples are valid; so is a row with no example (all padding).
     """
-    if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
-    walk = _walk_arguments(
-        input_ids, image_grid_thw, video_grid_thw, model=model, convention=convention,
-        mm_token_type_ids=mm_token_type_ids, image_token_id=image_token_id,
-        video_token_id=video_token_id, vision_start_token_id=vision_start_token_id,
-        spatial_merge_size=spatial_merge_size, second_per_grid_ts=second_per_grid_ts,
-        tokens_per_second=tokens_per_second)
-    lens, per_row = _packed_layout(input_ids, seq_lens, cu_seqlens, attention_mask)
-    check_same_device(**walk.tensors)
-    example_lens = torch.tensor(lens, dtype=torch.int64, device=input_ids.device)
-    row_examples = torch.tensor(per_row, dtype=torch.int64, device=input_ids.device)
-    return torch.ops.posenc.mrope_packed_position_ids(
-        input_ids, example_lens, row_examples, walk.image_grid_thw, walk.video_grid_thw,
-        walk.second_per_grid_ts, *walk.op_args)
+    walk = _walk_options("compute_packed_mrope_position_ids", options, input_ids,
+                         image_grid_thw is not None or video_grid_thw is not None, "model")
+    layout = _packed_layout(input_ids, seq_lens, cu_seqlens, attention_mask)
+    named = dict(input_ids=input_ids, seq_lens=seq_lens if isinstance(seq_lens, torch.Tensor)
+                 else None, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                 second_per_grid_ts=walk.second_per_grid_ts,
+                 mm_token_type_ids=walk.mm_token_type_ids)
+
+    def explain_layout() -> None:
+        check_tensors(**named)
+        if attention_mask is None:
+            _explain_layout(input_ids, seq_lens, cu_seqlens)
+
+    if _is_compiling():
+        check_tensors(**named)
+    try:
+        return torch.ops.posenc.mrope_packed_position_ids(
+            input_ids, layout.example_lens, layout.row_examples, image_grid_thw,
+            video_grid_thw, walk.second_per_grid_ts, *walk.op_args)
+    except Exception as err:
+        raise explain(err, explain_layout) from None
+
+
+def _packed_for_examples(
+    input_ids: torch.Tensor, layout: _Layout, example_ids: torch.Tensor,
+    example_grids: torch.Tensor, image_grid_thw: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None, **options: Unpack[MropeOptions],
+) -> torch.Tensor:
+    """The packed op for a caller that numbers its own examples (posenc_torch.packing):
+    ``example_ids`` (N,) the caller's index of each example in op order, ``example_grids``
+    (N, 2) the image and video grids each example owns.  The op's errors then name
+    ``examples[i]`` and speak of the example alone (its tokens and grids numbered from 0),
+    as :func:`compute_mrope_position_ids` on that example would."""
+    walk = _walk_options("_packed_for_examples", options, input_ids,
+                         image_grid_thw is not None or video_grid_thw is not None, "model")
+    try:
+        return torch.ops.posenc.mrope_packed_position_ids(
+            input_ids, layout.example_lens, layout.row_examples, image_grid_thw,
+            video_grid_thw, walk.second_per_grid_ts, *walk.op_args, example_ids, example_grids)
+    except Exception as err:
+        raise op_error(err) from None

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_dtype, check_real, op_error
+from ._checks import check_dtype, check_int, check_real, op_error
 
 
 def _check_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    """An int in int64's range (the op checks its value), or a SymInt while tracing."""
+    if not isinstance(value, torch.SymInt):
+        check_int(name, value)
 
 
 def sinusoidal_position_encoding(

@@ -13,13 +13,14 @@ when torch lacks a private name; the fake kernels' strides; vmap.
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import posenc_torch as P
-from posenc_torch import _checks, ops, rope
+from posenc_torch import _checks, ops, packing, positions, rope
 
 # ----------------------------------------------------------------------- valid arguments
 
@@ -90,6 +91,42 @@ def _decode(**kw):
     return P.compute_mrope_decode_position_ids(**args)
 
 
+def _packed(**kw):
+    args = dict(input_ids=IDS, seq_lens=[[4]], model="qwen2_vl", convention="5.17")
+    args.update(kw)
+    return P.compute_packed_mrope_position_ids(**args)
+
+
+# A Qwen2-VL config as packing reads it (no transformers needed), and examples for it.
+CONFIG = types.SimpleNamespace(
+    model_type="qwen2_vl", image_token_id=7, video_token_id=8, vision_start_token_id=6,
+    pad_token_id=0, vision_config=types.SimpleNamespace(
+        spatial_merge_size=2, in_channels=3, temporal_patch_size=2, patch_size=2))
+TEXT_EXAMPLE = {"input_ids": torch.tensor([[1, 2, 3]])}
+# an image of grid (1, 2, 4): 2 placeholder tokens after a vision start, 8 patches of 24
+IMAGE_EXAMPLE = {"input_ids": torch.tensor([[1, 6, 7, 7, 9]]),
+                 "image_grid_thw": torch.tensor([[1, 2, 4]]), "pixel_values": torch.ones(8, 24)}
+
+
+def _pack(**kw):
+    args = dict(examples=[TEXT_EXAMPLE, IMAGE_EXAMPLE], config=CONFIG, convention="4.57")
+    args.update(kw)
+    return packing.pack_multimodal_examples(**args)
+
+
+def _collator(**kw):
+    return packing.MultimodalPackingCollator(CONFIG, convention="4.57", **kw)
+
+
+PACKED_POS = torch.tensor([0, 1, 2, 0, 1]).expand(4, 2, 5)
+
+
+def _leaks(fn=packing.packed_attention_leaks, **kw):
+    args = dict(position_ids=PACKED_POS)
+    args.update(kw)
+    return fn(**args)
+
+
 def _patch(**kw):
     from posenc_torch import hf
 
@@ -121,6 +158,7 @@ CASES = [
      ValueError, "must not exceed head_dim"),
     ("rot/unsqueeze-value", lambda: _rot(unsqueeze_dim=0), ValueError, "unsqueeze_dim"),
     ("rot/pairing", lambda: _rot(pairing="gptj"), ValueError, "pairing"),
+    ("rot/pairing-type", lambda: _rot(pairing=1), TypeError, "pairing must be a str"),
     ("rot/devices", lambda: _rot(cos=B16.to("meta")), ValueError, "cos is on meta"),
     # apply_multimodal_rotary_pos_emb
     ("mrot/sections-type", lambda: _mrot(mrope_section=torch.tensor([2, 3, 3])), TypeError,
@@ -134,6 +172,8 @@ CASES = [
     ("mrot/sections-count", lambda: _mrot(mrope_section=[4, 4]), ValueError, "mrope_section"),
     ("mrot/section-negative", lambda: _mrot(mrope_section=[-1, 5, 4]), ValueError,
      "non-negative"),
+    ("mrot/section-huge", lambda: _mrot(mrope_section=[2**63, 0, 0]), ValueError,
+     "mrope_section entries must fit in int64"),
     ("mrot/cos-rank", lambda: _mrot(cos=B16, sin=B16), ValueError, "cos must be 4-D"),
     ("mrot/cos-axes", lambda: _mrot(cos=torch.randn(2, 2, 5, 16), sin=torch.randn(2, 2, 5, 16)),
      ValueError, "3 axes"),
@@ -157,6 +197,8 @@ CASES = [
      "attention_scaling"),
     ("fused/scaling-bool", lambda: _fused(attention_scaling=True), TypeError,
      "attention_scaling"),
+    ("fused/scaling-huge", lambda: _fused(attention_scaling=10**400), ValueError,
+     "attention_scaling is too large for a float"),
     ("fused/interleaved-str", lambda: _fused(position_ids=POS3, mrope_section=[2, 3, 3],
                                              interleaved_mrope="no"), TypeError,
      "interleaved_mrope must be a bool"),
@@ -179,6 +221,7 @@ CASES = [
      r"rotary width 18 \(2 \* len\(inv_freq\)\) must not exceed head_dim 16"),
     ("fused/inv-freq-grad", lambda: _fused(inv_freq=torch.rand(8, requires_grad=True)),
      ValueError, "inv_freq requires grad"),
+    ("fused/pairing-type", lambda: _fused(pairing=None), TypeError, "pairing must be a str"),
     # compute_mrope_cos_sin
     ("tables/dtype", lambda: _tables_fn(dtype=torch.int32), TypeError, "dtype must be float32"),
     ("tables/dtype-type", lambda: _tables_fn(dtype="float32"), TypeError,
@@ -202,12 +245,86 @@ CASES = [
     ("positions/model", lambda: _positions(model="qwen9"), ValueError, "model"),
     ("positions/convention", lambda: _positions(convention="4.0"), ValueError, "convention"),
     ("positions/grid-shape", lambda: _positions(image_grid_thw=torch.ones(1, 2,
-                                                                        dtype=torch.long)),
+                                                                        dtype=torch.long),
+                                                mm_token_type_ids=torch.zeros_like(IDS)),
      ValueError, "image_grid_thw"),
     ("positions/mask-shape", lambda: _positions(attention_mask=torch.ones(1, 3)), ValueError,
      "attention_mask"),
     ("positions/merge-value", lambda: _positions(spatial_merge_size=0), ValueError,
      "spatial_merge_size"),
+    ("positions/merge-huge", lambda: _positions(spatial_merge_size=2**63), ValueError,
+     "spatial_merge_size must fit in int64"),
+    ("positions/token-id-huge", lambda: _positions(convention="4.57", image_token_id=2**64,
+                                                   video_token_id=8, vision_start_token_id=9),
+     ValueError, "image_token_id must fit in int64"),
+    ("positions/ids-type", lambda: _positions(input_ids=[[1, 2]]), TypeError,
+     "input_ids must be a torch.Tensor"),
+    ("positions/model-type", lambda: _positions(model=2), TypeError, "model must be a str"),
+    ("positions/convention-type", lambda: _positions(convention=5.17), TypeError,
+     "convention must be a str"),
+    ("positions/unknown-keyword", lambda: _positions(merge_size=2), TypeError,
+     "unexpected keyword argument 'merge_size'"),
+    ("positions/seconds-str", lambda: _positions(model="qwen2_5_vl", second_per_grid_ts="1.0"),
+     TypeError, "second_per_grid_ts must be a tensor or a sequence of real numbers"),
+    ("positions/seconds-entry", lambda: _positions(model="qwen2_5_vl",
+                                                   second_per_grid_ts=["1.0"]),
+     TypeError, r"second_per_grid_ts\[0\] must be a real number"),
+    ("positions/seconds-dtype", lambda: _positions(model="qwen2_5_vl",
+                                                   second_per_grid_ts=torch.ones(0, dtype=bool)),
+     TypeError, "second_per_grid_ts must be a real tensor"),
+    ("positions/tokens-per-second-type", lambda: _positions(model="qwen2_5_vl",
+                                                            tokens_per_second="2"),
+     TypeError, "tokens_per_second must be a real number"),
+    # a missing input is a TypeError under every convention
+    ("positions/missing-4.57", lambda: _positions(convention="4.57",
+                                                  image_grid_thw=torch.tensor([[1, 2, 2]])),
+     TypeError, "pass image_token_id, video_token_id, vision_start_token_id"),
+    ("positions/missing-5", lambda: _positions(image_grid_thw=torch.tensor([[1, 2, 2]])),
+     TypeError, "pass it, or image_token_id and video_token_id"),
+    ("positions/mask-meta", lambda: _positions(attention_mask=torch.ones(1, 4, device="meta")),
+     ValueError, "attention_mask is on meta but input_ids is on cpu"),
+    ("positions/grid-meta", lambda: _positions(
+        image_grid_thw=torch.ones(1, 3, dtype=torch.long, device="meta"),
+        mm_token_type_ids=torch.zeros_like(IDS)),
+     ValueError, "image_grid_thw is on meta but input_ids is on cpu"),
+    # compute_packed_mrope_position_ids
+    ("packed/ids-type", lambda: _packed(input_ids=[[1, 2, 3, 4]]), TypeError,
+     "input_ids must be a torch.Tensor"),
+    ("packed/model-missing", lambda: P.compute_packed_mrope_position_ids(IDS, [4]), TypeError,
+     "missing required keyword argument 'model'"),
+    ("packed/model-type", lambda: _packed(model=None), TypeError, "model must be a str"),
+    ("packed/seq-lens-float", lambda: _packed(seq_lens=[[2, 2.0]]), TypeError,
+     r"seq_lens\[0\]\[1\] must be an int"),
+    ("packed/seq-lens-tensor-dtype", lambda: _packed(seq_lens=torch.tensor([[2.0, 2.0]])),
+     TypeError, "seq_lens must be an integer tensor"),
+    ("packed/layout-missing", lambda: _packed(seq_lens=None), TypeError,
+     "pass exactly one of seq_lens, cu_seqlens and attention_mask"),
+    ("packed/seq-lens-negative", lambda: _packed(seq_lens=[[3, -1]]), ValueError,
+     r"seq_lens\[0\]\[1\] \(example 1\) is -1"),
+    ("packed/seq-lens-tensor-negative", lambda: _packed(seq_lens=torch.tensor([[3, -1]])),
+     ValueError, r"seq_lens\[0\]\[1\] \(example 1\) is -1"),
+    ("packed/seq-lens-long", lambda: _packed(seq_lens=torch.tensor([[3, 2]])), ValueError,
+     r"seq_lens\[0\]\[1\] \(example 1\): the examples of row 0 up to this one need 5"),
+    ("packed/cu-start", lambda: _packed(seq_lens=None, cu_seqlens=[1, 4]), ValueError,
+     r"cu_seqlens\[0\] must start with 0"),
+    ("packed/cu-decrease", lambda: _packed(seq_lens=None, cu_seqlens=[0, 3, 2]), ValueError,
+     r"cu_seqlens\[0\]\[2\] \(end of example 1\) is 2, below"),
+    ("packed/seq-lens-meta", lambda: _packed(seq_lens=torch.tensor([4], device="meta")),
+     ValueError, "seq_lens is on meta but input_ids is on cpu"),
+    ("packed/seq-lens-table-meta", lambda: _packed(seq_lens=torch.tensor([[4]], device="meta")),
+     ValueError, "seq_lens is on meta but input_ids is on cpu"),
+    ("packed/mask-meta", lambda: _packed(seq_lens=None, attention_mask=torch.ones(
+        1, 4, dtype=torch.long, device="meta")), ValueError,
+     "attention_mask is on meta but input_ids is on cpu"),
+    ("packed/merge-huge", lambda: _packed(spatial_merge_size=-2**63 - 1), ValueError,
+     "spatial_merge_size must fit in int64"),
+    # resolve_convention
+    ("resolve/type", lambda: positions.resolve_convention(["5.17"]), TypeError,
+     "convention must be a str"),
+    ("resolve/model-type", lambda: positions.resolve_convention("5.17", 3), TypeError,
+     "model must be a str"),
+    ("resolve/value", lambda: positions.resolve_convention("5.x"), ValueError,
+     "convention must be 'installed' or one of"),
     # compute_mrope_decode_position_ids
     ("decode/deltas-dtype", lambda: _decode(mrope_position_deltas=torch.zeros(2, 1)), TypeError,
      "mrope_position_deltas"),
@@ -227,6 +344,23 @@ CASES = [
     ("decode/deltas-shape", lambda: _decode(mrope_position_deltas=torch.zeros(2, 2,
                                                                               dtype=torch.long)),
      ValueError, "mrope_position_deltas"),
+    ("decode/deltas-complex", lambda: _decode(mrope_position_deltas=torch.zeros(
+        2, 1, dtype=torch.complex64)), TypeError, "mrope_position_deltas must be an integer"),
+    ("decode/new-tokens-huge", lambda: _decode(num_new_tokens=2**70), ValueError,
+     "num_new_tokens must fit in int64"),
+    ("decode/batch-size-type", lambda: _decode(batch_size=2.0), TypeError, "batch_size"),
+    ("decode/convention-type", lambda: _decode(convention=5.17), TypeError,
+     "convention must be a str"),
+    ("decode/convention-value", lambda: _decode(convention="5.x"), ValueError, "convention"),
+    ("decode/mask-complex", lambda: _decode(convention="5.17", attention_mask=torch.ones(
+        2, 5, dtype=torch.complex64)), TypeError, "attention_mask must be bool, integer or"),
+    ("decode/mask-meta", lambda: _decode(convention="5.17", attention_mask=torch.ones(
+        2, 5, device="meta")), ValueError, "attention_mask is on meta but "
+     "mrope_position_deltas is on cpu"),
+    ("decode/prompt-meta", lambda: _decode(prompt_position_ids=torch.zeros(
+        3, 2, 4, dtype=torch.long, device="meta")), ValueError, "prompt_position_ids is on meta"),
+    ("decode/prompt-complex", lambda: _decode(prompt_position_ids=torch.zeros(
+        3, 2, 4, dtype=torch.complex64)), TypeError, "prompt_position_ids must be an integer"),
     # vision_rotary_position_ids
     ("vision-ids/grid-dtype", lambda: P.vision_rotary_position_ids(torch.ones(1, 3)), TypeError,
      "grid_thw"),
@@ -256,6 +390,59 @@ CASES = [
      "num_positions \\* dim overflows"),
     ("sinusoidal/allocation", lambda: P.sinusoidal_position_encoding(2**40, 8), RuntimeError,
      r"could not allocate the \(num_positions, dim\) table"),
+    ("sinusoidal/positions-huge", lambda: P.sinusoidal_position_encoding(2**63, 8), ValueError,
+     "num_positions must fit in int64"),
+    ("sinusoidal/dim-huge", lambda: P.sinusoidal_position_encoding(4, 2**63), ValueError,
+     "dim must fit in int64"),
+    # posenc_torch.packing
+    ("pack/examples-type", lambda: _pack(examples=TEXT_EXAMPLE), TypeError,
+     "examples must be a list"),
+    ("pack/example-type", lambda: _pack(examples=[TEXT_EXAMPLE, 3]), TypeError,
+     r"examples\[1\] must be a mapping"),
+    ("pack/ids-dtype", lambda: _pack(examples=[{"input_ids": torch.tensor([[1.0]])}]),
+     TypeError, r"examples\[0\]\['input_ids'\] must hold integers"),
+    ("pack/flash-kwargs-str", lambda: _pack(return_flash_attn_kwargs="no"), TypeError,
+     "return_flash_attn_kwargs must be a bool"),
+    ("pack/max-tokens-bool", lambda: _pack(max_tokens=True), TypeError,
+     "max_tokens must be an int"),
+    ("pack/convention-type", lambda: _pack(convention=4.57), TypeError,
+     "convention must be a str"),
+    ("pack/empty", lambda: _pack(examples=[]), ValueError, "examples is empty"),
+    ("pack/max-tokens-value", lambda: _pack(max_tokens=4), ValueError,
+     r"examples\[1\] has 5 tokens, more than max_tokens=4"),
+    ("pack/config", lambda: _pack(config=types.SimpleNamespace()), ValueError,
+     "config must be a Qwen-VL model or config"),
+    ("pack/grid-tokens", lambda: _pack(examples=[TEXT_EXAMPLE, dict(
+        IMAGE_EXAMPLE, input_ids=torch.tensor([[1, 6, 7, 9, 9]]))]), ValueError,
+     r"^examples\[1\]: image_grid_thw\[0\] = \(1, 2, 4\) needs 2 image_token_id tokens"),
+    ("collator/flash-kwargs-str", lambda: _collator(return_flash_attn_kwargs=1), TypeError,
+     "return_flash_attn_kwargs must be a bool"),
+    ("collator/multiple-value", lambda: _collator(pad_to_multiple_of=0), ValueError,
+     "pad_to_multiple_of must be >= 1"),
+    ("first-fit/length-float", lambda: packing.first_fit([3, 1.5], 4), TypeError,
+     r"lengths\[1\] must be an int"),
+    ("first-fit/lengths-type", lambda: packing.first_fit(3, 4), TypeError,
+     "lengths must be a sequence of ints"),
+    ("first-fit/max-tokens-bool", lambda: packing.first_fit([1, 1], True), TypeError,
+     "max_tokens must be an int"),
+    ("first-fit/length-negative", lambda: packing.first_fit([3, -1], 4), ValueError,
+     r"lengths\[1\] must be >= 0"),
+    ("first-fit/too-long", lambda: packing.first_fit([3, 5], 4), ValueError,
+     r"examples\[1\] has 5 tokens, more than max_tokens=4"),
+    ("leaks/position-type", lambda: _leaks(position_ids=[0, 1, 0]), TypeError,
+     "position_ids must be a torch.Tensor"),
+    ("leaks/use-cache-type", lambda: _leaks(use_cache=None), TypeError,
+     "use_cache must be a bool"),
+    ("leaks/attn-type", lambda: _leaks(attn_implementation=2), TypeError,
+     "attn_implementation must be a str"),
+    ("leaks/position-rank", lambda: _leaks(position_ids=torch.arange(4)), ValueError,
+     "position_ids must be"),
+    ("warn-leaks/use-cache-type", lambda: _leaks(packing.warn_packed_attention_leaks,
+                                                 use_cache="no"), TypeError,
+     "use_cache must be a bool"),
+    ("warn-leaks/position-rank", lambda: _leaks(packing.warn_packed_attention_leaks,
+                                                position_ids=torch.zeros(1, 1, 1, 4)),
+     ValueError, "position_ids must be"),
     # set_kernel_isa
     ("isa/type", lambda: P.set_kernel_isa(2), TypeError, "name must be a str"),
     ("isa/value", lambda: P.set_kernel_isa("sse2"), ValueError, "isa must be"),
@@ -280,16 +467,34 @@ def test_error_policy(call, exc, fragment):
     assert not str(info.value).startswith(_checks.TYPE_ERROR_TAG)
 
 
+# The public functions of posenc_torch and posenc_torch.packing (their __all__), by the
+# prefix of their cases above; kernel_isa takes no argument.
+PUBLIC = {
+    "apply_rotary_pos_emb": "rot", "apply_multimodal_rotary_pos_emb": "mrot",
+    "apply_rotary_pos_emb_vision": "vision", "apply_rope": "fused",
+    "compute_mrope_cos_sin": "tables", "compute_mrope_position_ids": "positions",
+    "compute_mrope_decode_position_ids": "decode",
+    "compute_packed_mrope_position_ids": "packed", "vision_rotary_position_ids": "vision-ids",
+    "sinusoidal_position_encoding": "sinusoidal", "set_kernel_isa": "isa",
+    "pack_multimodal_examples": "pack", "MultimodalPackingCollator": "collator",
+    "first_fit": "first-fit", "packed_attention_leaks": "leaks",
+    "warn_packed_attention_leaks": "warn-leaks",
+}
+
+
 def test_every_public_function_has_each_class():
     """The table covers TypeError and ValueError for every public function taking tensors
-    or options, and RuntimeError where the function allocates from a size argument."""
+    or options (the names come from the modules' __all__, so a new function without cases
+    fails here), and RuntimeError where the function allocates from a size argument."""
     functions = {}
     for name, _, exc, _ in CASES:
         functions.setdefault(name.split("/")[0], set()).add(exc)
-    assert set(functions) == {"rot", "mrot", "vision", "fused", "tables", "positions",
-                              "decode", "vision-ids", "sinusoidal", "isa", "patch"}
-    for name, classes in functions.items():
-        assert {TypeError, ValueError} <= classes, name
+    public = [n for n in (*P.__all__, *packing.__all__) if n != "kernel_isa"]
+    missing = [n for n in public if PUBLIC.get(n) not in functions]
+    assert not missing, f"public functions without cases in CASES: {missing}"
+    for name in public:
+        assert {TypeError, ValueError} <= functions[PUBLIC[name]], name
+    assert {"resolve", "patch"} <= functions.keys()
     assert RuntimeError in functions["vision-ids"] and RuntimeError in functions["sinusoidal"]
 
 
@@ -310,6 +515,10 @@ def test_raw_ops_raise_value_error_with_a_type_tag():
     with pytest.raises(ValueError, match="^TypeError: input_ids must be an integer tensor"):
         torch.ops.posenc.mrope_position_ids(IDS.float(), None, None, None, None, 0, 7, 8, 9, 2,
                                             0.0)
+    # a missing input: a type failure, as the public function's TypeError
+    with pytest.raises(ValueError, match="^TypeError: mm_token_type_ids is required"):
+        torch.ops.posenc.mrope_position_ids(IDS, torch.tensor([[1, 2, 2]]), None, None, None, 0,
+                                            0, 1, 2, 2, 0.0, None, 1)
     with pytest.raises(RuntimeError, match="could not allocate"):
         torch.ops.posenc.sinusoidal(2**40, 8, 10000.0, torch.float32)
 
@@ -364,6 +573,37 @@ def test_checks_run_once_when_the_call_fails(counted_checks):
     with pytest.raises(ValueError, match="k batch size"):
         P.apply_rotary_pos_emb(q, k[:1], cos, sin)
     assert counted_checks == ["_check_table_call"]
+
+
+def test_position_checks_run_only_when_the_op_fails(monkeypatch):
+    """compute_mrope_position_ids and compute_packed_mrope_position_ids call their op first
+    (on CPU and meta tensors alike) and explain only a failure."""
+    calls = []
+
+    def counted(name):
+        original = getattr(positions, name)
+
+        def counting(*args, **kwargs):
+            calls.append(name)
+            return original(*args, **kwargs)
+        return counting
+
+    for name in ("check_tensors", "_explain_layout"):
+        monkeypatch.setattr(positions, name, counted(name))
+    grid = torch.tensor([[1, 2, 2]])
+    for device in ("cpu", "meta"):
+        ids = IDS.to(device)
+        P.compute_mrope_position_ids(ids, convention="5.17")
+        image = torch.tensor([[1, 9, 7, 4]], device=device)  # vision start, one image token
+        P.compute_mrope_position_ids(image, grid.to(device), convention="4.57", image_token_id=7,
+                                     video_token_id=8, vision_start_token_id=9)
+        P.compute_packed_mrope_position_ids(ids, [[1, 3]], model="qwen2_vl", convention="5.17")
+        P.compute_packed_mrope_position_ids(ids, torch.tensor([[1, 3]], device=device),
+                                            model="qwen2_vl", convention="5.17")
+    assert calls == []
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]\[1\]"):
+        P.compute_packed_mrope_position_ids(IDS, [[3, 3]], model="qwen2_vl", convention="5.17")
+    assert calls == ["check_tensors", "_explain_layout"]
 
 
 def test_fake_tensors_take_the_same_path(counted_checks):

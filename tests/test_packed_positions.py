@@ -243,20 +243,102 @@ def test_opcheck():
               kw["second_per_grid_ts"], 1, IMG, VID, VS, 2, 2.0)
     torch.library.opcheck(torch.ops.posenc.mrope_packed_position_ids, (*common, None, 0, 1))
     torch.library.opcheck(torch.ops.posenc.mrope_packed_position_ids, (*common, types, 1, 2))
+    # the caller's numbering of the examples and the grids each one owns
+    examples = [[i for i in row] for row in LAYOUTS["rows"][0]]
+    order = torch.tensor([i for row in examples for i in row])
+    owned = torch.tensor([[0 if ex["image_grid_thw"] is None else len(ex["image_grid_thw"]),
+                           0 if ex["video_grid_thw"] is None else len(ex["video_grid_thw"])]
+                          for ex in examples_for("qwen2_5_vl")])
+    torch.library.opcheck(torch.ops.posenc.mrope_packed_position_ids,
+                          (*common, types, 1, 2, order + 10, owned))
 
 
-def test_compile_fullgraph():
-    """One op node under torch.compile (the lengths are Python ints: constants of the graph)."""
+def test_examples_that_own_their_grids():
+    """The walk packing calls (example ids and the grids each example owns): the same ids
+    when the grids fit, and an error that names the caller's example and speaks of it
+    alone, also where the grids still add up but one example gives a grid to the next."""
+    from posenc_torch.positions import _Layout, _packed_for_examples
+
+    model_type = "qwen2_5_vl"
+    examples = examples_for(model_type)
+    kw, seq_lens = pack(examples, LAYOUTS["rows_padded"][0], 3)
+    want = packed(model_type, kw, seq_lens=seq_lens)
+    args = api_kwargs(model_type, kw)
+    tensors = [args.pop(k) for k in ("input_ids", "image_grid_thw", "video_grid_thw")]
+    layout = _Layout(torch.tensor([n for row in seq_lens for n in row]),
+                     torch.tensor([len(row) for row in seq_lens]))
+    owned = torch.tensor([[0 if ex[key] is None else len(ex[key])
+                           for key in ("image_grid_thw", "video_grid_thw")] for ex in examples])
+    ids = torch.arange(len(examples)) * 3 + 5
+
+    def walk(ids, owned):
+        return _packed_for_examples(tensors[0], layout, ids, owned, *tensors[1:], **args)
+
+    assert torch.equal(walk(ids, owned), want)
+    first = next(i for i, (n, _) in enumerate(owned.tolist()) if n)
+    moved = owned.clone()
+    moved[first, 0] -= 1
+    moved[first + 1, 0] += 1
+    n = int(owned[first, 0])
+    with pytest.raises(ValueError, match=rf"^examples\[{5 + 3 * first}\]: image_grid_thw has "
+                                         rf"{n - 1} rows, but input_ids has {n} images"):
+        walk(ids, moved)
+    with pytest.raises(ValueError, match=r"example_grids sums to"):
+        walk(ids, owned * 2)
+    with pytest.raises(ValueError, match=r"example_ids must have one entry per example"):
+        walk(ids[:-1], owned)
+    with pytest.raises(TypeError, match=r"^example_grids must be an integer"):
+        walk(ids, owned.float())
+
+
+def _compile_case(layout: str):
     model_type = "qwen2_5_vl"
     kw, seq_lens = pack(examples_for(model_type), LAYOUTS["rows"][0], 2)
     args = api_kwargs(model_type, kw)
     tensors = [args.pop(k) for k in ("input_ids", "image_grid_thw", "video_grid_thw")]
+    n = max(map(len, seq_lens))
+    table = [r + [0] * (n - len(r)) for r in seq_lens]  # rows padded with empty examples
+    cu = [[0, *torch.tensor(r).cumsum(0).tolist()] for r in table]
+    mask = torch.zeros_like(tensors[0])
+    for b, row in enumerate(seq_lens):
+        bounds = [0, *torch.tensor(row).cumsum(0).tolist()]
+        for k in range(len(row)):
+            mask[b, bounds[k]:bounds[k + 1]] = k + 1
+    given = {"seq_lens list": dict(seq_lens=seq_lens), "cu_seqlens list": dict(cu_seqlens=cu),
+             "seq_lens tensor": dict(seq_lens=torch.tensor(table)),
+             "cu_seqlens tensor": dict(cu_seqlens=torch.tensor(cu)),
+             "attention_mask": dict(attention_mask=mask)}[layout]
+    layout_tensors = {k: v for k, v in given.items() if isinstance(v, torch.Tensor)}
+    constants = {k: v for k, v in given.items() if k not in layout_tensors}
 
-    def fn(ids, images, videos):
-        return compute_packed_mrope_position_ids(ids, seq_lens, images, videos, **args)
+    def fn(ids, images, videos, **layout_tensors):
+        return compute_packed_mrope_position_ids(ids, image_grid_thw=images,
+                                                 video_grid_thw=videos, **constants,
+                                                 **layout_tensors, **args)
 
+    return fn, tensors, layout_tensors
+
+
+@pytest.mark.parametrize("layout", ["seq_lens list", "cu_seqlens list", "seq_lens tensor"])
+def test_compile_fullgraph(layout):
+    """One op node under torch.compile(fullgraph=True) for the layouts the README lists as
+    tracing: lengths as Python ints (constants of the graph) or a seq_lens tensor."""
+    fn, tensors, layout_tensors = _compile_case(layout)
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    assert torch.equal(compiled(*tensors), fn(*tensors))
+    assert torch.equal(compiled(*tensors, **layout_tensors), fn(*tensors, **layout_tensors))
+
+
+@pytest.mark.parametrize("layout", ["cu_seqlens tensor", "attention_mask"])
+def test_layouts_read_from_tensors_do_not_trace(layout):
+    """The README says so: their layout is checked on its values (cu_seqlens starting every
+    row at 0, a mask numbering its examples 1, 2, 3, ...), which fullgraph cannot trace;
+    without fullgraph they run (with a graph break)."""
+    fn, tensors, layout_tensors = _compile_case(layout)
+    with pytest.raises(Exception, match="data-dependent|Data-dependent|graph break|Unsupported"):
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(*tensors, **layout_tensors)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager")
+    assert torch.equal(compiled(*tensors, **layout_tensors), fn(*tensors, **layout_tensors))
 
 
 def test_exported():

@@ -15,6 +15,15 @@ padded to a multiple of 8:
   examples alone, and every parameter gradient agrees (relative 1e-5 per parameter);
 - rows 1-3 of ``position_ids`` equal transformers' ``get_rope_index`` of each example alone;
 - without the batch's ``use_cache=False`` the examples attend across their boundaries;
+- under flash-attention (transformers' own dispatch down to its varlen call, with a CPU
+  function that attends within each ``cu_seqlens`` segment standing in for the kernel),
+  batches of one row and of several rows give every example its logits alone, and several
+  rows without ``cu_seq_lens_*`` would not;
+- ``packed_attention_leaks``, called from a forward hook, names exactly the calls whose
+  examples attend to each other (a cache, an added attention mask, several rows under
+  flash-attention without the boundaries), each warned once;
+- the whole batch is one call of the packed walk, also when an example is at fault, and
+  its errors name the example by its index in ``examples``;
 - bad input raises errors naming the example and the key;
 - real clients: TRL's ``SFTTrainer`` with a PEFT LoRA adapter and ``transformers.Trainer``,
   with the collator, start from the loss of the same examples run alone;
@@ -44,14 +53,14 @@ from test_hf_positions import tiny_model as tiny_vl_model
 
 import posenc_torch
 import posenc_torch.hf as hf
+from posenc_torch import packing
 from posenc_torch.packing import (
     IGNORE_INDEX,
     MultimodalPackingCollator,
-    _packed_position_ids_loop,
-    _read_example,
-    _settings,
     first_fit,
     pack_multimodal_examples,
+    packed_attention_leaks,
+    warn_packed_attention_leaks,
 )
 
 pytestmark = pytest.mark.any_transformers
@@ -141,11 +150,12 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
                            reduction="sum")
 
 
-def placements(examples: list[dict]) -> dict[int, tuple[int, int, int]]:
+def placements(examples: list[dict], max_tokens: int | None = MAX_TOKENS
+               ) -> dict[int, tuple[int, int, int]]:
     """{example index: (row, start, length)} of the packed batch."""
     lengths = [len(torch.as_tensor(ex["input_ids"]).reshape(-1)) for ex in examples]
     where = {}
-    for r, row in enumerate(first_fit(lengths, MAX_TOKENS)):
+    for r, row in enumerate(first_fit(lengths, max_tokens)):
         at = 0
         for k in row:
             where[k] = (r, at, lengths[k])
@@ -200,6 +210,9 @@ def test_packed_equals_examples_alone(model_type, attn, patched, record_property
     assert len(rows) == 2 and images != sorted(images), rows
     assert batch["input_ids"].shape[1] % MULTIPLE == 0 and batch["use_cache"] is False
     assert "attention_mask" not in batch
+    # two rows: the flash-attention boundaries come with the batch (eager and sdpa ignore
+    # them, as this test's equality shows)
+    assert batch["cu_seq_lens_q"][-1] == batch["input_ids"].numel()
 
     worst = 0.0
     for k, (r, start, n) in placements(examples).items():
@@ -259,15 +272,23 @@ def test_one_row_and_flash_attention_kwargs(model_type):
 
 
 def test_flash_attention_kwargs_count_the_padding_as_a_sequence():
+    """Several rows carry the boundaries by default (one row does not: transformers reads
+    them from its position ids); they equal transformers' reading of the rows laid end to
+    end, each row's padding a sequence of its own."""
     model = tiny_model("qwen2_vl")
     from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
     examples = make_examples("qwen2_vl", model.config)
-    batch = pack_multimodal_examples(examples, model, max_tokens=MAX_TOKENS, pad_to_multiple_of=16,
-                                     return_flash_attn_kwargs=True)
+    batch = pack_multimodal_examples(examples, model, max_tokens=MAX_TOKENS, pad_to_multiple_of=16)
     (cu_q, _), (max_q, _) = prepare_fa_kwargs_from_position_ids(batch["position_ids"][0])
     assert torch.equal(batch["cu_seq_lens_q"], cu_q) and batch["max_length_q"] == int(max_q)
+    assert torch.equal(batch["cu_seq_lens_k"], cu_q) and batch["max_length_k"] == int(max_q)
     assert len(cu_q) - 1 == len(examples) + 2  # each row ends in padding
+    one_row = pack_multimodal_examples(examples, model)
+    assert one_row["input_ids"].shape[0] == 1 and "cu_seq_lens_q" not in one_row
+    never = pack_multimodal_examples(examples, model, max_tokens=MAX_TOKENS,
+                                     return_flash_attn_kwargs=False)
+    assert never["input_ids"].shape[0] == 2 and "cu_seq_lens_q" not in never
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -300,74 +321,84 @@ def test_position_ids_are_get_rope_index_of_each_example(model_type):
         assert (batch["labels"][r, end:] == IGNORE_INDEX).all()
 
 
-def test_packed_function_agrees_with_the_loop():
-    """The one-call packed position ids equal the per-example loop (packing's way of naming
-    the example at fault) on every example token."""
-    for model_type in MODEL_TYPES:
-        model = tiny_model(model_type)
-        examples = make_examples(model_type, model.config, seed=3)
-        batch = pack_multimodal_examples(examples, model, max_tokens=MAX_TOKENS,
-                                         pad_to_multiple_of=MULTIPLE)
-        settings = _settings(model)
-        exs = [_read_example(i, ex, settings) for i, ex in enumerate(examples)]
-        rows = first_fit([ex.input_ids.numel() for ex in exs], MAX_TOKENS)
-        convention = posenc_torch.positions.resolve_convention("installed", model_type)
-        loop = _packed_position_ids_loop(exs, rows, batch["input_ids"].shape[1], settings,
-                                         convention)
-        for r, row in enumerate(rows):
-            n = sum(exs[k].input_ids.numel() for k in row)
-            assert torch.equal(batch["position_ids"][:, r, :n], loop[:, r, :n]), model_type
+def drop_one(example: dict, token: int) -> dict:
+    """The example without its first ``token`` (a vision run one token short of its grid)."""
+    keep = torch.ones(example["input_ids"].shape[1], dtype=torch.bool)
+    keep[(example["input_ids"][0] == token).nonzero()[0]] = False
+    return {k: v[:, keep] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
+            for k, v in example.items()}
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
-def test_arguments_given_to_the_packed_function(model_type, monkeypatch):
-    """Packing calls compute_packed_mrope_position_ids once with
-    the rows' example lengths and the grids and seconds in row order (a stand-in records the
-    call here); an error it raises is re-raised, naming the culprit by its index in
-    ``examples`` when one example alone is at fault."""
+def test_one_walk_of_the_batch_and_errors_that_name_the_example(model_type, monkeypatch):
+    """Packing walks the whole batch in one call of the packed walk (counted by a wrapper
+    that calls it through) and never an example alone, also when an example is at fault:
+    the walk itself names it ``examples[i]``, its index in ``examples`` (not its place in
+    the rows), and speaks of that example alone.  The ids it gives are transformers'
+    ``get_rope_index`` of each example; the grids and seconds follow the rows."""
     model = tiny_model(model_type)
     examples = make_examples(model_type, model.config)
-    expected = pack_multimodal_examples(examples, model, max_tokens=MAX_TOKENS)
     calls = []
+    walk = packing._packed_for_examples
 
-    def stand_in(input_ids, seq_lens, image_grid_thw=None, video_grid_thw=None, **kw):
-        calls.append(dict(kw, input_ids=input_ids, seq_lens=seq_lens,
-                          image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw))
-        return expected["position_ids"].clone()
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return walk(*args, **kwargs)
 
-    monkeypatch.setattr(posenc_torch, "compute_packed_mrope_position_ids", stand_in,
-                        raising=False)
+    def alone(*args, **kwargs):
+        raise AssertionError("an example was walked on its own")
+
+    posenc_torch.positions.resolve_convention("installed", model_type)  # decided by walks
+    monkeypatch.setattr(packing, "_packed_for_examples", counted)
+    monkeypatch.setattr(posenc_torch.positions, "compute_mrope_position_ids", alone)
+    monkeypatch.setattr(posenc_torch, "compute_mrope_position_ids", alone)
     batch = pack_multimodal_examples(examples, model, max_tokens=MAX_TOKENS)
-    assert torch.equal(batch["position_ids"], expected["position_ids"]) and len(calls) == 1
-    call = calls[0]
+    assert len(calls) == 1
+    for k, (r, start, n) in placements(examples).items():
+        assert torch.equal(batch["position_ids"][1:, r, start:start + n],
+                           transformers_rope_index(model, examples[k])), k
     rows = first_fit([len(torch.as_tensor(ex["input_ids"]).reshape(-1)) for ex in examples],
                      MAX_TOKENS)
-    assert call["seq_lens"] == [[len(torch.as_tensor(examples[k]["input_ids"]).reshape(-1))
-                                 for k in row] for row in rows]
-    assert torch.equal(call["input_ids"], batch["input_ids"])
     order = [k for row in rows for k in row]
-    for key in ("image_grid_thw", "video_grid_thw"):
+    assert order != sorted(order)
+    for key in ("image_grid_thw", "video_grid_thw") + (
+            ("second_per_grid_ts",) if model_type == "qwen2_5_vl" else ()):
         want = torch.cat([torch.as_tensor(examples[k][key]) for k in order if key in examples[k]])
-        assert torch.equal(call[key], want) and torch.equal(batch[key], want), key
-    assert call["model"] == model_type and call["spatial_merge_size"] == 2
-    if model_type == "qwen2_5_vl":
-        want = torch.cat([examples[k]["second_per_grid_ts"] for k in order
-                          if "second_per_grid_ts" in examples[k]])
-        assert torch.equal(call["second_per_grid_ts"], want)
-        assert torch.equal(batch["second_per_grid_ts"], want)
+        assert torch.equal(batch[key], want), key
 
-    def refusing(*args, **kw):
-        raise ValueError("example 3 of the batch: a vision run is cut")
+    # examples[1] (the second example, in the first row after examples[0]) one token short
+    calls.clear()
+    short = drop_one(examples[1], IMAGE)
+    token_name = "mm_token_type_ids == 1" if V5 else "image_token_id"
+    with pytest.raises(ValueError, match=rf"^examples\[1\]: image_grid_thw\[0\] = \(1, 4, 8\) "
+                                         rf"needs 8 {token_name} tokens .* has 7$"):
+        pack_multimodal_examples([examples[0], short, examples[2]], model, max_tokens=MAX_TOKENS)
+    assert len(calls) == 1
+    # examples[0] brings a second grid (with its pixels) for its one image: named as its own
+    # error, not as a run of a later example that the grid would shift onto
+    two = dict(examples[0], image_grid_thw=torch.tensor([[1, 4, 4], [1, 4, 4]]),
+               pixel_values=examples[0]["pixel_values"].repeat(2, 1))
+    with pytest.raises(ValueError, match=r"^examples\[0\]: image_grid_thw has 2 rows, but "
+                                         r"input_ids has 1 images"):
+        pack_multimodal_examples([two, examples[3], examples[1]], model)
+    # a bad grid value is named with the example that owns it
+    bad = dict(examples[3], image_grid_thw=torch.tensor([[1, 2, 3]]),
+               pixel_values=examples[3]["pixel_values"].repeat(2, 1)[:6])
+    with pytest.raises(ValueError, match=r"^examples\[1\]: image_grid_thw\[0\] = \(1, 2, 3\) "
+                                         r"is not a valid patch grid"):
+        pack_multimodal_examples([examples[4], bad], model)
 
-    monkeypatch.setattr(posenc_torch, "compute_packed_mrope_position_ids", refusing)
-    with pytest.raises(ValueError, match="a vision run is cut"):
-        pack_multimodal_examples(examples, model, max_tokens=MAX_TOKENS)
-    keep = torch.ones(examples[1]["input_ids"].shape[1], dtype=torch.bool)
-    keep[(examples[1]["input_ids"][0] == IMAGE).nonzero()[0]] = False
-    bad = {k: v[:, keep] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
-           for k, v in examples[1].items()}
-    with pytest.raises(ValueError, match=r"examples\[1\].*image_grid_thw"):
-        pack_multimodal_examples([examples[0], bad], model)
+
+def transformers_rope_index(model, example: dict) -> torch.Tensor:
+    """(3, n) T/H/W ids of one example alone from the model's own ``get_rope_index``."""
+    inputs = alone_inputs(example)
+    kw = {key: inputs.get(key) for key in ("input_ids", "image_grid_thw", "video_grid_thw",
+                                           "attention_mask")}
+    if model.config.model_type == "qwen2_5_vl":
+        kw["second_per_grid_ts"] = inputs.get("second_per_grid_ts")
+    if V5:
+        kw["mm_token_type_ids"] = inputs["mm_token_type_ids"]
+    return model.model.get_rope_index(**kw)[0][:, 0].long()
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl"])
@@ -386,6 +417,268 @@ def test_the_cache_would_let_examples_attend_across(model_type):
     assert rel_err(isolated[n0:n0 + n1], alone) <= TOL
     assert rel_err(leaky[n0:n0 + n1], alone) > 1e-3
     assert rel_err(leaky[:n0], first) <= TOL  # the first example has nothing before it
+
+
+# ---------------------------------------------------------------------------------------
+# Flash-attention, through transformers' own dispatch: the model is set to
+# "flash_attention_2" and transformers' flash-attention helpers are handed CPU functions in
+# place of the kernels (the lazy import that would load flash_attn), so everything above
+# the kernel (the attention interface, the mask functions, _flash_attention_forward's
+# choice between position ids, cu_seq_lens_* and an attention mask, the reshapes) is
+# transformers' code.
+
+
+def cpu_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                               max_seqlen_k=None, dropout_p=0.0, softmax_scale=None,
+                               causal=False, window_size=(-1, -1), softcap=0.0,
+                               deterministic=False):
+    """flash_attn_varlen_func's contract on the CPU: q (total_q, Hq, D), k and v
+    (total_k, Hkv, D); attention within each [cu[i], cu[i + 1]) segment only, causal
+    aligned to the bottom right as flash-attention does (equal lengths here)."""
+    assert dropout_p == 0.0 and window_size == (-1, -1) and not softcap
+    CPU_FLASH_CALLS.append(len(cu_seqlens_q) - 1)
+    out = torch.empty_like(q)
+    groups = q.shape[1] // k.shape[1]
+    bounds = zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(),
+                 cu_seqlens_k[:-1].tolist(), cu_seqlens_k[1:].tolist(), strict=True)
+    for q0, q1, k0, k1 in bounds:
+        assert q1 - q0 == k1 - k0
+        qs = q[q0:q1].transpose(0, 1)
+        ks, vs = (x[k0:k1].transpose(0, 1).repeat_interleave(groups, 0) for x in (k, v))
+        out[q0:q1] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal,
+                                                    scale=softmax_scale).transpose(0, 1)
+    return out
+
+
+def cpu_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                        window_size=(-1, -1), softcap=0.0, deterministic=False):
+    """flash_attn_func: (B, L, H, D), every row one sequence."""
+    b, n = q.shape[:2]
+    cu = torch.arange(0, (b + 1) * n, n, dtype=torch.int32)
+    flat = [x.reshape(b * n, *x.shape[2:]) for x in (q, k, v)]
+    return cpu_flash_attn_varlen_func(*flat, cu, cu, n, n, dropout_p, softmax_scale, causal,
+                                      window_size, softcap, deterministic).view(q.shape)
+
+
+CPU_FLASH_CALLS: list[int] = []
+
+
+@pytest.fixture
+def cpu_flash_attention(monkeypatch):
+    """transformers' flash-attention path with the CPU functions above as its kernels."""
+    from transformers import modeling_flash_attention_utils as fa
+
+    # 4.57 returns four functions, 5.x five (with flash_attn_with_kvcache)
+    five = hasattr(fa, "_flash_with_kvcache_fn")
+
+    def lazy_imports(*args, **kwargs):
+        pair = (fa._pad_input, fa._unpad_input)
+        return (cpu_flash_attn_func, cpu_flash_attn_varlen_func, None, *pair) if five \
+            else (cpu_flash_attn_func, cpu_flash_attn_varlen_func, *pair)
+
+    monkeypatch.setattr(fa, "_lazy_imports", lazy_imports)
+    for name in ("_flash_fn", "_flash_varlen_fn", "_flash_with_kvcache_fn", "_pad_fn",
+                 "_unpad_fn", "_process_flash_kwargs_fn", "_loaded_implementation"):
+        if hasattr(fa, name):
+            monkeypatch.setattr(fa, name, None)
+    CPU_FLASH_CALLS.clear()
+
+    def flash_model(model_type: str):
+        model = tiny_model(model_type)
+        for config in (model.config, model.config.text_config, model.config.vision_config):
+            config._attn_implementation = "flash_attention_2"
+        return model
+    return flash_model
+
+
+def text_examples(seed: int = 7) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, 100, (1, n), generator=gen)}
+            for n in (5, 17, 30, 2, 44, 9)]
+
+
+def worst_packed_vs_alone(model, examples: list[dict], max_tokens, **pack_kw) -> float:
+    batch = pack_multimodal_examples(examples, model, max_tokens=max_tokens, **pack_kw)
+    with torch.no_grad():
+        logits = model(**batch).logits
+        worst = 0.0
+        for k, (r, start, n) in placements(examples, max_tokens).items():
+            alone = model(**alone_inputs(examples[k]), use_cache=False).logits[0]
+            worst = max(worst, rel_err(logits[r, start:start + n], alone))
+    return worst
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_flash_attention_keeps_the_examples_of_every_row_apart(model_type, cpu_flash_attention):
+    """One row (boundaries read from position_ids[0]) and several rows (the batch's
+    cu_seq_lens_*): every example gets its logits alone under flash-attention.  Without the
+    boundaries several rows let the examples of a row attend to each other; that the test
+    sees this shows the varlen path and its segments are what decides."""
+    model = cpu_flash_attention(model_type)
+    vision, text = make_examples(model_type, model.config), text_examples()
+    assert worst_packed_vs_alone(model, vision, None) <= TOL
+    assert CPU_FLASH_CALLS and max(CPU_FLASH_CALLS) == len(vision)  # one row's segments
+    assert worst_packed_vs_alone(model, text, MAX_TOKENS) <= TOL
+    leaks = [worst_packed_vs_alone(model, exs, MAX_TOKENS, return_flash_attn_kwargs=False)
+             for exs in (text, vision)]
+    print(f"\n{model_type} flash-attention, two rows without cu_seq_lens: largest relative "
+          f"logit difference to the examples alone {leaks[0]:.2f} (text), {leaks[1]:.2f} "
+          "(vision)")
+    assert min(leaks) > 1e-3
+    try:
+        worst = worst_packed_vs_alone(model, vision, MAX_TOKENS)
+    except TypeError as e:
+        # transformers 5.17 and 5.18 hand the model's keyword arguments on to the vision
+        # tower, whose flash-attention call passes its own cu_seq_lens_q besides: loud, and
+        # what the README tells (one row there); the text rows above are kept apart
+        assert "multiple values for keyword argument 'cu_seq_lens_q'" in str(e), e
+        print(f"\n{model_type} transformers {transformers.__version__}: {e}")
+    else:
+        assert worst <= TOL
+
+
+# ---------------------------------------------------------------------------------------
+# packed_attention_leaks: what a transformers integration calls with the model's arguments.
+
+
+def padding_mask(batch: dict) -> dict:
+    """The 0/1 mask a padded batch would carry: 0 on the padding after the row's examples."""
+    text = batch["position_ids"][0]
+    assert text.shape[0] == 1
+    starts = (text[0] == 0).nonzero().flatten().tolist()
+    mask = torch.ones_like(batch["input_ids"])
+    mask[0, starts[-1]:] = 0  # the last sequence of the row is its padding
+    return {"attention_mask": mask}
+
+
+def leak_hook(model, found: list):
+    """A forward pre-hook that reports what the model gets, as an integration would (the
+    reasons of each call go to ``found``)."""
+    def hook(module, args, kwargs):
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:  # the model takes its config's
+            use_cache = getattr(module.config.get_text_config(), "use_cache", False)
+        found.append(warn_packed_attention_leaks(
+            kwargs.get("position_ids"), attention_mask=kwargs.get("attention_mask"),
+            use_cache=bool(use_cache) or kwargs.get("past_key_values") is not None,
+            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+            attn_implementation=module.config._attn_implementation))
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(packing, "_WARNED", set())
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl"])
+def test_leak_warnings_name_exactly_the_calls_that_leak(model_type, cpu_flash_attention,
+                                                       fresh_warnings):
+    """Each call: whether the examples get their logits alone, against whether the hook
+    found a reason; each reason is warned once.  Several rows under flash-attention use text
+    examples (see the test above for transformers 5.17 and 5.18 with vision inputs there)."""
+    import warnings
+
+    sdpa = tiny_model(model_type)
+    flash = cpu_flash_attention(model_type)
+    examples = make_examples(model_type, sdpa.config)
+    ones = lambda b: {"attention_mask": torch.ones_like(b["input_ids"])}  # noqa: E731
+    cases = [  # (name, model, examples, max_tokens, pack keywords, extra model arguments)
+        ("sdpa", sdpa, examples, MAX_TOKENS, {}, lambda b: {}),
+        ("sdpa cache", sdpa, examples, MAX_TOKENS, {}, lambda b: {"use_cache": True}),
+        # use_cache not given: the config's (True), as the model calls it directly
+        ("sdpa config cache", sdpa, examples, None, {}, lambda b: {"use_cache": None}),
+        ("sdpa mask", sdpa, examples, None, {}, ones),
+        ("flash one row", flash, examples, None, {}, lambda b: {}),
+        ("flash rows", flash, text_examples(), MAX_TOKENS, {}, lambda b: {}),
+        ("flash rows, no boundaries", flash, text_examples(), MAX_TOKENS,
+         {"return_flash_attn_kwargs": False}, lambda b: {}),
+        ("flash mask", flash, text_examples(), None, {}, ones),  # dropped there: no leak
+        ("flash mask with padding", flash, text_examples(), None, {"pad_to_multiple_of": 8},
+         padding_mask),
+    ]
+    found: list[list[str]] = []
+    hooks = [leak_hook(sdpa, found), leak_hook(flash, found)]
+    warned = []
+    try:
+        for name, model, exs, max_tokens, pack_kw, extra in cases:
+            batch = pack_multimodal_examples(exs, model, max_tokens=max_tokens, **pack_kw)
+            found.clear()
+            with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+                warnings.simplefilter("always")
+                logits = model(**{**batch, **extra(batch)}).logits
+            reasons = found[0]
+            warned += [str(w.message) for w in caught if "packed position ids" in str(w.message)]
+            worst = 0.0
+            with torch.no_grad():
+                for k, (r, start, n) in placements(exs, max_tokens).items():
+                    alone = model(**alone_inputs(exs[k]), use_cache=False).logits[0]
+                    worst = max(worst, rel_err(logits[r, start:start + n], alone))
+            assert (worst > 1e-3) == bool(reasons), (name, worst, reasons)
+            assert worst <= TOL or worst > 1e-3, (name, worst)
+    finally:
+        for h in hooks:
+            h.remove()
+    # cache, mask, flash rows: each warned once, though found in several calls
+    assert sorted(warned) == sorted([packing._CACHE_LEAK, packing._MASK_LEAK,
+                                     packing._FLASH_LEAK])
+
+
+def test_packed_attention_leaks_reasons():
+    cache, mask, flash_rows = packing._CACHE_LEAK, packing._MASK_LEAK, packing._FLASH_LEAK
+    packed = torch.cat([torch.arange(5), torch.arange(3), torch.arange(2)]).expand(4, 1, 10)
+    plain = torch.arange(10).expand(4, 1, 10)
+    two_rows = packed.expand(4, 2, 10)
+    cu = torch.tensor([0, 5, 8, 10, 15, 18, 20], dtype=torch.int32)
+    ones = torch.ones(1, 10, dtype=torch.long)
+    assert packed_attention_leaks(packed) == []
+    assert packed_attention_leaks(packed, use_cache=True) == [cache]
+    assert packed_attention_leaks(plain, use_cache=True) == []
+    assert packed_attention_leaks(packed, attention_mask=ones) == [mask]
+    assert packed_attention_leaks(packed, attention_mask=ones.float()) == [mask]
+    four_d = torch.zeros(1, 1, 10, 10)  # the caller's own mask
+    assert packed_attention_leaks(packed, attention_mask=four_d) == []
+    # left padding of a plain row is no restart (the mask's zeros are skipped)
+    left = torch.tensor([[0, 0, 0, 0, 1, 2, 3, 4, 5, 6]]).expand(4, 1, 10)
+    pad = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1]])
+    assert packed_attention_leaks(left, attention_mask=pad) == []
+    assert packed_attention_leaks(left, attention_mask=pad.bool()) == []
+    assert packed_attention_leaks(left, attention_mask=ones) == [mask]
+    fa = dict(attn_implementation="flash_attention_2")
+    assert packed_attention_leaks(two_rows, **fa) == [flash_rows]
+    assert packed_attention_leaks(two_rows, cu_seq_lens_q=cu, **fa) == []
+    assert packed_attention_leaks(packed, **fa) == []  # one row: read from position ids
+    assert packed_attention_leaks(two_rows, attn_implementation="sdpa") == []
+    # flash-attention drops a mask of all ones (no leak), and unpads by one that holds a 0
+    assert packed_attention_leaks(packed, attention_mask=ones, **fa) == []
+    padded = ones.clone()
+    padded[0, -1] = 0
+    assert packed_attention_leaks(packed, attention_mask=padded, **fa) == [mask]
+    assert packed_attention_leaks(two_rows, use_cache=True, attention_mask=padded.expand(2, 10),
+                                  **fa) == [cache, mask, flash_rows]
+    assert packed_attention_leaks(packed[0], use_cache=True) == [cache]  # (B, L) ids
+    assert packed_attention_leaks(None, use_cache=True) == []
+
+
+def test_packed_attention_leaks_reads_nothing_without_a_reason(monkeypatch):
+    reads = []
+    restarts = packing._row_restarts
+    monkeypatch.setattr(packing, "_row_restarts",
+                        lambda *a: reads.append(1) or restarts(*a))
+    packed = torch.cat([torch.arange(5), torch.arange(3)]).expand(4, 2, 8)
+    assert packed_attention_leaks(packed, attn_implementation="sdpa") == [] and reads == []
+    assert packed_attention_leaks(packed, use_cache=True) and reads == [1]
+
+
+def test_leak_warnings_come_once(fresh_warnings):
+    packed = torch.cat([torch.arange(5), torch.arange(3)]).expand(4, 1, 8)
+    with pytest.warns(UserWarning, match="KV cache"):
+        assert warn_packed_attention_leaks(packed, use_cache=True)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_packed_attention_leaks(packed, use_cache=True)  # found, not warned again
 
 
 def test_collator_and_labels():

@@ -331,7 +331,8 @@ def test_example_5x_rules(convention):
     derived = mrope(pids, None, grid, mask, convention=convention)
     given = mrope(pids, None, grid, mask, mm_token_type_ids=mm_types(pids), convention=convention)
     assert torch.equal(derived[0], given[0]) and torch.equal(derived[1], given[1])
-    with pytest.raises(ValueError, match="mm_token_type_ids"):
+    # a missing input is a TypeError under every convention (as under "4.57")
+    with pytest.raises(TypeError, match="mm_token_type_ids"):
         compute_mrope_position_ids(ids, None, grid, convention=convention)
     bad = mm_types(ids)
     bad[0, 0] = 3
@@ -696,7 +697,8 @@ def test_bad_video_grids():
     with pytest.raises(ValueError, match=r"second_per_grid_ts\[0\]"):
         mrope(frames, None, torch.tensor([[4, 2, 2]]), model="qwen2_5_vl",
               second_per_grid_ts=[float("nan")])
-    with pytest.raises(ValueError, match=r"second_per_grid_ts has 2 values"):
+    with pytest.raises(ValueError, match=r"second_per_grid_ts must have shape \(num_videos,\) "
+                                         r"= \(1,\) to match video_grid_thw, got shape \[2\]"):
         mrope(frames, None, torch.tensor([[1, 4, 4]]), model="qwen2_5_vl",
               second_per_grid_ts=[1.0, 2.0])
 
@@ -733,7 +735,7 @@ def test_bad_arguments():
                                    video_token_id=VID, vision_start_token_id=VS)
     with pytest.raises(ValueError, match="spatial_merge_size"):
         mrope(ONE_IMAGE, grid, spatial_merge_size=0)
-    with pytest.raises(ValueError, match="second_per_grid_ts applies only"):
+    with pytest.raises(ValueError, match="second_per_grid_ts is only used by qwen2_5_vl"):
         mrope(ONE_IMAGE, grid, model="qwen2_vl", second_per_grid_ts=[1.0])
     with pytest.raises(ValueError, match="tokens_per_second applies only"):
         mrope(ONE_IMAGE, grid, model="qwen3_vl", tokens_per_second=2)
@@ -789,6 +791,22 @@ def test_compile_fullgraph(convention):
     got, want = compiled(ids, images, videos, mask, seconds), fn(ids, images, videos, mask,
                                                                     seconds)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_compile_fullgraph_decode():
+    """The decode ids trace with a tensor past_length (cache_position) and a 5.x mask."""
+    deltas = torch.tensor([[-2], [3]])
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :2] = 0
+
+    def fn(deltas, past, mask):
+        return (compute_mrope_decode_position_ids(deltas, past, 1, attention_mask=mask,
+                                                  convention="5.17"),
+                compute_mrope_decode_position_ids(deltas, past, 2))
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got, want = compiled(deltas, torch.tensor([8]), mask), fn(deltas, torch.tensor([8]), mask)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 def test_compile_fullgraph_vision_ids():

@@ -539,7 +539,7 @@ static void keep_first_example(pe_pos_error *dst, int *have, const pe_pos_error 
 
 static int packed_args_valid(const pe_mrope_args *a, int64_t n_examples,
                              const int64_t *example_lens, const int64_t *row_examples,
-                             const int64_t *position_ids) {
+                             const int64_t *example_grids, const int64_t *position_ids) {
     if (!args_valid(a, position_ids) || a->attention_mask || n_examples < 0) return 0;
     if ((a->batch > 0 && !row_examples) || (n_examples > 0 && !example_lens)) return 0;
     if (a->seq > 0 && a->batch > INT64_MAX / 4 / a->seq) return 0;
@@ -548,14 +548,34 @@ static int packed_args_valid(const pe_mrope_args *a, int64_t n_examples,
         if (row_examples[b] < 0 || row_examples[b] > n_examples - total) return 0;
         total += row_examples[b];
     }
-    return total == n_examples;
+    if (total != n_examples) return 0;
+    if (!example_grids) return 1;
+    int64_t images = 0, videos = 0;
+    for (int64_t e = 0; e < n_examples; ++e) {
+        const int64_t ni = example_grids[2 * e], nv = example_grids[2 * e + 1];
+        if (ni < 0 || nv < 0 || ni > a->n_images - images || nv > a->n_videos - videos) return 0;
+        images += ni;
+        videos += nv;
+    }
+    return images == a->n_images && videos == a->n_videos;
+}
+
+/* The example that owns grid g of the kind (0 images, 1 videos) by example_grids. */
+static int64_t grid_owner(const int64_t *example_grids, int64_t n_examples, int video, int64_t g) {
+    for (int64_t e = 0, seen = 0; e < n_examples; ++e) {
+        seen += example_grids[2 * e + video];
+        if (g < seen) return e;
+    }
+    return -1;
 }
 
 int pe_mrope_packed_position_ids(const pe_mrope_args *a, int64_t n_examples,
                                  const int64_t *example_lens, const int64_t *row_examples,
-                                 int64_t *position_ids, pe_pos_error *err) {
+                                 const int64_t *example_grids, int64_t *position_ids,
+                                 pe_pos_error *err) {
     set_error(err, PE_POS_NONE);
-    if (!packed_args_valid(a, n_examples, example_lens, row_examples, position_ids)) {
+    if (!packed_args_valid(a, n_examples, example_lens, row_examples, example_grids,
+                           position_ids)) {
         set_error(err, PE_POS_BAD_ARG);
         return PE_ERR_ARG;
     }
@@ -587,8 +607,11 @@ int pe_mrope_packed_position_ids(const pe_mrope_args *a, int64_t n_examples,
     }
     if (status == PE_OK && !values_valid(a, err)) status = PE_ERR_ARG;
     walk_ctx c = {a, NULL, position_ids + BL, NULL, BL, a->n_videos};
-    if (status == PE_OK && a->has_grids && !grids_valid(&c, frame_start, err))
+    if (status == PE_OK && a->has_grids && !grids_valid(&c, frame_start, err)) {
         status = PE_ERR_GRID;
+        if (err && example_grids && err->grid >= 0)
+            err->example = grid_owner(example_grids, N, err->video, err->grid);
+    }
     if (status != PE_OK) {
         free(buf);
         return status;
@@ -605,17 +628,36 @@ int pe_mrope_packed_position_ids(const pe_mrope_args *a, int64_t n_examples,
         for (int64_t e = 0; e < N; ++e)
             count_span(a, ex_row[e], ex_start[e], ex_start[e] + example_lens[e], &img_start[e + 1],
                        &vid_start[e + 1]);
+        /* with example_grids, each example's items must match its own grids (frames) */
+        for (int64_t e = 0, vg = 0; example_grids && e < N && !have; ++e) {
+            const int64_t own_images = example_grids[2 * e], own_videos = example_grids[2 * e + 1];
+            const int64_t own_items = a->model == PE_MROPE_QWEN3_VL
+                                          ? frame_start[vg + own_videos] - frame_start[vg]
+                                          : own_videos;
+            vg += own_videos;
+            const int video = img_start[e + 1] == own_images;
+            if (video && vid_start[e + 1] == own_items) continue;
+            set_error(&first, PE_POS_GRID_COUNT);
+            first.example = e;
+            first.row = ex_row[e];
+            first.video = video;
+            first.found = video ? vid_start[e + 1] : img_start[e + 1];
+            first.expected = video ? own_items : own_images;
+            have = 1;
+        }
         for (int64_t e = 0; e < N; ++e) {
             img_start[e + 1] += img_start[e];
             vid_start[e + 1] += vid_start[e];
         }
     }
     /* With counts that disagree with the grids, a serial walk finds the first example at
-     * fault (walk_span stops where the grids run out). */
+     * fault (walk_span stops where the grids run out).  An example whose own grids
+     * disagree stops everything before the walk. */
     const int counted = !a->has_grids ||
                         (img_start[N] == a->n_images && vid_start[N] == c.n_video_items);
+    const int64_t walked = have ? 0 : N;
 #pragma omp parallel for num_threads(counted ? nt : 1) schedule(dynamic, 1) if (counted && nt > 1)
-    for (int64_t e = 0; e < N; ++e) {
+    for (int64_t e = 0; e < walked; ++e) {
         if (!counted && have) continue;
         const int64_t b = ex_row[e], j0 = ex_start[e], j1 = j0 + example_lens[e];
         for (int64_t j = j0; j < j1; ++j) position_ids[b * L + j] = j - j0;

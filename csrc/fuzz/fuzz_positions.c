@@ -183,9 +183,10 @@ static void fuzz_walk(fuzz_bytes *in) {
 }
 
 /* Packed rows: the rows of build_row cut into examples of fuzzed lengths (some cutting a
- * run, running past the row or negative).  On success: row 0 counts 0.. in every example
- * and in the padding, rows 1-3 of the padding too, and inside an example the 4.57 rules
- * of check_ids hold with positions restarting at the example. */
+ * run, running past the row or negative), with or without the grids each example owns.
+ * On success: row 0 counts 0.. in every example and in the padding, rows 1-3 of the
+ * padding too, and inside an example the 4.57 rules of check_ids hold with positions
+ * restarting at the example. */
 static void fuzz_packed(fuzz_bytes *in) {
     stream s;
     memset(&s, 0, sizeof s);
@@ -234,10 +235,21 @@ static void fuzz_packed(fuzz_bytes *in) {
         .tokens_per_second = 2.0,
         .nthreads = 1 + (int)fuzz_below(in, 2),
     };
+    /* the grids each example owns: none (NULL), or a fuzzed split of the grid counts that
+     * may not add up */
+    int64_t owned[2 * MAX_B * MAX_L];
+    const int with_owned = fuzz_below(in, 2);
+    for (int64_t e = 0, left[2] = {a.n_images, a.n_videos}; with_owned && e < n; ++e)
+        for (int k = 0; k < 2; ++k) {
+            const int64_t take = e + 1 == n && fuzz_below(in, 4) ? left[k] : fuzz_below(in, 3);
+            owned[2 * e + k] = take;
+            left[k] -= take;
+        }
     int64_t pos[4 * MAX_B * MAX_L + 1];
     pe_pos_error err;
     memset(&err, 0, sizeof err);
-    const int rc = pe_mrope_packed_position_ids(&a, n, lens, per_row, pos, &err);
+    const int rc =
+        pe_mrope_packed_position_ids(&a, n, lens, per_row, with_owned ? owned : NULL, pos, &err);
     REQUIRE(rc == PE_OK || rc == PE_ERR_ARG || rc == PE_ERR_GRID);
     if (rc != PE_OK) {
         REQUIRE(err.problem != PE_POS_NONE);

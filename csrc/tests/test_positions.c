@@ -911,12 +911,17 @@ static void vision_ids(void) {
 
 /* ---- packed rows ---------------------------------------------------------------------- */
 
-static int run_packed(pe_mrope_args *a, int64_t n, const int64_t *lens, const int64_t *per_row,
-                      pe_pos_error *e) {
+static int run_owned(pe_mrope_args *a, int64_t n, const int64_t *lens, const int64_t *per_row,
+                     const int64_t *owned, pe_pos_error *e) {
     int64_t *pos = malloc(sizeof(int64_t) * (size_t)(4 * a->batch * a->seq + 1));
-    const int rc = pe_mrope_packed_position_ids(a, n, lens, per_row, pos, e);
+    const int rc = pe_mrope_packed_position_ids(a, n, lens, per_row, owned, pos, e);
     free(pos);
     return rc;
+}
+
+static int run_packed(pe_mrope_args *a, int64_t n, const int64_t *lens, const int64_t *per_row,
+                      pe_pos_error *e) {
+    return run_owned(a, n, lens, per_row, NULL, e);
 }
 
 /* Spec example 1 then a one-token example and a text-only one in row 0, padding after;
@@ -926,6 +931,7 @@ static void packed_example(void) {
     const int64_t ids[2 * L] = {1, VS, IMG, IMG, IMG, IMG, VE, 2, 7, 8, 9, PAD, PAD, PAD,
                                 3, 4, 5, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD, PAD};
     const int64_t grid[3] = {1, 4, 4}, lens[4] = {8, 1, 2, 3}, per_row[2] = {3, 1};
+    const int64_t owned_grids[8] = {1, 0, 0, 0, 0, 0, 0, 0};
     const int64_t text[L] = {0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 1, 0, 1, 2};
     const int64_t T[L] = {0, 1, 2, 2, 2, 2, 4, 5, 0, 0, 1, 0, 1, 2},
                   H[L] = {0, 1, 2, 2, 3, 3, 4, 5, 0, 0, 1, 0, 1, 2},
@@ -933,15 +939,16 @@ static void packed_example(void) {
     const int64_t row1[L] = {0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
     int64_t types[2 * L];
     types_of(ids, 2 * L, types);
-    for (int rules5 = 0; rules5 < 2; ++rules5) {
+    for (int rules5 = 0; rules5 < 4; ++rules5) { /* 2, 3: the same with example_grids */
+        const int64_t *owned = rules5 >= 2 ? owned_grids : NULL;
         for (int model = 0; model < 3; ++model) {
-            pe_mrope_args a = rules5 ? v5_args((pe_mrope_model)model, 2, L, types)
-                                     : base_args((pe_mrope_model)model, 2, L, ids);
+            pe_mrope_args a = rules5 % 2 ? v5_args((pe_mrope_model)model, 2, L, types)
+                                         : base_args((pe_mrope_model)model, 2, L, ids);
             a.image_grid_thw = grid;
             a.n_images = 1;
             int64_t pos[4 * 2 * L];
             pe_pos_error e;
-            CHECK(pe_mrope_packed_position_ids(&a, 4, lens, per_row, pos, &e) == PE_OK,
+            CHECK(pe_mrope_packed_position_ids(&a, 4, lens, per_row, owned, pos, &e) == PE_OK,
                   "packed example, model %d rules %d: problem %d", model, rules5, e.problem);
             expect_row("packed example text", pos, text, L);
             expect_row("packed example T", pos + 2 * L, T, L);
@@ -958,7 +965,8 @@ static void packed_example(void) {
     a.has_grids = 0;
     int64_t pos[4 * 2 * L];
     pe_pos_error e;
-    CHECK(pe_mrope_packed_position_ids(&a, 2, lens2, per_row2, pos, &e) == PE_OK, "packed text");
+    CHECK(pe_mrope_packed_position_ids(&a, 2, lens2, per_row2, NULL, pos, &e) == PE_OK,
+          "packed text");
     const int64_t want[L] = {0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8};
     const int64_t pad_row[L] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13};
     for (int r = 0; r < 4; ++r) {
@@ -969,7 +977,7 @@ static void packed_example(void) {
 
 typedef struct packed_case {
     int64_t B, L, n;
-    int64_t *ids, *types, *lens, *per_row, *igrid, *vgrid;
+    int64_t *ids, *types, *lens, *per_row, *igrid, *vgrid, *owned;
     double *secs;
     int64_t ni, nv;
 } packed_case;
@@ -982,6 +990,7 @@ static void packed_random(pe_mrope_model model, int rules5, int64_t B, int64_t L
     pc.types = calloc((size_t)(B * L), sizeof(int64_t));
     pc.lens = malloc(sizeof(int64_t) * (size_t)(B * L));
     pc.per_row = calloc((size_t)B, sizeof(int64_t));
+    pc.owned = malloc(sizeof(int64_t) * (size_t)(2 * B * L));
     pc.igrid = malloc(sizeof(int64_t) * 3 * 4096);
     pc.vgrid = malloc(sizeof(int64_t) * 3 * 4096);
     pc.secs = malloc(sizeof(double) * 4096);
@@ -1021,6 +1030,8 @@ static void packed_random(pe_mrope_model model, int rules5, int64_t B, int64_t L
             memcpy(pc.secs + pc.nv, bt->secs, sizeof(double) * (size_t)bt->nv);
             pc.ni += bt->ni;
             pc.nv += bt->nv;
+            pc.owned[2 * pc.n] = bt->ni;
+            pc.owned[2 * pc.n + 1] = bt->nv;
             pc.lens[pc.n++] = len;
             pc.per_row[b] += 1;
             used += len;
@@ -1041,16 +1052,19 @@ static void packed_random(pe_mrope_model model, int rules5, int64_t B, int64_t L
     a.nthreads = threads;
     int64_t *pos = malloc(sizeof(int64_t) * (size_t)(4 * B * L));
     pe_pos_error e;
-    const int rc = pe_mrope_packed_position_ids(&a, pc.n, pc.lens, pc.per_row, pos, &e);
-    CHECK(rc == PE_OK, "packed random model %d rules %d: status %d problem %d example %lld", model,
-          rules5, rc, e.problem, (long long)e.example);
-    char what[96];
-    snprintf(what, sizeof what, "packed random model %d rules %d B %lld L %lld threads %d", model,
-             rules5, (long long)B, (long long)L, threads);
-    if (rc == PE_OK) expect_row(what, pos, want, 4 * B * L);
+    for (int own = 0; own < 2; ++own) {
+        const int rc = pe_mrope_packed_position_ids(&a, pc.n, pc.lens, pc.per_row,
+                                                    own ? pc.owned : NULL, pos, &e);
+        CHECK(rc == PE_OK, "packed random model %d rules %d owned %d: status %d problem %d "
+              "example %lld", model, rules5, own, rc, e.problem, (long long)e.example);
+        char what[112];
+        snprintf(what, sizeof what, "packed random model %d rules %d owned %d B %lld L %lld "
+                 "threads %d", model, rules5, own, (long long)B, (long long)L, threads);
+        if (rc == PE_OK) expect_row(what, pos, want, 4 * B * L);
+    }
     free(pos), free(want), free(bt);
     free(pc.ids), free(pc.types), free(pc.lens), free(pc.per_row), free(pc.igrid), free(pc.vgrid),
-        free(pc.secs);
+        free(pc.secs), free(pc.owned);
 }
 
 static void packed_bad(void) {
@@ -1122,6 +1136,66 @@ static void packed_bad(void) {
         CHECK(run_packed(&a, 2, split, &two, &e) == PE_ERR_GRID && e.example == 1 &&
                   e.problem == PE_POS_STRAY_TOKEN, "long run in example 1: problem %d example %lld",
               e.problem, (long long)e.example);
+    }
+    /* with example_grids every example owns its grids */
+    for (int rules5 = 0; rules5 < 2; ++rules5) {
+        /* [x VS I I I I VE] [VS I I I I] */
+        const int64_t ids2[L] = {1, VS, IMG, IMG, IMG, IMG, VE, VS, IMG, IMG, IMG, IMG};
+        int64_t types2[L];
+        types_of(ids2, L, types2);
+        pe_mrope_args a = rules5 ? v5_args(PE_MROPE_QWEN2_VL, 1, L, types2)
+                                 : base_args(PE_MROPE_QWEN2_VL, 1, L, ids2);
+        const int64_t split[2] = {7, 5}, two = 2;
+        /* example 0 brings two grids for its one image, example 1 one for its image: the
+         * walk without ownership gives example 1 the second grid of example 0 */
+        const int64_t grids3[9] = {1, 4, 4, 1, 2, 4, 1, 4, 4};
+        a.image_grid_thw = grids3;
+        a.n_images = 3;
+        const int64_t owned[4] = {2, 0, 1, 0};
+        CHECK(run_owned(&a, 2, split, &two, owned, &e) == PE_ERR_GRID &&
+                  e.problem == PE_POS_GRID_COUNT && e.example == 0 && e.video == 0 &&
+                  e.found == 1 && e.expected == 2,
+              "owned grids: example 0 has a grid too many: problem %d example %lld", e.problem,
+              (long long)e.example);
+        CHECK(run_packed(&a, 2, split, &two, &e) == PE_ERR_GRID && e.example == 1,
+              "without ownership the shifted grid lands on example 1: example %lld",
+              (long long)e.example);
+        /* a bad grid value is named with its owner */
+        const int64_t grids_bad[6] = {1, 4, 4, 1, 3, 4};
+        a.image_grid_thw = grids_bad;
+        a.n_images = 2;
+        const int64_t owned2[4] = {1, 0, 1, 0};
+        CHECK(run_owned(&a, 2, split, &two, owned2, &e) == PE_ERR_GRID &&
+                  e.problem == PE_POS_BAD_GRID && e.grid == 1 && e.example == 1,
+              "bad grid owner: problem %d example %lld", e.problem, (long long)e.example);
+        /* counts that do not add up to the grids, or negative */
+        const int64_t owned_sum[4] = {1, 0, 0, 0}, owned_neg[4] = {3, 0, -1, 0};
+        CHECK(run_owned(&a, 2, split, &two, owned_sum, &e) == PE_ERR_ARG &&
+                  e.problem == PE_POS_BAD_ARG, "owned grids not summing to n_images");
+        CHECK(run_owned(&a, 2, split, &two, owned_neg, &e) == PE_ERR_ARG, "negative owned grids");
+        /* an example with fewer images than grids, the next with more: the first is named,
+         * although both counts add up */
+        const int64_t split2[2] = {2, 10}, owned3[4] = {1, 0, 1, 0};
+        a.image_grid_thw = grids3;
+        CHECK(run_owned(&a, 2, split2, &two, owned3, &e) == PE_ERR_GRID &&
+                  e.problem == PE_POS_GRID_COUNT && e.example == 0 && e.found == 0 &&
+                  e.expected == 1, "owned: example 0 without its image: example %lld found %lld",
+              (long long)e.example, (long long)e.found);
+    }
+    /* Qwen3-VL: a video of two frames owned by an example holding one frame run */
+    {
+        const int64_t ids3[L] = {1, VS, VID, VID, VE, 2, VS, VID, VID, VE, 3, 4};
+        pe_mrope_args a = base_args(PE_MROPE_QWEN3_VL, 1, L, ids3);
+        const int64_t vgrid[3] = {2, 2, 4}, lens[2] = {5, 7}, owned[4] = {0, 1, 0, 0}, two = 2;
+        a.video_grid_thw = vgrid;
+        a.n_videos = 1;
+        CHECK(run_owned(&a, 2, lens, &two, owned, &e) == PE_ERR_GRID &&
+                  e.problem == PE_POS_GRID_COUNT && e.example == 0 && e.video == 1 &&
+                  e.found == 1 && e.expected == 2,
+              "owned frames: problem %d example %lld found %lld expected %lld", e.problem,
+              (long long)e.example, (long long)e.found, (long long)e.expected);
+        const int64_t one[2] = {12, 0};
+        CHECK(run_owned(&a, 2, one, &two, owned, &e) == PE_OK, "owned frames in one example");
     }
     /* no grids but an image in example 1 */
     const int64_t ids3[L] = {1, 2, 3, VS, IMG, VE, 4, 5, 6, 7, 8, 9};

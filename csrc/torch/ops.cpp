@@ -446,11 +446,16 @@ std::string grid_text(const std::optional<Tensor>& grids, int64_t i) {
     return cat("(", g[0], ", ", g[1], ", ", g[2], ")");
 }
 
-// Turns a pe_pos_error into a ValueError that names the argument at fault.
+// Turns a pe_pos_error into a ValueError that names the argument at fault.  Grid row g of
+// the message is row g + grid_shift of `images` / `videos` (a packed example's own grids
+// are numbered from 0).
 [[noreturn]] void raise_position_error(const pe_pos_error& e, int rc,
                                        const std::optional<Tensor>& images,
                                        const std::optional<Tensor>& videos, int64_t merge,
-                                       int64_t model, bool v5) {
+                                       int64_t model, bool v5, int64_t grid_shift = 0) {
+    const auto grid_text = [grid_shift](const std::optional<Tensor>& grids, int64_t i) {
+        return posenc::grid_text(grids, i + grid_shift);
+    };
     const char* grid_name = e.video ? "video_grid_thw" : "image_grid_thw";
     const char* token_name = v5 ? (e.video ? "mm_token_type_ids == 2" : "mm_token_type_ids == 1")
                                 : (e.video ? "video_token_id" : "image_token_id");
@@ -593,8 +598,8 @@ MropeInputs mrope_inputs(
     }
     const std::optional<Tensor> images = grid_tensor(image_grid_thw, "image_grid_thw");
     const std::optional<Tensor> videos = grid_tensor(video_grid_thw, "video_grid_thw");
-    PE_CHECK_VALUE(!v5 || types.has_value() || (!images.has_value() && !videos.has_value()),
-                   "mm_token_type_ids is required with grids under the transformers 5.x rules");
+    PE_CHECK_TYPE(!v5 || types.has_value() || (!images.has_value() && !videos.has_value()),
+                  "mm_token_type_ids is required with grids under the transformers 5.x rules");
     const int64_t n_videos = videos.has_value() ? videos->size(0) : 0;
     std::optional<Tensor> seconds;
     if (second_per_grid_ts.has_value()) {
@@ -674,20 +679,89 @@ Tensor lengths_tensor(const Tensor& t, const char* name) {
     return out.is_contiguous() ? out : torch::stable::contiguous(out);
 }
 
-// Turns the error of example e into a ValueError that names it and where it lies.
-[[noreturn]] void raise_packed_error(const pe_pos_error& e, int rc, const MropeInputs& in,
-                                     const Tensor& lens, const Tensor& rows, int64_t merge,
-                                     int64_t model) {
+// Where example e of the packed rows lies, from example_lens and row_examples.
+struct Placement {
+    int64_t row = -1, start = 0, length = 0;
+};
+
+Placement placement(const Tensor& lens, const Tensor& rows, int64_t e) {
     const int64_t* len = lens.const_data_ptr<int64_t>();
     const int64_t* per_row = rows.const_data_ptr<int64_t>();
+    Placement p;
+    for (int64_t b = 0, first = 0; b < rows.size(0); first += per_row[b++]) {
+        if (e >= first + per_row[b]) continue;
+        p.row = b;
+        for (int64_t k = first; k < e; ++k) p.start += len[k];
+        p.length = len[e];
+        return p;
+    }
+    return p;
+}
+
+// The example that holds token j of row b, or -1 (padding).
+int64_t example_at(const Tensor& lens, const Tensor& rows, int64_t b, int64_t j) {
+    const int64_t* len = lens.const_data_ptr<int64_t>();
+    const int64_t* per_row = rows.const_data_ptr<int64_t>();
+    int64_t e = 0;
+    for (int64_t r = 0; r < b; ++r) e += per_row[r];
+    for (int64_t k = 0, at = 0; k < per_row[b]; ++k, ++e) {
+        if (j < at + len[e]) return e;
+        at += len[e];
+    }
+    return -1;
+}
+
+// How the messages of the packed op name the examples: "example e" (e counted across the
+// batch), or the caller's own "examples[i]" with example_ids.
+struct ExampleNames {
+    std::optional<Tensor> ids;  // (N,) contiguous int64
+    std::string operator()(int64_t e) const {
+        if (!ids.has_value()) return cat("example ", e);
+        return cat("examples[", ids->const_data_ptr<int64_t>()[e], "]");
+    }
+};
+
+// The error of one example that owns its grids (example_grids), as the position walk of
+// that example alone reports it: its tokens and grids numbered from 0, a run cut by the
+// example's end a run that is short.
+[[noreturn]] void raise_owned_error(pe_pos_error e, int rc, const MropeInputs& in,
+                                    const Tensor& lens, const Tensor& rows, const Tensor& owned,
+                                    const ExampleNames& name, int64_t merge, int64_t model) {
+    const Placement at = placement(lens, rows, e.example);
+    const int64_t* own = owned.const_data_ptr<int64_t>();
+    int64_t first_grid = 0;
+    for (int64_t k = 0; k < e.example; ++k) first_grid += own[2 * k + (e.video ? 1 : 0)];
+    if (e.token >= 0) e.token -= at.start;
+    if (e.row >= 0) e.row = 0;
+    if (e.grid >= 0) e.grid -= first_grid;
+    if (e.problem == PE_POS_CUT_RUN) e.problem = PE_POS_SHORT_RUN;
+    try {
+        raise_position_error(e, rc, in.images, in.videos, merge, model, in.v5, first_grid);
+    } catch (const std::invalid_argument& ex) {
+        fail_value(name(e.example), ": ", ex.what());
+    }
+}
+
+// Turns the error of example e into a ValueError that names it and where it lies.
+[[noreturn]] void raise_packed_error(pe_pos_error e, int rc, const MropeInputs& in,
+                                     const Tensor& lens, const Tensor& rows,
+                                     const std::optional<Tensor>& owned,
+                                     const ExampleNames& name, int64_t merge, int64_t model) {
     const int64_t L = in.a.seq;
-    if (e.problem == PE_POS_BAD_LENGTH)
-        fail_value("example_lens[", e.example, "] (example ", e.example, ", in row ", e.row,
-                   ") is ", e.found, e.found < 0 ? "; lengths must be >= 0"
-                                                 : " but only " + std::to_string(e.expected) +
-                                                       " tokens of the row are left after the "
-                                                       "examples before it (L = " +
-                                                       std::to_string(L) + ")");
+    if (e.problem == PE_POS_BAD_LENGTH) {
+        const std::string who =
+            name.ids.has_value() ? cat(name(e.example), " (in row ", e.row, ") has length ")
+                                 : cat("example_lens[", e.example, "] (example ", e.example,
+                                       ", in row ", e.row, ") is ");
+        fail_value(who, e.found, e.found < 0 ? "; lengths must be >= 0"
+                                             : cat(" but only ", e.expected, " tokens of the row "
+                                                   "are left after the examples before it (L = ",
+                                                   L, ")"));
+    }
+    if (owned.has_value() && e.example < 0 && e.row >= 0 && e.token >= 0)
+        e.example = example_at(lens, rows, e.row, e.token);  // a bad mm_token_type_ids value
+    if (owned.has_value() && e.example >= 0)
+        raise_owned_error(e, rc, in, lens, rows, *owned, name, merge, model);
     if (e.problem == PE_POS_BAD_ARG || e.example < 0) {
         if (e.problem == PE_POS_GRID_COUNT) {
             const char* grid_name = e.video ? "video_grid_thw" : "image_grid_thw";
@@ -700,11 +774,9 @@ Tensor lengths_tensor(const Tensor& t, const char* name) {
         }
         raise_position_error(e, rc, in.images, in.videos, merge, model, in.v5);
     }
-    int64_t start = 0, first = 0;  // where example e starts in its row
-    for (int64_t b = 0; b < e.row; ++b) first += per_row[b];
-    for (int64_t k = first; k < e.example; ++k) start += len[k];
-    const std::string where = cat("example ", e.example, " (row ", e.row, ", input_ids[", e.row,
-                                  ", ", start, ":", start + len[e.example], "]): ");
+    const Placement at = placement(lens, rows, e.example);
+    const std::string where = cat(name(e.example), " (row ", at.row, ", input_ids[", at.row, ", ",
+                                  at.start, ":", at.start + at.length, "]): ");
     const char* kind = e.video ? "video" : "image";
     const char* grid_name = e.video ? "video_grid_thw" : "image_grid_thw";
     if (e.problem == PE_POS_CUT_RUN)
@@ -733,7 +805,8 @@ Tensor mrope_packed_position_ids_cpu(
     const std::optional<Tensor>& second_per_grid_ts, int64_t model, int64_t image_token_id,
     int64_t video_token_id, int64_t vision_start_token_id, int64_t spatial_merge_size,
     double tokens_per_second, const std::optional<Tensor>& mm_token_type_ids, int64_t rules,
-    int64_t time_rule) {
+    int64_t time_rule, const std::optional<Tensor>& example_ids,
+    const std::optional<Tensor>& example_grids) {
     const MropeInputs in = mrope_inputs(
         input_ids_in, image_grid_thw, video_grid_thw, std::nullopt, second_per_grid_ts, model,
         image_token_id, video_token_id, vision_start_token_id, spatial_merge_size,
@@ -753,17 +826,46 @@ Tensor mrope_packed_position_ids_cpu(
     }
     PE_CHECK_VALUE(listed == n, "row_examples sums to ", listed, " but example_lens has ", n,
                    " entries");
+    ExampleNames names;
+    if (example_ids.has_value()) {
+        names.ids = lengths_tensor(*example_ids, "example_ids");
+        PE_CHECK_VALUE(names.ids->size(0) == n, "example_ids must have one entry per example (",
+                       n, "), got shape ", shape(*example_ids));
+    }
+    std::optional<Tensor> owned;
+    if (example_grids.has_value()) {
+        const Tensor& g = *example_grids;
+        check_cpu(g, "example_grids");
+        check_integer(g, "example_grids");
+        PE_CHECK_VALUE(g.dim() == 2 && g.size(0) == n && g.size(1) == 2,
+                       "example_grids must have shape (examples, 2) = (", n, ", 2), got shape ",
+                       shape(g));
+        owned = torch::stable::contiguous(converted(g, ScalarType::Long));
+        const int64_t* o = owned->const_data_ptr<int64_t>();
+        int64_t images = 0, videos = 0;
+        for (int64_t e = 0; e < n; ++e) {
+            PE_CHECK_VALUE(o[2 * e] >= 0 && o[2 * e + 1] >= 0, "example_grids[", e,
+                           "] must be >= 0, got (", o[2 * e], ", ", o[2 * e + 1], ")");
+            images += o[2 * e];
+            videos += o[2 * e + 1];
+        }
+        PE_CHECK_VALUE(images == in.a.n_images && videos == in.a.n_videos,
+                       "example_grids sums to (", images, ", ", videos, ") grids, but "
+                       "image_grid_thw and video_grid_thw have ", in.a.n_images, " and ",
+                       in.a.n_videos, " rows");
+    }
     PE_CHECK_VALUE(L == 0 || B <= INT64_MAX / 4 / L, "input_ids is too large: ",
                    shape(input_ids_in));
     const std::array<int64_t, 3> sizes{4, B, L};
     Tensor pos = empty(sizes, ScalarType::Long, input_ids_in);
     pe_pos_error err{};
-    const int rc = pe_mrope_packed_position_ids(&in.a, n, lens.const_data_ptr<int64_t>(),
-                                                rows.const_data_ptr<int64_t>(),
-                                                pos.mutable_data_ptr<int64_t>(), &err);
+    const int rc = pe_mrope_packed_position_ids(
+        &in.a, n, lens.const_data_ptr<int64_t>(), rows.const_data_ptr<int64_t>(),
+        owned.has_value() ? owned->const_data_ptr<int64_t>() : nullptr,
+        pos.mutable_data_ptr<int64_t>(), &err);
     if (rc != PE_OK) {
         if (rc == PE_ERR_NOMEM) check_status(rc, "posenc::mrope_packed_position_ids");
-        raise_packed_error(err, rc, in, lens, rows, spatial_merge_size, model);
+        raise_packed_error(err, rc, in, lens, rows, owned, names, spatial_merge_size, model);
     }
     return pos;
 }
@@ -887,7 +989,7 @@ STABLE_TORCH_LIBRARY(posenc, m) {
           "Tensor? image_grid_thw, Tensor? video_grid_thw, Tensor? second_per_grid_ts, int model, "
           "int image_token_id, int video_token_id, int vision_start_token_id, "
           "int spatial_merge_size, float tokens_per_second, Tensor? mm_token_type_ids, int rules, "
-          "int time_rule) -> Tensor");
+          "int time_rule, Tensor? example_ids=None, Tensor? example_grids=None) -> Tensor");
     m.def("vision_position_ids(Tensor grid_thw, int spatial_merge_size) -> Tensor");
     m.def("sinusoidal(SymInt num_positions, SymInt dim, float base, ScalarType dtype) -> Tensor");
 }
