@@ -18,7 +18,7 @@ from collections.abc import Callable
 _PROVIDERS: dict[str, str] = {
     # (model_type: str) -> the name of the convention its installed get_rope_index follows;
     # ValueError when transformers is not installed or no convention (or several) fits.
-    "convention": "posenc_torch._hf_positions",
+    "convention": "posenc_torch.hf._rope_index",
 }
 _ANSWERS: dict[str, Callable[..., object]] = {}
 

@@ -114,9 +114,9 @@ def resolve_convention(convention: str, model: str | None = None) -> str:
     "qwen2_vl" when None, for the rules every model shares) follows.
 
     That is decided by behaviour, not by version number: the installed ``get_rope_index``
-    and the walk of each convention run on a fixed set of small prompts that tells the
-    conventions apart (posenc_torch._hf_positions), once per model type and transformers
-    modeling module; this imports transformers and the model's modeling module.
+    and the walk of each convention run on fixed prompts that tell the conventions apart
+    (``posenc_torch.hf._rope_index``), kept while the installed method stays the same;
+    this imports transformers and the model's modeling module.
     ValueError when transformers is not installed, or when no convention (or more than
     one) gives its results on every prompt."""
     return _convention(convention, model).name

@@ -116,7 +116,7 @@ def test_patch_and_undo_are_serialized_across_threads(monkeypatch):
         thread.join(0.5)
         results["waited"] = thread.is_alive()  # blocked on the lock
 
-    monkeypatch.setattr(hf, "INSTALLERS", [*hf.INSTALLERS, midway])
+    monkeypatch.setattr(hf._patch, "INSTALLERS", [*hf._patch.INSTALLERS, midway])
     first = hf.patch("llama")
     results["thread"].join(10)
     assert results["waited"]
@@ -127,9 +127,10 @@ def test_patch_and_undo_are_serialized_across_threads(monkeypatch):
 
 
 FRESH = """
-import weakref, torch
+import torch
 import posenc_torch.hf as hf
-from posenc_torch import _hf_positions, compute_mrope_position_ids
+from posenc_torch import compute_mrope_position_ids
+from posenc_torch.hf import _verdicts
 
 # first use under torch.compile: the convention check runs at trace time, once
 ids = torch.tensor([[1, 151652, 151655, 151655, 151655, 151655, 151653, 2]])
@@ -145,9 +146,7 @@ modes = {"inference": torch.inference_mode, "no_grad": torch.no_grad,
          "meta": lambda: torch.device("meta"),
          "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}
 for name, mode in modes.items():
-    hf._PROBED = weakref.WeakKeyDictionary()
-    hf._PROBED_BY_KEY.clear()
-    _hf_positions._DECIDED.clear()
+    _verdicts.forget()
     with mode():
         handle = hf.patch(["llama", "qwen2_vl"])
     assert "qwen2_vl.get_rope_index" in handle.targets, (name, handle.targets)

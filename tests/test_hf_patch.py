@@ -22,6 +22,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 import posenc_torch.hf as hf
+import posenc_torch.rope as pt_rope
 from conftest import TRANSFORMERS_MAJOR
 
 pytestmark = pytest.mark.any_transformers
@@ -167,8 +168,12 @@ def test_patch_replaces_what_the_attention_calls(model_type):
     if model_type in VL_TYPES:
         expected.append(f"{model_type}.apply_rotary_pos_emb_vision")
     names = [t.split(".", 1)[1] for t in expected]
-    if model_type in VL_TYPES:  # a method, not a module function: see test_hf_positions.py
-        expected.append(f"{model_type}.get_rope_index")
+    counted = list(expected)
+    if model_type in VL_TYPES:  # methods, not module functions: see test_hf_positions.py
+        counted.append(f"{model_type}.get_rope_index")
+        owner = next(c for c in vars(module).values() if isinstance(c, type)
+                     and c.__module__ == module.__name__ and "get_rope_index" in vars(c))
+        expected = [*counted, f"{model_type}.{owner.__name__}.forward"]  # the packing check
     originals = {name: getattr(module, name) for name in names}
 
     handle = hf.patch(model_type)
@@ -178,7 +183,7 @@ def test_patch_replaces_what_the_attention_calls(model_type):
         for name in names:
             assert getattr(module, name) is not originals[name]
             assert getattr(module, name).posenc_original is originals[name]
-        assert handle.calls == dict.fromkeys(expected, 0)
+        assert handle.calls == dict.fromkeys(counted, 0)
     finally:
         handle.undo()
     assert not handle.active
@@ -257,8 +262,8 @@ def test_a_wrong_rotation_would_be_caught(model_type, broken, monkeypatch):
     ref_logits, _, _, _ = forward_backward(model_type, "image+video", torch.float32, False)
     name = {"text": text_target(model_type).split(".")[1],
             "vision": "apply_rotary_pos_emb_vision"}[broken]
-    real = getattr(hf._rope, name)
-    monkeypatch.setattr(hf._rope, name,
+    real = getattr(pt_rope, name)
+    monkeypatch.setattr(pt_rope, name,
                         lambda q, k, cos, sin, *a, **kw: real(q, k, cos, -sin, *a, **kw))
     logits, _, _, handle = forward_backward(model_type, "image+video", torch.float32, True)
     assert handle.calls[f"{model_type}.{name}"] > 0

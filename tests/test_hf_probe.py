@@ -3,19 +3,22 @@ transformers' rotary functions compute (known source forms, else the behaviour p
 every type it leaves to transformers named in one warning.
 
 The functions probed here are transformers' own, imported, or copies of them edited as an
-upstream release might edit them: edits that keep the meaning must still be patched, edits
-that change it must be refused.  ``make test`` runs this file under 5.17.0, 4.57.6 and the
-5.18.0 and newest 5.x overlays; the supported set is compared with the list written below
-for each of those releases.
+upstream release might edit them, or as an adversary would: edits that keep the meaning
+must still be patched, edits that change it (for any input the replacement takes, however
+rare) must be refused.  ``make test`` runs this file under 5.17.0, 4.57.6 and the 5.18.0
+and newest 5.x overlays; every test runs on any release (the supported set is also
+compared with the list written below where one is written for the installed release).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
+import itertools
+import linecache
 import textwrap
-import threading
 import warnings
 
 import pytest
@@ -23,6 +26,9 @@ import torch
 import transformers
 
 import posenc_torch.hf as hf
+import posenc_torch.rope as pt_rope
+from posenc_torch import positions
+from posenc_torch.hf import _forms, _probe, _rope_index, _verdicts
 
 pytestmark = pytest.mark.any_transformers
 
@@ -53,14 +59,22 @@ ABSENT = {"4.57.6": {"paddleocr_vl", "qwen3_5", "qwen3_5_moe"}, "5.17.0": set(),
           "5.24.0": set()}
 
 
-def test_supported_set_is_the_checked_one():
-    if transformers.__version__ not in EXPECTED_SUPPORTED:
-        pytest.skip(f"no supported set written down for transformers {transformers.__version__}"
-                    f" (checked: {', '.join(EXPECTED_SUPPORTED)})")
-    expected = EXPECTED_SUPPORTED[transformers.__version__]
+def test_supported_set():
+    """On a release with a written set: that set.  On any release: every type the release
+    has is supported unless its reason names the function or call that does not fit, the
+    types of the first integration are supported, and each refused type is refused by name
+    with its reason."""
+    supported, unsupported = set(hf.SUPPORTED_MODEL_TYPES), hf.unsupported_model_types()
     assert len(_ALL_5X) == 43 and len(EXPECTED_SUPPORTED["4.57.6"]) == 38
-    assert set(hf.SUPPORTED_MODEL_TYPES) == expected
-    assert set(hf.unsupported_model_types()) == set(hf.KNOWN_MODEL_TYPES) - expected
+    if transformers.__version__ in EXPECTED_SUPPORTED:
+        assert supported == EXPECTED_SUPPORTED[transformers.__version__]
+    assert {"llama", "qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"} <= supported
+    for model_type, reason in unsupported.items():
+        present = importlib.util.find_spec(f"transformers.models.{model_type}") is not None
+        assert (f"modeling_{model_type}" in reason) if present else ("cannot import" in reason)
+        with pytest.raises(RuntimeError) as error:
+            hf.patch(model_type)
+        assert reason in str(error.value)
 
 
 def test_patch_all_warns_once_for_each_type_it_leaves():
@@ -92,6 +106,14 @@ def modeling(model_type: str):
     return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
 
 
+def define(source: str, filename: str, namespace: dict) -> None:
+    """Run ``source`` in ``namespace``, its text kept where ``inspect.getsource`` finds it
+    (the rule reads the source of every function it judges)."""
+    source = textwrap.dedent(source)
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+
+
 def edited(monkeypatch, model_type: str, edits: dict[str, list[tuple[str, str]]]) -> dict:
     """Install in the model's module copies of its functions ``edits`` names, each with its
     (old, new) text replacements applied to transformers' own source (each must apply);
@@ -104,7 +126,7 @@ def edited(monkeypatch, model_type: str, edits: dict[str, list[tuple[str, str]]]
         for old, new in replacements:
             assert old in source, f"transformers' {model_type} {name} no longer has {old!r}"
             source = source.replace(old, new)
-        exec(compile(source, f"<edited {model_type}.{name}>", "exec"), namespace)
+        define(source, f"<edited {model_type}.{name}>", namespace)
     for name in edits:
         monkeypatch.setattr(module, name, namespace[name])
     return {name: namespace[name] for name in edits}
@@ -113,6 +135,18 @@ def edited(monkeypatch, model_type: str, edits: dict[str, list[tuple[str, str]]]
 ROTATION = ("    q_embed = (q * cos) + (rotate_half(q) * sin)\n"
             "    k_embed = (k * cos) + (rotate_half(k) * sin)\n"
             "    return q_embed, k_embed")
+# transformers' rotate_half reads x.shape (which the rule counts as a branch); this one
+# computes the same without reading any metadata, so an edited function that calls it is
+# branch-free and the probe alone decides.
+CHUNKED_HALF = [("    x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]",
+                 "    x1, x2 = torch.chunk(x, 2, dim=-1)")]
+
+
+def branch_free(edits: dict) -> dict:
+    return {"rotate_half": CHUNKED_HALF + edits.get("rotate_half", []),
+            **{name: e for name, e in edits.items() if name != "rotate_half"}}
+
+
 SAME_MEANING = {
     "renamed local": {"apply_rotary_pos_emb": [("q_embed", "q_out")]},
     "cos * q": {"apply_rotary_pos_emb": [("(q * cos)", "(cos * q)"), ("(k * cos)", "(cos * k)")]},
@@ -124,22 +158,16 @@ SAME_MEANING = {
                    "(k * cos) + (rotate_half(k) * sin)")]},
     "list in torch.cat": {"rotate_half": [("torch.cat((-x2, x1), dim=-1)",
                                            "torch.cat([-x2, x1], dim=-1)")]},
-    # not Llama's meaning, but OLMo's (results cast back to q's and k's dtypes)
-    "casts posenc also computes": {"apply_rotary_pos_emb": [
-        ("return q_embed, k_embed", "return q_embed.to(q.dtype), k_embed.to(k.dtype)")]},
-    "hoisted half": {"rotate_half": [
-        ("    x1 = x[..., : x.shape[-1] // 2]",
-         "    half = x.shape[-1] // 2\n    x1 = x[..., :half]"),
-        ("x[..., x.shape[-1] // 2 :]", "x[..., half:]")]},
 }
 
 
 @pytest.mark.parametrize("edit", SAME_MEANING)
-def test_edits_that_keep_the_meaning_are_patched(edit, monkeypatch):
-    functions = edited(monkeypatch, "llama", SAME_MEANING[edit])
+def test_branch_free_edits_that_keep_the_meaning_are_patched(edit, monkeypatch):
+    functions = edited(monkeypatch, "llama", branch_free(SAME_MEANING[edit]))
     module = modeling("llama")
     original = module.apply_rotary_pos_emb
-    assert hf._form_of(module, original) is None  # no longer a known source form
+    assert _forms.form_of(original) is None  # no longer a known source form
+    assert _forms.branches(original) == []
     with warnings.catch_warnings():
         warnings.simplefilter("error", hf.UnsupportedModelWarning)
         handle = hf.patch("llama")
@@ -155,28 +183,39 @@ def test_edits_that_keep_the_meaning_are_patched(edit, monkeypatch):
     assert set(functions) <= {"apply_rotary_pos_emb", "rotate_half"}
 
 
+@pytest.mark.parametrize("edit", SAME_MEANING)
+def test_edits_of_a_branching_source_are_refused_by_the_rule(edit, monkeypatch):
+    """The same edits with transformers' rotate_half (which reads ``x.shape``): no longer a
+    known form, and a source that can take another path, so refused whatever the probe
+    would say."""
+    edited(monkeypatch, "llama", SAME_MEANING[edit])
+    with pytest.raises(RuntimeError, match="can take another path.*rotate_half: a read of .shape"):
+        hf.patch("llama")
+
+
 OTHER_MEANING = {
     # model type, edits, what the reason says
-    "a sign": ("llama", {"apply_rotary_pos_emb": [("(q * cos) + (rotate_half(q) * sin)",
-                                                   "(q * cos) - (rotate_half(q) * sin)")]},
-               "differ from posenc's in bits"),
-    "the wrong half": ("llama", {"rotate_half": [("torch.cat((-x2, x1), dim=-1)",
-                                                  "torch.cat((-x1, x2), dim=-1)")]},
-                       "differ from posenc's in bits"),
-    "a fixed unsqueeze": ("llama", {"apply_rotary_pos_emb": [
+    "a sign": ("llama", branch_free({"apply_rotary_pos_emb": [
+        ("(q * cos) + (rotate_half(q) * sin)", "(q * cos) - (rotate_half(q) * sin)")]}),
+        "differ from posenc's in bits"),
+    "the wrong half": ("llama", branch_free({"rotate_half": [
+        ("torch.cat((-x2, x1), dim=-1)", "torch.cat((-x1, x2), dim=-1)")]}),
+        "differ from posenc's in bits"),
+    "a fixed unsqueeze": ("llama", branch_free({"apply_rotary_pos_emb": [
         ("cos.unsqueeze(unsqueeze_dim)", "cos.unsqueeze(1)"),
-        ("sin.unsqueeze(unsqueeze_dim)", "sin.unsqueeze(1)")]}, "raises"),
+        ("sin.unsqueeze(unsqueeze_dim)", "sin.unsqueeze(1)")]}), "raises"),
+    "a detached term": ("llama", branch_free({"apply_rotary_pos_emb": [
+        ("(rotate_half(q) * sin)", "(rotate_half(q) * sin).detach()")]}), "gradients differ"),
+    # sources that read .dtype: the rule refuses them before any probe
     "a missing cast (Cohere)": ("cohere", {"apply_rotary_pos_emb": [
         ("return q_embed.to(dtype=dtype), k_embed.to(dtype=dtype)", "return q_embed, k_embed")]},
-        "result is torch.float32"),
+        "can take another path"),
     "a missing cast (ERNIE-4.5)": ("ernie4_5", {"apply_rotary_pos_emb": [
         ("return q_embed.to(original_dtype), k_embed.to(original_dtype)",
-         "return q_embed, k_embed")]}, "closest: "),
-    "a detached term": ("llama", {"apply_rotary_pos_emb": [
-        ("(rotate_half(q) * sin)", "(rotate_half(q) * sin).detach()")]}, "gradients differ"),
+         "return q_embed, k_embed")]}, "can take another path"),
     "the vision tower's sign": ("qwen2_vl", {"apply_rotary_pos_emb_vision": [
         ("(q * cos) + (rotate_half(q) * sin)", "(q * cos) - (rotate_half(q) * sin)")]},
-        "differ from posenc's in bits"),
+        "not the known form"),
 }
 
 
@@ -202,32 +241,272 @@ def test_edits_that_change_the_meaning_are_refused(edit, monkeypatch):
         hf.patch(model_type)
 
 
-def test_patch_all_raises_when_no_type_remains(monkeypatch):
-    edited(monkeypatch, "llama", OTHER_MEANING["a sign"][1])
-    monkeypatch.setattr(hf, "KNOWN_MODEL_TYPES", ("llama",))
-    with pytest.raises(RuntimeError, match="leaves|differ from posenc's in bits"):
-        hf.patch()
+# ---------------------------------------------------------------------------------------
+# The adversary's functions: each computes transformers' Llama rotation except on one kind
+# of input the replacement takes.  Those that branch are refused by the rule, the
+# branch-free one (large magnitudes) by the probe.
+
+
+REAL_LLAMA = modeling("llama").apply_rotary_pos_emb
+
+
+def _differs_when(condition):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        q_embed, k_embed = REAL_LLAMA(q, k, cos, sin, unsqueeze_dim)
+        if condition(q, k, cos):
+            q_embed = q_embed * 2
+        return q_embed, k_embed
+
+    return apply_rotary_pos_emb
+
+
+ONLY_FOR = {
+    "fp16": lambda q, k, cos: q.dtype == torch.float16,
+    "head_dim >= 64": lambda q, k, cos: q.shape[-1] >= 64,
+    "decode": lambda q, k, cos: q.shape[-2] == 1,
+    "equal head counts": lambda q, k, cos: q.shape[1] == k.shape[1],
+    "T > 1000": lambda q, k, cos: q.shape[-2] > 1000,
+    "no-grad": lambda q, k, cos: not torch.is_grad_enabled(),
+    "batch 1": lambda q, k, cos: q.shape[0] == 1,
+}
+
+
+@pytest.mark.parametrize("condition", ONLY_FOR)
+def test_a_rotation_that_differs_on_rare_inputs_is_refused(condition, monkeypatch):
+    monkeypatch.setattr(modeling("llama"), "apply_rotary_pos_emb",
+                        _differs_when(ONLY_FOR[condition]))
+    with pytest.raises(RuntimeError, match="can take another path"):
+        hf.patch("llama")
+
+
+def test_what_the_rule_leaves_to_the_probe_is_probed_where_it_differs(monkeypatch):
+    """A branch-free difference the rule cannot see (only for |q| > 6, via torch.where):
+    the probe's large-magnitude inputs find it; the same function without the difference
+    is accepted."""
+    namespace = dict(vars(modeling("llama")))
+    define("""
+        def rotate_half(x):
+            x1, x2 = torch.chunk(x, 2, dim=-1)
+            return torch.cat((-x2, x1), dim=-1)
+
+        def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+            cos = cos.unsqueeze(unsqueeze_dim)
+            sin = sin.unsqueeze(unsqueeze_dim)
+            q = torch.where(q.abs() > 6, q * 1.5, q)
+            return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+    """, "<large magnitudes>", namespace)
+    func = namespace["apply_rotary_pos_emb"]
+    assert _forms.branches(func) == []
+    monkeypatch.setattr(modeling("llama"), "apply_rotary_pos_emb", func)
+    with pytest.raises(RuntimeError, match=r"scale=40\.0"):
+        hf.patch("llama")
+
+
+@pytest.mark.transformers4
+@pytest.mark.parametrize("condition", ["real sections", "fp16"])
+def test_a_multimodal_rotation_that_differs_on_rare_inputs_is_refused(condition, monkeypatch):
+    module = modeling("qwen2_vl")
+    real = module.apply_multimodal_rotary_pos_emb
+    test = {"real sections": lambda q, section: list(section) == [16, 24, 24],
+            "fp16": lambda q, section: q.dtype == torch.float16}[condition]
+
+    def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+        q_embed, k_embed = real(q, k, cos, sin, mrope_section, unsqueeze_dim)
+        return (q_embed + 1 if test(q, mrope_section) else q_embed), k_embed
+
+    monkeypatch.setattr(module, "apply_multimodal_rotary_pos_emb", apply_multimodal_rotary_pos_emb)
+    with pytest.raises(RuntimeError, match="can take another path"):
+        hf.patch("qwen2_vl")
+
+
+# ---------------------------------------------------------------------------------------
+# Verdicts are keyed on everything a result depends on.
+
+
+def _scaled(func, factor):
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        q_embed, k_embed = func(*args, **kwargs)
+        return q_embed * factor, k_embed
+
+    return wrapper
+
+
+def test_a_wrapper_that_changes_the_result_is_refused_after_the_function_was_accepted(
+        monkeypatch):
+    module = modeling("llama")
+    hf.patch("llama").undo()  # the real function, accepted
+    monkeypatch.setattr(module, "apply_rotary_pos_emb", _scaled(REAL_LLAMA, 2.0))
+    with pytest.raises(RuntimeError, match="llama"):
+        hf.patch("llama")
+    # ... and refusing the wrapper does not refuse the function it wraps
+    monkeypatch.setattr(module, "apply_rotary_pos_emb", REAL_LLAMA)
+    hf.patch("llama").undo()
+    assert _verdicts.behaviour_key(_scaled(REAL_LLAMA, 2.0)) != _verdicts.behaviour_key(
+        REAL_LLAMA)
+
+
+def test_two_closures_of_one_factory_have_their_own_keys():
+    same, other = _scaled(REAL_LLAMA, 1.0), _scaled(REAL_LLAMA, -1.0)
+    assert same.__code__ is other.__code__
+    assert _verdicts.behaviour_key(same) != _verdicts.behaviour_key(other)
+    assert _verdicts.behaviour_key(same) == _verdicts.behaviour_key(_scaled(REAL_LLAMA, 1.0))
+
+
+def test_a_branch_free_wrapper_is_decided_by_its_own_behaviour(monkeypatch):
+    """Closures of one factory around a branch-free rotation: the one that keeps the result
+    is patched, the one that scales it is refused, whichever is decided first."""
+    namespace = dict(vars(modeling("llama")))
+    define("""
+        def rotate_half(x):
+            x1, x2 = torch.chunk(x, 2, dim=-1)
+            return torch.cat((-x2, x1), dim=-1)
+
+        def inner(q, k, cos, sin, unsqueeze_dim=1):
+            cos = cos.unsqueeze(unsqueeze_dim)
+            sin = sin.unsqueeze(unsqueeze_dim)
+            return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+    """, "<branch-free inner>", namespace)
+    inner = namespace["inner"]
+    module = modeling("llama")
+    for order in ((1.0, -1.0), (-1.0, 1.0)):
+        _verdicts.forget()
+        for factor in order:
+            func = _scaled(inner, factor)
+            monkeypatch.setattr(module, "apply_rotary_pos_emb", func)
+            if factor == 1.0:
+                hf.patch("llama").undo()
+            else:
+                with pytest.raises(RuntimeError, match="differ from posenc's in bits"):
+                    hf.patch("llama")
 
 
 def test_the_probe_runs_once_per_behaviour(monkeypatch):
     """A second patch() probes nothing again, and the copies of one function in other model
-    files (Mistral's and Qwen2's are Llama's) share its probe."""
-    import weakref
-
-    monkeypatch.setattr(hf, "_PROBED", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(hf, "_PROBED_BY_KEY", {})
+    files (Mistral's and Qwen2's are Llama's) share its probe; replacing a helper the
+    function reads makes it a function to probe again."""
+    _verdicts.forget()
     module = modeling("llama")
     assert modeling("mistral").apply_rotary_pos_emb is not module.apply_rotary_pos_emb
-    spent = hf._PROBE_SECONDS[0]
+    spent = _verdicts.SECONDS.get("rotary", 0.0)
     hf.patch("llama").undo()
-    assert hf._PROBE_SECONDS[0] > spent
-    spent = hf._PROBE_SECONDS[0]
+    assert _verdicts.SECONDS["rotary"] > spent
+    spent = _verdicts.SECONDS["rotary"]
     hf.patch(["llama", "mistral", "qwen2"]).undo()
-    assert hf._PROBE_SECONDS[0] == spent
-    # Replacing a helper the function reads makes it a function to probe again.
+    assert _verdicts.SECONDS["rotary"] == spent
     edited(monkeypatch, "llama", SAME_MEANING["list in torch.cat"])
-    hf.patch("llama").undo()
-    assert hf._PROBE_SECONDS[0] > spent
+    with pytest.raises(RuntimeError):
+        hf.patch("llama")
+    assert _verdicts.SECONDS["rotary"] > spent
+
+
+# ---------------------------------------------------------------------------------------
+# The probe covers what the replacements take: the axes of every accepted input are
+# derived here from the replacement's own predicate, over a universe wider than the probe.
+
+_ALL_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
+               torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _text_input(dtypes=(torch.float32,) * 3, dim=16, seq=5, batch=2, kv_heads=2, width=None,
+                unsqueeze_dim=1):
+    qd, kd, td = dtypes
+    heads_first = unsqueeze_dim == 1
+    q = torch.zeros(batch, seq, 4, dim).to(qd)
+    k = torch.zeros(batch, seq, kv_heads, dim).to(kd)
+    if heads_first:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    rows = 1 if heads_first else batch
+    cos = torch.zeros(rows, seq, width or dim).to(td)
+    return (q, k, cos, cos.clone()), ({} if heads_first else {"unsqueeze_dim": unsqueeze_dim})
+
+
+def _accepted_axes(supported, build, axes: dict[str, list]) -> dict[str, set]:
+    """Per axis, the values for which ``supported`` accepts the input ``build`` makes with
+    that one axis changed from the base (the grad mode and magnitudes are not input
+    metadata: every value of theirs is accepted)."""
+    out = {}
+    for axis, values in axes.items():
+        accepted = set()
+        for value, kwargs in values:
+            args, kw = build(**kwargs)
+            if supported(*args, **kw):
+                accepted.add(value)
+        out[axis] = accepted
+    out["grad"] = {True, False}
+    out["magnitude"] = {"small", "large"}
+    return out
+
+
+def _covered(cases, supported, layout="text") -> dict[str, set]:
+    out: dict[str, set] = {}
+    for case in cases:
+        if supported(*case.args, **case.kwargs):
+            for axis, value in _probe.features(case, layout).items():
+                out.setdefault(axis, set()).add(value)
+    return out
+
+
+def _text_axes(width_of):
+    return {
+        "dtypes": [(t, {"dtypes": t, "width": width_of(16)})
+                   for t in itertools.product(_ALL_FLOATS, repeat=3)],
+        "head_dim": [(d, {"dim": d, "width": width_of(d)}) for d in (16, 64, 128, 256)],
+        "partial": [(w < 64, {"dim": 64, "width": w}) for w in (64, 48, 32, 16)],
+        "seq": [(name, {"seq": t, "width": width_of(16)})
+                for name, t in (("one", 1), ("few", 5), ("long", 1500))],
+        "batch": [(name, {"batch": b, "width": width_of(16)}) for name, b in ((1, 1), ("several", 3))],
+        "heads": [(name, {"kv_heads": h, "width": width_of(16)})
+                  for name, h in (("equal", 4), ("grouped", 1))],
+    }
+
+
+@pytest.mark.parametrize("form", _forms.DISTINCT_FORMS, ids=_forms.describe)
+def test_the_text_probe_covers_every_axis_the_replacement_accepts(form):
+    from posenc_torch.hf import _rotary
+
+    ours, supported = _rotary._text_ours(form)
+    width_of = (lambda d: d // 2) if form.table == "doubled" else (lambda d: d)
+    accepted = _accepted_axes(supported, _text_input, _text_axes(width_of))
+    covered = _covered(_probe.text_cases(), supported)
+    for axis, values in accepted.items():
+        assert values <= covered.get(axis, set()), (axis, values - covered.get(axis, set()))
+
+
+def test_the_multimodal_and_vision_probes_cover_every_axis_their_replacements_accept():
+    from posenc_torch.hf import _rotary
+
+    def mm_input(section=(2, 3, 3), **kw):
+        (q, k, cos, _), kwargs = _text_input(**kw)
+        cos = cos.expand(3, *cos.shape).contiguous()
+        return (q, k, cos, cos.clone(), list(section)), {"unsqueeze_dim": kwargs.get(
+            "unsqueeze_dim", 1)}
+
+    def mm_supported(*args, **kwargs):
+        return _rotary._multimodal_supported(*args, **kwargs)
+
+    axes = _text_axes(lambda d: d)
+    del axes["partial"]
+    for axis in ("head_dim",):
+        axes[axis] = [(d, {"dim": d, "section": (d // 8, d // 8, d // 4)}) for d in (16, 64, 128, 256)]
+    accepted = _accepted_axes(mm_supported, mm_input, axes)
+    covered = _covered(_probe.multimodal_cases(), mm_supported)
+    for axis, values in accepted.items():
+        assert values <= covered.get(axis, set()), ("multimodal", axis, values - covered[axis])
+
+    def vision_input(dtypes=(torch.float32,) * 3, dim=16, seq=7):
+        q = torch.zeros(seq, 2, dim).to(dtypes[0])
+        k = torch.zeros(seq, 2, dim).to(dtypes[1])
+        cos = torch.zeros(seq, dim).to(dtypes[2])
+        return (q, k, cos, cos.clone()), {}
+
+    axes = {"dtypes": [(t, {"dtypes": t}) for t in itertools.product(_ALL_FLOATS, repeat=3)],
+            "head_dim": [(d, {"dim": d}) for d in (16, 64, 80, 128)],
+            "seq": [(name, {"seq": t}) for name, t in (("one", 1), ("few", 5), ("long", 1500))]}
+    accepted = _accepted_axes(_rotary._vision_supported, vision_input, axes)
+    covered = _covered(_probe.vision_cases(), _rotary._vision_supported, "vision")
+    for axis, values in accepted.items():
+        assert values <= covered.get(axis, set()), ("vision", axis, values - covered[axis])
 
 
 def test_probe_compares_bf16_with_transformers_own_rounding():
@@ -237,12 +516,11 @@ def test_probe_compares_bf16_with_transformers_own_rounding():
     k = torch.randn(2, 2, 5, 16, dtype=torch.bfloat16)
     angle = torch.rand(1, 5, 16, dtype=torch.float64) * 6
     cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
-    llama = modeling("llama").apply_rotary_pos_emb
-    theirs = llama(q, k, cos, sin)
-    ours = hf._rope.apply_rotary_pos_emb(q, k, cos, sin)
-    exact = llama(q.double(), k.double(), cos.double(), sin.double())
-    scale = 2 * max(q.abs().max(), k.abs().max()).item()
-    assert hf._close_to_exact(ours[0], theirs[0], exact[0], scale)
+    theirs = REAL_LLAMA(q, k, cos, sin)
+    ours = pt_rope.apply_rotary_pos_emb(q, k, cos, sin)
+    exact = REAL_LLAMA(q.double(), k.double(), cos.double(), sin.double())
+    slack = 2.0 ** -22 * 2 * max(q.abs().max(), k.abs().max()).item()
+    assert _probe.close_to_exact(ours[0], theirs[0], exact[0], slack)
     # an element where both round to the same value, moved one bf16 step (the next
     # representable value: 2^16 up in the fp32 bit pattern)
     i = int(((ours[0] == theirs[0]) & (ours[0] != 0)).view(-1).nonzero()[0])
@@ -250,21 +528,48 @@ def test_probe_compares_bf16_with_transformers_own_rounding():
     bits = off[i].float().view(torch.int32) + (1 << 16)
     off[i] = bits.view(torch.float32).bfloat16()
     assert off[i] != ours[0].view(-1)[i]
-    assert not hf._close_to_exact(off.view_as(ours[0]), theirs[0], exact[0], scale)
+    assert not _probe.close_to_exact(off.view_as(ours[0]), theirs[0], exact[0], slack)
 
 
 # ---------------------------------------------------------------------------------------
 # get_rope_index: the convention is the one whose walk gives the installed function's
 # results on the probe prompts.
 
-from posenc_torch import _hf_positions, positions  # noqa: E402
-
 
 @pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_installed_convention_is_found_by_running_get_rope_index(model_type):
     expected = positions.convention_for_version(transformers.__version__)
     assert positions.resolve_convention("installed", model_type) == expected
-    assert _hf_positions.installed_convention(model_type) == expected
+    assert _rope_index.installed_convention(model_type) == expected
+
+
+def test_the_prompts_cover_what_the_rules_can_differ_on():
+    """Videos of 1 to 16 frames at each merge size 1, 2 and 4, fractional seconds, several
+    images in a row, left and right padding, masks with holes."""
+    for model_type in _rope_index.MODEL_TYPES:
+        seen = {}
+        for label, config, kw in _rope_index.prompts(model_type):
+            merge = config.vision_config.spatial_merge_size
+            if kw["video_grid_thw"] is not None:
+                seen.setdefault(merge, set()).update(kw["video_grid_thw"][:, 0].tolist())
+            mask = kw["attention_mask"]
+            if mask is not None:
+                seen.setdefault("left", set()).add(bool((mask[:, 0] == 0).any()))
+                seen.setdefault("right", set()).add(bool((mask[:, -1] == 0).any()))
+                inner = mask[:, 1:-1]
+                holes = ((inner == 0) & (mask[:, :-2] == 1) & (mask[:, 2:] == 1)).any()
+                seen.setdefault("holes", set()).add(bool(holes))
+            if kw["image_grid_thw"] is not None:
+                seen.setdefault("images", set()).add(len(kw["image_grid_thw"]))
+            seconds = kw.get("second_per_grid_ts")
+            if seconds is not None:
+                seen.setdefault("seconds", set()).update(seconds.tolist())
+        for merge in (1, 2, 4):
+            assert seen[merge] == set(range(1, 17)), (model_type, merge)
+        assert True in seen["left"] and True in seen["right"] and True in seen["holes"]
+        assert max(seen["images"]) >= 3
+        if model_type == "qwen2_5_vl":
+            assert any(s != int(s) for s in seen["seconds"])
 
 
 def test_prompts_separate_the_conventions():
@@ -272,23 +577,19 @@ def test_prompts_separate_the_conventions():
     gives different results somewhere (else the check could not choose)."""
     import types
 
-    from transformers import AutoConfig
-
     from posenc_torch._tables import CONVENTIONS, MROPE_MODELS
 
-    for model_type in _hf_positions.MODEL_TYPES:
-        model = model_type
-        config = AutoConfig.for_model(model_type)
-        obj = types.SimpleNamespace(config=config)
+    for model_type in _rope_index.MODEL_TYPES:
         outcomes = {}
         for convention in positions.MROPE_CONVENTIONS:
             results = []
-            for _, kw in _hf_positions._probe_prompts(model, config):
+            for _, config, kw in _rope_index.prompts(model_type):
+                obj = types.SimpleNamespace(config=config)
                 args = dict(kw)
                 if convention == "4.57":
                     args.pop("mm_token_type_ids")
                 try:
-                    results.append(_hf_positions._walk(obj, args, model, convention))
+                    results.append(_rope_index._walk(obj, args, model_type, convention))
                 except Exception as e:  # noqa: BLE001
                     results.append(type(e).__name__)
             outcomes[convention] = results
@@ -297,32 +598,54 @@ def test_prompts_separate_the_conventions():
             for b in positions.MROPE_CONVENTIONS:
                 if a < b and not CONVENTIONS[a].same_rules_for(CONVENTIONS[b], reads_seconds):
                     assert any(not (isinstance(x, tuple) and isinstance(y, tuple)
-                                    and _hf_positions._identical(x, y))
+                                    and _rope_index._identical(x, y))
                                for x, y in zip(outcomes[a], outcomes[b], strict=True)), (
                         model_type, a, b)
 
 
-def test_a_get_rope_index_of_other_rules_is_left_to_transformers(monkeypatch):
-    """An installed get_rope_index that follows none of the conventions keeps running (one
-    warning), the rotary functions are still patched, and convention='installed' says why
-    it cannot resolve."""
+def _owner():
     module = modeling("qwen2_vl")
-    owner = _hf_positions._owner_class(module)
-    real = vars(owner)["get_rope_index"]
+    from posenc_torch.hf import _transformers
 
+    return _transformers.owner_class(module, "get_rope_index")
+
+
+def _changed_get_rope_index(real, when):
     def get_rope_index(self, *args, **kwargs):
         position_ids, deltas = real(self, *args, **kwargs)
-        return position_ids + 1, deltas - 1  # everything one position later
+        if when(self, inspect.signature(real).bind(self, *args, **kwargs).arguments):
+            return position_ids + 1, deltas - 1  # everything one position later
+        return position_ids, deltas
 
     get_rope_index.__signature__ = inspect.signature(real)
-    monkeypatch.setattr(owner, "get_rope_index", get_rope_index)
-    monkeypatch.setattr(_hf_positions, "_DECIDED", {})
+    return get_rope_index
+
+
+def _videos_longer_than_8(self, arguments):
+    videos = arguments.get("video_grid_thw")
+    return videos is not None and bool((videos[:, 0] > 8).any())
+
+
+def _merge_size_not_2(self, arguments):
+    return self.config.vision_config.spatial_merge_size != 2
+
+
+@pytest.mark.parametrize("when", [lambda self, a: True, _videos_longer_than_8, _merge_size_not_2],
+                         ids=["always", "videos longer than 8 frames", "merge size not 2"])
+def test_a_get_rope_index_of_other_rules_is_left_to_transformers(when, monkeypatch):
+    """An installed get_rope_index that follows none of the conventions, even only for long
+    videos or other merge sizes, keeps running (one warning), the rotary functions are
+    still patched, and convention='installed' says why it cannot resolve."""
+    owner = _owner()
+    real = vars(owner)["get_rope_index"]
+    changed = _changed_get_rope_index(real, when)
+    monkeypatch.setattr(owner, "get_rope_index", changed)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         handle = hf.patch("qwen2_vl")
     with handle:
         assert "qwen2_vl.get_rope_index" not in handle.targets
-        assert vars(owner)["get_rope_index"] is get_rope_index
+        assert vars(owner)["get_rope_index"] is changed
         assert any(t.endswith("apply_rotary_pos_emb_vision") for t in handle.targets)
     messages = [str(w.message) for w in record if w.category is hf.UnsupportedModelWarning]
     assert len(messages) == 1 and "qwen2_vl.get_rope_index" in messages[0]
@@ -331,3 +654,34 @@ def test_a_get_rope_index_of_other_rules_is_left_to_transformers(monkeypatch):
         positions.resolve_convention("installed", "qwen2_vl")
     # An explicit convention needs no check.
     assert positions.resolve_convention("4.57", "qwen2_vl") == "4.57"
+
+
+def test_get_rope_index_decisions_follow_the_installed_method(monkeypatch):
+    """Modified after a first patch(): the next patch() refuses it; the original restored:
+    accepted again (nothing stale either way)."""
+    owner = _owner()
+    real = vars(owner)["get_rope_index"]
+    hf.patch("qwen2_vl").undo()
+    changed = _changed_get_rope_index(real, _videos_longer_than_8)
+    monkeypatch.setattr(owner, "get_rope_index", changed)
+    with pytest.warns(hf.UnsupportedModelWarning, match="get_rope_index"):
+        hf.patch("qwen2_vl").undo()
+    monkeypatch.setattr(owner, "get_rope_index", real)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hf.UnsupportedModelWarning)
+        handle = hf.patch("qwen2_vl")
+    with handle:
+        assert "qwen2_vl.get_rope_index" in handle.targets
+
+
+def test_the_rotary_verdicts_follow_the_installed_function(monkeypatch):
+    """The same for the rotary functions: an edited function after a first patch() is
+    refused, the original restored is patched again."""
+    module = modeling("llama")
+    hf.patch("llama").undo()
+    edited(monkeypatch, "llama", OTHER_MEANING["a sign"][1])
+    with pytest.raises(RuntimeError):
+        hf.patch("llama")
+    monkeypatch.setattr(module, "apply_rotary_pos_emb", REAL_LLAMA)
+    monkeypatch.setattr(module, "rotate_half", REAL_LLAMA.__globals__["rotate_half"])
+    hf.patch("llama").undo()

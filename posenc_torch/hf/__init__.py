@@ -1,0 +1,76 @@
+"""Use posenc_torch inside Hugging Face transformers models with one line.
+
+    import posenc_torch.hf
+    handle = posenc_torch.hf.patch()      # before building / compiling the model
+    ...                                    # train or run as usual
+    print(handle.calls)                    # proof that the posenc functions ran
+    handle.undo()                          # or: with posenc_torch.hf.patch(): ...
+
+This package is the one part of posenc_torch that reads the installed transformers; the
+core (``posenc_torch.rope``, ``positions``, ``packing``, ``vision``, ``ops``) imports
+nothing of it and no transformers, and reaches it only through ``posenc_torch._installed``
+(``convention="installed"``).  Importing it does not import transformers either.
+
+``patch`` replaces, for each model type it knows whose installed code fits:
+
+* ``apply_rotary_pos_emb`` (decoder attention): Llama-like models, models with adjacent
+  pairs (Cohere, GLM-4V), partial rotary (Phi-3, GPT-NeoX, Qwen3-Next, Qwen3.5,
+  GLM-4-MoE, ...), models that reshape their tables first (GLM, GLM-4, ERNIE-4.5,
+  gpt-oss), and DeepSeek-V3's ``apply_rotary_pos_emb_interleave`` (``_rotary``);
+* ``apply_multimodal_rotary_pos_emb`` (Qwen2-VL / Qwen2.5-VL decoder attention in 4.x) and
+  ``apply_rotary_pos_emb_vision`` (the Qwen-VL vision towers);
+* the Qwen-VL ``get_rope_index`` (``_rope_index``), and a check of packed batches reaching
+  the model in a way that would let examples attend to each other (``_packing_guard``).
+
+How a function is judged (the decision rule, README "Use with transformers"):
+
+1. A function whose source, or that of a wrapper around it or a helper it calls, can take
+   another path for some inputs (an ``if``, a conditional expression, a loop, a read of
+   ``.shape``, ``.dtype``, ``is_grad_enabled``, ...) is replaced only when its source is
+   one of the known forms (``_forms``), compared as syntax trees, helpers included.
+2. Then, always, the behaviour probe (``_probe``): the original and the replacement run on
+   inputs spanning every dtype combination, head size, sequence length, batch, head
+   grouping, grad mode and magnitude the replacement accepts; any difference refuses it.
+   ``get_rope_index`` is decided on prompts drawn from a fixed seed (``_rope_index``).
+3. A verdict is kept while everything the function's result can depend on stays the same
+   (its code, wrappers, closure, defaults and the globals it reads, ``_verdicts``), and is
+   re-decided on the next ``patch()`` when any of it changed.
+
+A model type that fails is left to transformers with one ``UnsupportedModelWarning``
+naming it and the reason (see ``unsupported_model_types()``); when no requested type
+remains, ``patch`` raises instead of returning a handle that patches nothing.
+
+transformers 5.x decorates ``apply_rotary_pos_emb`` with a hub-kernel decorator and the
+attention classes with ``use_kernelized_func(apply_rotary_pos_emb)``.  Those decorators
+only record the function object (for ``kernels.kernelize``); the attention ``forward``
+still calls the module-level name on every call, so replacing that name takes effect as
+long as the model is not kernelized.  The rotary *modules* (cos/sin once per forward) are
+left alone, which keeps the patched model's tables bit-identical to the unpatched one.
+
+Calls the posenc kernels do not take (tensors on another device than the CPU, dtypes or
+shapes other than the model's own layouts, other argument forms, calls under functorch
+transforms or forward AD) go to the original transformers function unchanged, with the
+caller's own arguments (``fallback=True``, the default), so the patch never changes what
+a model computes or which errors it raises; ``handle.fallbacks`` counts those calls.  With
+``fallback=False`` inputs posenc does not take raise posenc's error instead.
+
+Patch before ``torch.compile``: torch.compile guards the global functions it traced, so
+patching (or undoing) after compiling recompiles every compiled region on its next call.
+Exported or ahead-of-time compiled programs keep the functions they traced.
+"""
+
+from __future__ import annotations
+
+from ._handle import PatchHandle, UnsupportedModelWarning
+from ._patch import INSTALLERS, KNOWN_MODEL_TYPES, patch, support, unsupported_model_types  # noqa: F401
+
+__all__ = ["KNOWN_MODEL_TYPES", "SUPPORTED_MODEL_TYPES", "PatchHandle",  # noqa: F822
+           "UnsupportedModelWarning", "patch", "unsupported_model_types"]
+
+
+def __getattr__(name: str) -> object:
+    # computed on each use, so that importing posenc_torch.hf does not import
+    # transformers, and a changed function is seen
+    if name == "SUPPORTED_MODEL_TYPES":
+        return tuple(mt for mt, reason in support().items() if reason is None)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,168 @@
+"""What ``patch`` installed, and the bookkeeping every replacement shares: the handle,
+its call counters, and when a call goes to the original function."""
+
+from __future__ import annotations
+
+import threading
+import types
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from .. import ops as _ops
+
+# (module name, attribute) -> the handle whose wrapper is installed there.
+_ACTIVE: dict[tuple[str, str], PatchHandle] = {}
+# Orders patch() and undo() across threads (re-entrant: patch undoes on failure).
+LOCK = threading.RLock()
+
+
+class UnsupportedModelWarning(RuntimeWarning):
+    """``patch`` left a model type (or one of its functions) to transformers; the message
+    names it and says why."""
+
+
+class PatchHandle:
+    """What ``patch`` installed; undoes it with ``undo()`` or at the end of a ``with`` block.
+
+    Attributes:
+        model_types: the model types that were patched.
+        targets: ``"<model_type>.<function>"`` for every function that was replaced.
+        calls: per target, how many calls the posenc kernels computed.
+        fallbacks: per target, how many calls went to the original transformers function
+            (inputs posenc does not take, see the module docstring).
+        Both are empty when ``patch(count=False)``.
+    """
+
+    def __init__(self, model_types: tuple[str, ...], fallback: bool, count: bool) -> None:
+        self.model_types = model_types
+        self.fallback = fallback
+        self.count = count
+        # One int64 scalar tensor per counter, bumped in place by the replacements: an
+        # in-place add is traced into compiled graphs like any other op, so counting
+        # neither breaks a graph nor (as a Python int would) makes torch.compile guard
+        # on, and recompile for, every new count.
+        self._calls: dict[str, torch.Tensor] = {}
+        self._fallbacks: dict[str, torch.Tensor] = {}
+        # (module, attribute, original, wrapper, target)
+        self._installed: list[tuple[types.ModuleType, str, Callable, Callable, str]] = []
+        self._targets: list[str] = []
+
+    @property
+    def calls(self) -> dict[str, int]:
+        """Per replaced function, how many calls the posenc kernels computed."""
+        return {target: int(n) for target, n in self._calls.items()}
+
+    @property
+    def fallbacks(self) -> dict[str, int]:
+        """Per replaced function, how many calls went to the original function."""
+        return {target: int(n) for target, n in self._fallbacks.items()}
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """``"<model_type>.<function>"`` for every function ``patch`` replaced."""
+        return tuple(self._targets)
+
+    @property
+    def active(self) -> bool:
+        """True until ``undo()``."""
+        return bool(self._installed)
+
+    def install(self, module: types.ModuleType, name: str, replacement: Callable,
+                target: str) -> None:
+        """Replace ``module.<name>`` with ``replacement`` until ``undo()``; ``target`` is
+        its name in ``targets``.  Raises RuntimeError if another active handle replaced it."""
+        with LOCK:
+            self._install(module, name, replacement, target)
+
+    def _install(self, module: types.ModuleType, name: str, replacement: Callable,
+                 target: str) -> None:
+        owner = _ACTIVE.get((module.__name__, name))
+        if owner is not None:
+            raise RuntimeError(f"posenc_torch.hf.patch: {module.__name__}.{name} is already "
+                               f"patched by {owner!r}; undo that handle first")
+        original = getattr(module, name)
+        replacement.__module__ = "posenc_torch.hf"
+        replacement.__qualname__ = f"patched.{target}"
+        replacement.posenc_original = original
+        setattr(module, name, replacement)
+        _ACTIVE[(module.__name__, name)] = self
+        self._installed.append((module, name, original, replacement, target))
+        self._targets.append(target)
+
+    def _add_counters(self, target: str) -> None:
+        if self.count:
+            # Ordinary CPU tensors whatever the caller's context: a default device (``with
+            # torch.device("meta")``) or inference mode (whose tensors could not be bumped
+            # outside it) must not reach them.
+            with torch.inference_mode(False):
+                self._calls[target] = torch.zeros((), dtype=torch.int64, device="cpu")
+                self._fallbacks[target] = torch.zeros((), dtype=torch.int64, device="cpu")
+
+    def reset_counts(self) -> None:
+        """Set every counter in ``calls`` and ``fallbacks`` back to zero."""
+        with torch.inference_mode(False):
+            for counter in (*self._calls.values(), *self._fallbacks.values()):
+                counter.zero_()
+
+    def undo(self) -> None:
+        """Put the original transformers functions back.  Calling it again does nothing.
+
+        A function that someone else replaced after ``patch`` is left as it is (with a
+        warning) rather than overwritten.
+        """
+        with LOCK:
+            while self._installed:
+                module, name, original, wrapper, target = self._installed.pop()
+                _ACTIVE.pop((module.__name__, name), None)
+                if getattr(module, name, None) is wrapper:
+                    setattr(module, name, original)
+                else:
+                    warnings.warn(
+                        f"{module.__name__}.{name} was replaced by someone else after "
+                        "posenc_torch.hf.patch(); leaving it as it is", RuntimeWarning,
+                        stacklevel=2)
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.undo()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "undone"
+        return (f"PatchHandle({state}, model_types={list(self.model_types)}, "
+                f"calls={self.calls}, fallbacks={self.fallbacks})")
+
+
+# The private torch names below are looked up once, as posenc_torch.ops does for its fast
+# paths; without them (a torch release that renamed them) every call is treated as plain
+# eager code, which is what it is unless a functorch transform or forward AD is active.
+_PRIVATE = _ops.PRIVATE
+_DISABLE_FUNCTORCH = getattr(torch._C, "_DisableFuncTorch", None)
+
+
+def _transforms_active() -> bool:
+    return _PRIVATE is not None and _PRIVATE.transforms_active()
+
+
+def to_original() -> bool:
+    """Calls under functorch transforms (torch.func.grad / vjp / jvp / vmap) and forward AD
+    go to the original function: transformers' elementwise ops support every transform,
+    the posenc ops have no forward-mode or batching rule."""
+    if torch.compiler.is_compiling() or _PRIVATE is None:
+        return False
+    return _PRIVATE.transforms_active() or _PRIVATE.forward_ad._current_level >= 0
+
+
+def bump(counter: torch.Tensor) -> None:
+    """Add one to a call counter (an int64 CPU scalar): traced into compiled graphs as a
+    tiny op; outside the functorch transforms, which would see the in-place add on a
+    captured tensor."""
+    if (not torch.compiler.is_compiling() and _DISABLE_FUNCTORCH is not None
+            and _transforms_active()):
+        with _DISABLE_FUNCTORCH():
+            counter.add_(1)
+    else:
+        counter.add_(1)

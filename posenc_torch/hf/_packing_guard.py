@@ -1,0 +1,78 @@
+"""A packed batch reaching a Qwen-VL model in a way that lets its examples attend to each
+other is warned about, once per reason (``posenc_torch.packing.packed_attention_leaks``
+says which ways: a KV cache, a 2-D attention mask, several rows under flash-attention
+without ``cu_seq_lens_q``).
+
+``patch()`` wraps the ``forward`` of the class that owns ``get_rope_index`` (the
+``<Model>Model`` the ``...ForConditionalGeneration`` calls) for the Qwen-VL types it
+patches.  The wrapper resolves what the language model will do as transformers does:
+``use_cache=None`` is the text config's ``use_cache``, turned off under gradient
+checkpointing in training, and ``past_key_values`` given means a cache.  It reads the
+position ids only when one of the reasons is present.  Calls traced by ``torch.compile``
+are not checked (the check would read data and break the graph).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+
+from ..packing import warn_packed_attention_leaks
+from . import _transformers
+from ._rope_index import MODEL_TYPES
+
+_NAME = "forward"
+
+
+def _check(self, arguments: dict, extra: dict) -> None:
+    position_ids = arguments.get("position_ids")
+    if not isinstance(position_ids, torch.Tensor):
+        return  # computed by the model: not packed
+    text = getattr(self, "language_model", self)
+    use_cache = arguments.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(text.config, "use_cache", False)
+    if getattr(text, "gradient_checkpointing", False) and text.training:
+        use_cache = False
+    use_cache = bool(use_cache) or arguments.get("past_key_values") is not None
+    mask = arguments.get("attention_mask")
+    warn_packed_attention_leaks(
+        position_ids, attention_mask=mask if isinstance(mask, torch.Tensor) else None,
+        use_cache=use_cache, cu_seq_lens_q=extra.get("cu_seq_lens_q"),
+        attn_implementation=getattr(text.config, "_attn_implementation", None))
+
+
+def _make(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+    var_kw = next((p.name for p in signature.parameters.values()
+                   if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+    def forward(self, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            try:
+                arguments = signature.bind(self, *args, **kwargs).arguments
+            except TypeError:
+                arguments = None  # transformers raises its own error
+            if arguments is not None:
+                _check(self, arguments, arguments.get(var_kw, {}) if var_kw else {})
+        return original(self, *args, **kwargs)
+
+    forward.__signature__ = signature
+    return forward
+
+
+def install(handle, model_types: tuple[str, ...]) -> None:
+    """Wrap the model forward of the Qwen-VL types among ``model_types``."""
+    for mt in model_types:
+        if mt not in MODEL_TYPES:
+            continue
+        try:
+            owner = _transformers.owner_class(_transformers.modeling_module(mt),
+                                              "get_rope_index")
+        except _transformers.Unsupported:
+            continue  # the get_rope_index installer warns about it
+        wrapper = _make(vars(owner)[_NAME])
+        wrapper.__doc__ = vars(owner)[_NAME].__doc__
+        handle.install(owner, _NAME, wrapper, f"{mt}.{owner.__name__}.forward")
