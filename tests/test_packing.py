@@ -19,9 +19,10 @@ padded to a multiple of 8:
   function that attends within each ``cu_seqlens`` segment standing in for the kernel),
   batches of one row and of several rows give every example its logits alone, and several
   rows without ``cu_seq_lens_*`` would not;
-- ``packed_attention_leaks``, called from a forward hook, names exactly the calls whose
-  examples attend to each other (a cache, an added attention mask, several rows under
-  flash-attention without the boundaries), each warned once;
+- under ``posenc_torch.hf.patch``, the guard around the model forward names exactly the
+  calls whose examples attend to each other (a cache, an added attention mask, several
+  rows under flash-attention without the boundaries), each warned once, and resolves
+  ``use_cache`` as transformers does (off under gradient checkpointing in training);
 - the whole batch is one call of the packed walk, also when an example is at fault, and
   its errors name the example by its index in ``examples``;
 - bad input raises errors naming the example and the key;
@@ -31,6 +32,9 @@ padded to a multiple of 8:
 """
 
 from __future__ import annotations
+
+import contextlib
+import importlib
 
 import importlib.util
 import math
@@ -551,19 +555,26 @@ def padding_mask(batch: dict) -> dict:
     return {"attention_mask": mask}
 
 
-def leak_hook(model, found: list):
-    """A forward pre-hook that reports what the model gets, as an integration would (the
-    reasons of each call go to ``found``)."""
-    def hook(module, args, kwargs):
-        use_cache = kwargs.get("use_cache")
-        if use_cache is None:  # the model takes its config's
-            use_cache = getattr(module.config.get_text_config(), "use_cache", False)
-        found.append(warn_packed_attention_leaks(
-            kwargs.get("position_ids"), attention_mask=kwargs.get("attention_mask"),
-            use_cache=bool(use_cache) or kwargs.get("past_key_values") is not None,
-            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
-            attn_implementation=module.config._attn_implementation))
-    return model.register_forward_pre_hook(hook, with_kwargs=True)
+@contextlib.contextmanager
+def leak_guard(model_type: str, found: list, monkeypatch):
+    """``posenc_torch.hf.patch`` of the model type, whose guard around the Qwen-VL model
+    forward checks every call; the reasons of each call go to ``found``."""
+    from posenc_torch.hf import _packing_guard
+
+    real = _packing_guard.warn_packed_attention_leaks
+
+    def recording(*args, **kwargs):
+        reasons = real(*args, **kwargs)
+        found.append(reasons)
+        return reasons
+
+    monkeypatch.setattr(_packing_guard, "warn_packed_attention_leaks", recording)
+    with hf.patch(model_type):
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        owner = next(c for c in vars(module).values() if isinstance(c, type)
+                     and c.__module__ == module.__name__ and "get_rope_index" in vars(c))
+        assert hasattr(vars(owner)["forward"], "posenc_original")
+        yield
 
 
 @pytest.fixture
@@ -573,9 +584,9 @@ def fresh_warnings(monkeypatch):
 
 @pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl"])
 def test_leak_warnings_name_exactly_the_calls_that_leak(model_type, cpu_flash_attention,
-                                                       fresh_warnings):
-    """Each call: whether the examples get their logits alone, against whether the hook
-    found a reason; each reason is warned once.  Several rows under flash-attention use text
+                                                       fresh_warnings, monkeypatch):
+    """Under ``posenc_torch.hf.patch``, each call: whether the examples get their logits
+    alone, against whether the guard found a reason; each reason is warned once.  Several rows under flash-attention use text
     examples (see the test above for transformers 5.17 and 5.18 with vision inputs there)."""
     import warnings
 
@@ -598,9 +609,8 @@ def test_leak_warnings_name_exactly_the_calls_that_leak(model_type, cpu_flash_at
          padding_mask),
     ]
     found: list[list[str]] = []
-    hooks = [leak_hook(sdpa, found), leak_hook(flash, found)]
     warned = []
-    try:
+    with leak_guard(model_type, found, monkeypatch):
         for name, model, exs, max_tokens, pack_kw, extra in cases:
             batch = pack_multimodal_examples(exs, model, max_tokens=max_tokens, **pack_kw)
             found.clear()
@@ -616,9 +626,6 @@ def test_leak_warnings_name_exactly_the_calls_that_leak(model_type, cpu_flash_at
                     worst = max(worst, rel_err(logits[r, start:start + n], alone))
             assert (worst > 1e-3) == bool(reasons), (name, worst, reasons)
             assert worst <= TOL or worst > 1e-3, (name, worst)
-    finally:
-        for h in hooks:
-            h.remove()
     # cache, mask, flash rows: each warned once, though found in several calls
     assert sorted(warned) == sorted([packing._CACHE_LEAK, packing._MASK_LEAK,
                                      packing._FLASH_LEAK])
@@ -991,3 +998,23 @@ def test_transformers_trainer_with_the_packing_collator(tmp_path):
             total += summed_token_loss(logits, inputs["input_ids"][0]).item()
             count += inputs["input_ids"].shape[1] - 1
     assert math.isclose(losses[0], total / count, rel_tol=1e-5), (losses[0], total / count)
+
+
+def test_gradient_checkpointing_in_training_turns_the_cache_off(fresh_warnings, monkeypatch):
+    """use_cache left to the config (True) is no leak when the language model checkpoints
+    in training: transformers turns the cache off there, and so does the guard."""
+    model = tiny_model("qwen2_vl")
+    examples = make_examples("qwen2_vl", model.config)
+    batch = pack_multimodal_examples(examples, model)
+    batch["use_cache"] = None
+    found: list[list[str]] = []
+    with leak_guard("qwen2_vl", found, monkeypatch):
+        model.gradient_checkpointing_enable()
+        model.train()
+        try:
+            model(**batch)
+        finally:
+            model.gradient_checkpointing_disable()
+            model.eval()
+        model(**batch)
+    assert found == [[], [packing._CACHE_LEAK]]

@@ -70,14 +70,15 @@ class PatchHandle:
         return bool(self._installed)
 
     def install(self, module: types.ModuleType, name: str, replacement: Callable,
-                target: str) -> None:
+                target: str, listed: bool = True) -> None:
         """Replace ``module.<name>`` with ``replacement`` until ``undo()``; ``target`` is
-        its name in ``targets``.  Raises RuntimeError if another active handle replaced it."""
+        its name in ``targets`` (where ``listed``: a replacement that computes).  Raises
+        RuntimeError if another active handle replaced it."""
         with LOCK:
-            self._install(module, name, replacement, target)
+            self._install(module, name, replacement, target, listed)
 
     def _install(self, module: types.ModuleType, name: str, replacement: Callable,
-                 target: str) -> None:
+                 target: str, listed: bool) -> None:
         owner = _ACTIVE.get((module.__name__, name))
         if owner is not None:
             raise RuntimeError(f"posenc_torch.hf.patch: {module.__name__}.{name} is already "
@@ -89,7 +90,8 @@ class PatchHandle:
         setattr(module, name, replacement)
         _ACTIVE[(module.__name__, name)] = self
         self._installed.append((module, name, original, replacement, target))
-        self._targets.append(target)
+        if listed:
+            self._targets.append(target)
 
     def _add_counters(self, target: str) -> None:
         if self.count:

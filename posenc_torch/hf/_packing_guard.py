@@ -9,7 +9,8 @@ patches.  The wrapper resolves what the language model will do as transformers d
 ``use_cache=None`` is the text config's ``use_cache``, turned off under gradient
 checkpointing in training, and ``past_key_values`` given means a cache.  It reads the
 position ids only when one of the reasons is present.  Calls traced by ``torch.compile``
-are not checked (the check would read data and break the graph).
+are not checked (the check would read data and break the graph).  The wrapper computes
+nothing itself, so it is not one of the handle's ``targets`` (``undo()`` removes it too).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from ._rope_index import MODEL_TYPES
 _NAME = "forward"
 
 
-def _check(self, arguments: dict, extra: dict) -> None:
+def _check(self, arguments: dict) -> None:
+    """``arguments``: the forward's bound arguments, its ``**kwargs`` merged in (some
+    models take ``use_cache`` only there)."""
     position_ids = arguments.get("position_ids")
     if not isinstance(position_ids, torch.Tensor):
         return  # computed by the model: not packed
@@ -40,7 +43,7 @@ def _check(self, arguments: dict, extra: dict) -> None:
     mask = arguments.get("attention_mask")
     warn_packed_attention_leaks(
         position_ids, attention_mask=mask if isinstance(mask, torch.Tensor) else None,
-        use_cache=use_cache, cu_seq_lens_q=extra.get("cu_seq_lens_q"),
+        use_cache=use_cache, cu_seq_lens_q=arguments.get("cu_seq_lens_q"),
         attn_implementation=getattr(text.config, "_attn_implementation", None))
 
 
@@ -56,7 +59,8 @@ def _make(original: Callable) -> Callable:
             except TypeError:
                 arguments = None  # transformers raises its own error
             if arguments is not None:
-                _check(self, arguments, arguments.get(var_kw, {}) if var_kw else {})
+                extra = arguments.get(var_kw, {}) if var_kw else {}
+                _check(self, {**extra, **arguments})
         return original(self, *args, **kwargs)
 
     forward.__signature__ = signature
@@ -75,4 +79,4 @@ def install(handle, model_types: tuple[str, ...]) -> None:
             continue  # the get_rope_index installer warns about it
         wrapper = _make(vars(owner)[_NAME])
         wrapper.__doc__ = vars(owner)[_NAME].__doc__
-        handle.install(owner, _NAME, wrapper, f"{mt}.{owner.__name__}.forward")
+        handle.install(owner, _NAME, wrapper, f"{mt}.{owner.__name__}.forward", listed=False)
