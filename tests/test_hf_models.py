@@ -11,6 +11,7 @@ the posenc functions computed every rotary call (``calls > 0``, ``fallbacks == 0
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 import types
@@ -134,7 +135,8 @@ def test_patch_replaces_exactly_the_functions_of_the_supported_types():
     with hf.patch() as handle:
         for model_type in hf.KNOWN_MODEL_TYPES:
             try:
-                module = modeling(model_type)
+                module = importlib.import_module(
+                    f"transformers.models.{model_type}.modeling_{model_type}")
             except ImportError:
                 assert "cannot import" in unsupported[model_type]
                 continue
