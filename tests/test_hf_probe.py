@@ -685,3 +685,11 @@ def test_the_rotary_verdicts_follow_the_installed_function(monkeypatch):
     monkeypatch.setattr(module, "apply_rotary_pos_emb", REAL_LLAMA)
     monkeypatch.setattr(module, "rotate_half", REAL_LLAMA.__globals__["rotate_half"])
     hf.patch("llama").undo()
+
+
+def test_the_probe_runs_on_one_thread_and_restores_the_count():
+    threads = torch.get_num_threads()
+    seen = []
+    with _verdicts.plain_mode():
+        seen.append(torch.get_num_threads())
+    assert seen == [1] and torch.get_num_threads() == threads

@@ -106,10 +106,17 @@ SECONDS: dict[str, float] = {}
 @contextlib.contextmanager
 def plain_mode():
     """Probes run as in plain eager code, whatever the caller's context: CPU default
-    device, autograd on, no inference mode, no autocast."""
-    with (torch.device("cpu"), torch.inference_mode(False), torch.enable_grad(),
-          torch.autocast("cpu", enabled=False)):
-        yield
+    device, autograd on, no inference mode, no autocast; and on one torch thread (their
+    tensors are small, and on a loaded machine OpenMP's spinning threads made the first
+    patch() of every type 30 times slower).  The thread count is restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with (torch.device("cpu"), torch.inference_mode(False), torch.enable_grad(),
+              torch.autocast("cpu", enabled=False)):
+            yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def decided(kind: str, key: object, run: Callable[[], object], account: str = "rotary"
