@@ -590,10 +590,12 @@ int pe_vision_interpolation(const pe_vision_grids *g, const pe_vision_interp *p,
  * as MiniCPM-V): for images of (h, w) patches (sizes: (n, 2) contiguous, h, w >= 1) and a
  * learned side x side table, one flat table index per patch in raster order, image by
  * image.  Coordinate y/h of row y (fp32 division) falls in bucket
- *     bucket(c) = number of boundaries <= c,  boundaries = fl32(1/side + j/side) for
- *     j = 0 .. ceil((1 - 1/side) / (1/side)) - 1, computed in double
- * (torch.arange(1/side, 1.0, 1/side) in fp32), likewise for the columns, and the patch gets
- * bucket(y/h) * side + bucket(x/w).
+ *     bucket(c) = number of boundaries <= c,
+ * the boundaries being torch.arange(1/side, 1.0, 1/side) in fp32 as torch's CPU kernel
+ * computes it: with s = 1/side in double, ceil((1 - s) / s) values; value j is
+ * fl32(s + s*j) (in double, then rounded), except in the blocks of 16 from the start,
+ * each two runs of 8 from a base b = fl32(s + s*j0): fl32(b + k*s), k = 0 .. 7.  Likewise
+ * for the columns; the patch gets bucket(y/h) * side + bucket(x/w).
  *   image (2, 3), side 4 (boundaries 0.25 0.5 0.75):  0 1 2 8 9 10.
  * pe_vision_nearest_count gives the patch count (sum of h*w), PE_ERR_GRID with
  * PE_POS_BAD_GRID for a size < 1; out: (total,) int64.  side >= 1 (else PE_ERR_ARG).

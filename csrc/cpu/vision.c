@@ -450,6 +450,19 @@ static void nearest_axis(int64_t L, const float *bound, int64_t nb, int64_t *buc
     }
 }
 
+/* torch.arange(start, ., step) in fp32 as torch's CPU kernel computes it: blocks of 16
+ * values as two vectors of 8, each from a base fl32(start + step * j) plus k * step in
+ * double, then the values left one by one as fl32(start + step * j). */
+static void arange_f32(double start, double step, int64_t count, float *out) {
+    int64_t j = 0;
+    for (; j + 16 <= count; j += 16)
+        for (int64_t v = j; v < j + 16; v += 8) {
+            const float base = (float)(start + step * (double)v);
+            for (int k = 0; k < 8; ++k) out[v + k] = (float)((double)base + (double)k * step);
+        }
+    for (; j < count; ++j) out[j] = (float)(start + step * (double)j);
+}
+
 int pe_vision_nearest_position_ids(int64_t n, const int64_t *sizes, int64_t side, int64_t *out,
                                    int64_t total, int nthreads, pe_pos_error *err) {
     int64_t want;
@@ -473,7 +486,7 @@ int pe_vision_nearest_position_ids(int64_t n, const int64_t *sizes, int64_t side
         free(off);
         return PE_ERR_NOMEM;
     }
-    for (int64_t j = 0; j < nb; ++j) bound[j] = (float)(step + step * (double)j);
+    arange_f32(step, step, nb, bound);
     off[0] = 0;
     for (int64_t i = 0; i < n; ++i) off[i + 1] = off[i] + sizes[2 * i] * sizes[2 * i + 1];
     const int nt = walk_threads(nthreads, n, total);
