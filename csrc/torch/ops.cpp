@@ -929,7 +929,9 @@ Tensor vision_position_ids_cpu(const Tensor& grid_thw, int64_t spatial_merge_siz
                  "posenc::vision_position_ids");
     const int columns = include_temporal ? 3 : 2;
     const std::array<int64_t, 2> shape{sizes.patches, columns};
-    Tensor out = empty(shape, ScalarType::Long, grid_thw, "the (patches, columns) ids of grid_thw");
+    Tensor out = empty(shape, ScalarType::Long, grid_thw,
+                       include_temporal ? "the (patches, 3) ids of grid_thw"
+                                        : "the (patches, 2) ids of grid_thw");
     check_vision(pe_vision_positions(&v.g, columns, out.mutable_data_ptr<int64_t>(), sizes.patches,
                                      num_threads(), &err),
                  err, v, true, "posenc::vision_position_ids");
