@@ -304,6 +304,9 @@ typedef enum pe_pos_problem {
                             more than the `expected` left in the row (PE_ERR_ARG) */
     PE_POS_CUT_RUN,      /* the item at (row, token) of grid `grid` needs `expected` tokens;
                             `found` are in its example, the run goes on past its end */
+    /* vision towers only: */
+    PE_POS_BAD_MERGE,    /* the merge size of grid `grid` is `found`, below 1 */
+    PE_POS_INT32_OVERFLOW, /* the int32 boundaries pass 2^31 - 1 at grid `grid` */
 } pe_pos_problem;
 
 typedef struct pe_pos_error {
@@ -405,23 +408,201 @@ int pe_mrope_packed_position_ids(const pe_mrope_args *a, int64_t n_examples,
                                  const int64_t *example_grids, int64_t *position_ids,
                                  pe_pos_error *err);
 
+/* ---------------------------------------------------------------------------------------
+ * Vision towers: patch position ids, attention boundaries, window order, interpolation taps
+ * ---------------------------------------------------------------------------------------
+ * The vision encoders of the Qwen-VL family (and the models built like them) derive these
+ * from the patch grids alone; transformers 5.x computes them in vision_utils.py, 4.57 in
+ * the vision models' methods.  Each function walks a whole batch of grids in one call.
+ *
+ * Grids.  n rows (t, h, w) of patch counts before merging, one per image or video, in the
+ * order their patches are laid end to end; grid i has a spatial merge size m_i (one value
+ * for all grids, or one per grid): its LLM grid is (t, h/m_i, w/m_i).  Valid grids have
+ * t, h, w >= 1, h and w divisible by m_i, m_i >= 1, and the sums over the batch below
+ * 2^62; otherwise PE_ERR_GRID with err->grid the first row at fault (PE_POS_BAD_GRID, or
+ * PE_POS_BAD_MERGE for m_i < 1).  Where a function reads no merge size it checks none.
+ *
+ * Patch order (every per-patch output).  Grid by grid, frame by frame (frame f of grid i
+ * starts at patch offset(i) + f*h*w), and within a frame the (h/m) x (w/m) merge blocks
+ * row-major, within a block its m x m patches row-major: patch k of a frame,
+ *     k = ((bh * (w/m) + bw) * m + ih) * m + iw,   lies at   row = bh*m + ih, col = bw*m + iw.
+ * With m = 1 this is raster order.  Example, frame (h, w) = (4, 4), m = 2:
+ *     k    0     1     2     3     4     5     6     7     8     9    ...  15
+ *     at  (0,0) (0,1) (1,0) (1,1) (0,2) (0,3) (1,2) (1,3) (2,0) (2,1) ... (3,3)
+ *
+ * Threads.  The per-patch walks split the grids over up to nthreads OpenMP threads (one
+ * grid at a time) when the batch has 2^16 patches or more; nthreads <= 1 runs serially.
+ * Every frame of a grid after the first is a copy of the first.  Outputs must not overlap
+ * the inputs.  Status: PE_OK, PE_ERR_ARG (err->problem PE_POS_BAD_ARG: a NULL pointer, an
+ * output size that is not the one the grids give, an option out of range), PE_ERR_GRID or
+ * PE_ERR_NOMEM.
+ * ------------------------------------------------------------------------------------- */
+typedef struct pe_vision_grids {
+    int64_t n;              /* number of grids, >= 0 */
+    const int64_t *thw;     /* (n, 3) contiguous; may be NULL when n = 0 */
+    const int64_t *merge;   /* (n,) merge size per grid, or NULL: merge_size for every grid */
+    int64_t merge_size;
+} pe_vision_grids;
+
+/* Sizes of a batch of grids (pe_vision_sizes_of). */
+typedef struct pe_vision_sizes {
+    int64_t patches;   /* sum of t*h*w: rows of the per-patch outputs */
+    int64_t frames;    /* sum of t: attention segments of per-frame cu_seqlens */
+    int64_t tokens;    /* sum of t*(h/m)*(w/m): merged tokens (window index entries) */
+} pe_vision_sizes;
+
+/* Checks the grids (merge sizes included) and sums their sizes. */
+int pe_vision_sizes_of(const pe_vision_grids *g, pe_vision_sizes *sizes, pe_pos_error *err);
+
 /*
- * Vision tower rotary positions (Qwen2-VL / Qwen2.5-VL / Qwen3-VL ViT): for grids
- * (n_grids, 3) of (t, h, w) patches and merge size m, one (row, col) pair per patch, in
- * merge-window order: grid by grid; within a grid t repeats of one frame; within a frame
- * the (h/m) x (w/m) windows row-major, and within a window its m x m patches row-major.
- *   grid (1, 4, 4), m = 2:  (0,0) (0,1) (1,0) (1,1) | (0,2) (0,3) (1,2) (1,3) |
- *                           (2,0) (2,1) (3,0) (3,1) | (2,2) (2,3) (3,2) (3,3)
- *   grid (2, 2, 4), m = 2:  (0,0) (0,1) (1,0) (1,1) (0,2) (0,3) (1,2) (1,3), twice.
- * pe_vision_position_count gives the number of patches, sum of t*h*w; grid values must be
- * positive with h and w divisible by m (else PE_ERR_GRID, PE_POS_BAD_GRID in err).
- * pe_vision_position_ids writes out (total, 2) dense int64; total must be that count
- * (grids are split over threads from 2^18 patches on).
+ * Position ids (transformers' get_vision_position_ids): one row per patch in patch order,
+ * (row, col) with columns = 2, (frame, row, col) with columns = 3 (include_temporal).
+ *   grid (1, 4, 4), m = 2, columns 2:  (0,0) (0,1) (1,0) (1,1) | (0,2) (0,3) (1,2) (1,3) |
+ *                                      (2,0) (2,1) (3,0) (3,1) | (2,2) (2,3) (3,2) (3,3)
+ *   grid (2, 2, 4), m = 2, columns 3:  (0,0,0) (0,0,1) (0,1,0) (0,1,1) (0,0,2) (0,0,3)
+ *                                      (0,1,2) (0,1,3), then the same with frame 1.
+ * out: (patches, columns) dense int64; patches must equal the grids' patch count.
  */
+int pe_vision_positions(const pe_vision_grids *g, int columns, int64_t *out, int64_t patches,
+                        int nthreads, pe_pos_error *err);
+
+/* The first form of the position ids, kept for its callers: one merge size for all grids,
+ * two columns; pe_vision_position_count is the patch count.  Same checks and output. */
 int pe_vision_position_count(int64_t n_grids, const int64_t *grid_thw, int64_t spatial_merge_size,
                              int64_t *total, pe_pos_error *err);
 int pe_vision_position_ids(int64_t n_grids, const int64_t *grid_thw, int64_t spatial_merge_size,
                            int64_t total, int64_t *out, int nthreads, pe_pos_error *err);
+
+/*
+ * Attention boundaries (get_vision_cu_seqlens / get_vision_attention_seqlens): the
+ * cumulative lengths of the attention segments, starting at 0, as int32, and the longest
+ * segment.  Per frame (merge_temporal = 0) every frame of every grid is a segment of h*w
+ * patches (Qwen2-VL, GLM-4V, ...); with merge_temporal = 1 every grid is one segment of
+ * t*h*w (Kimi-K2.5).
+ *   grids (2, 4, 4), (1, 2, 6):  per frame  cu = 0 16 32 44, max 16;
+ *                                per clip   cu = 0 32 44,    max 32.
+ * cu: n_cu = frames + 1 (per frame) or n + 1 (per clip) entries; *max_seqlen gets the
+ * largest segment (0 without grids).  Merge sizes are not read.  A total past 2^31 - 1
+ * (what int32 holds) is PE_ERR_GRID with PE_POS_INT32_OVERFLOW, err->grid the row where
+ * the sum passes it.
+ */
+int pe_vision_cu_seqlens(const pe_vision_grids *g, int merge_temporal, int32_t *cu, int64_t n_cu,
+                         int64_t *max_seqlen, pe_pos_error *err);
+
+/*
+ * Window order (Qwen2.5-VL's get_vision_window_index / get_window_index): the window
+ * attention layers see the merged tokens window by window.  With ws = window_size / m /
+ * patch_size (integer division; ws >= 1 else PE_ERR_ARG), each frame's LLM grid
+ * (h/m) x (w/m) is cut into ws x ws windows from the top left corner; windows are taken
+ * row-major, and the tokens of a window row-major.  index lists, for each position of that
+ * order, the merged token (numbered across the batch in patch order: grid by grid, frame
+ * by frame, row-major in the LLM grid) that goes there.  cu_window is 0 followed by the
+ * cumulative patch counts (tokens * m^2) of the windows.  transformers pads the LLM grid
+ * to whole windows plus one more window row and column, always, which leaves windows
+ * without a token, and then drops the repeated boundaries those give
+ * (torch.unique_consecutive): so cu_window holds exactly one entry per window that has a
+ * token, ceil((h/m)/ws) * ceil((w/m)/ws) of them per frame.
+ *   grid (1, 8, 12), m = 2, window_size 112, patch_size 14: ws = 4, LLM grid 4 x 6, two
+ *   windows: index = 0 1 2 3 6 7 8 9 12 13 14 15 18 19 20 21 | 4 5 10 11 16 17 22 23,
+ *   cu_window = 0 64 96.
+ *   grids (1, 8, 8), (2, 4, 6), same sizes: LLM grids 4 x 4 (one window: its padding
+ *   windows are empty) and 2 x 3 twice: index = 0 .. 27 in order, cu_window = 0 64 88 112.
+ * pe_vision_window_sizes checks the grids and gives tokens (sum of t*(h/m)*(w/m)) and
+ * windows (non-empty windows); pe_vision_window_index writes index (tokens,) int64 and
+ * cu_window (windows + 1,) int32.  A patch total past 2^31 - 1 is PE_POS_INT32_OVERFLOW.
+ */
+int pe_vision_window_sizes(const pe_vision_grids *g, int64_t window_size, int64_t patch_size,
+                           int64_t *tokens, int64_t *windows, pe_pos_error *err);
+int pe_vision_window_index(const pe_vision_grids *g, int64_t window_size, int64_t patch_size,
+                           int64_t *index, int64_t tokens, int32_t *cu_window, int64_t windows,
+                           int nthreads, pe_pos_error *err);
+
+/*
+ * Interpolated position embeddings (get_vision_interpolation_indices_and_weights; 4.57:
+ * Qwen3-VL's fast_pos_embed_interpolate): a learned square table of side S x S (flattened,
+ * entry r*S + c) is resampled to each grid's h x w, for every patch in patch order, as
+ * `taps` table indices and fp32 weights (the embedding is sum_k weights[k] *
+ * table[indices[k]]).  The two axes are separable: with per-axis taps a[0..n-1] (weights
+ * u[]) for the patch's row and b[0..n-1] (weights v[]) for its column, n = 2 (bilinear) or
+ * 4 (bicubic), tap k = i*n + j is
+ *     indices[k] = a[i] * S + b[j],      weights[k] = fl32(u[i] * v[j]),
+ * so taps = n*n (4 or 16).
+ *
+ * One axis of length L (h for rows, w for columns), target x (row or col), all fp32 with
+ * one rounding per operation, in this order (PE_INTERP_RULES_5, transformers 5.x):
+ *     src  = align_corners ? (x * (S-1)) / max(L-1, 1)  :  ((x + 0.5) * S) / L - 0.5
+ *     f    = floor(src);  offsets o = 0, 1 (bilinear) or -1, 0, 1, 2 (bicubic)
+ *     raw  = f + o;  tap = clamp(raw, 0, S-1)
+ *     d    = |(src - f) - o|
+ *     bilinear  weight = max(1 - d, 0)
+ *     bicubic   (Keys, a = -0.75)  weight = d <= 1 ? ((1.25 d - 2.25) d) d + 1
+ *                                              : ((-0.75 d + 3.75) d - 6) d + 3
+ *     padding PE_INTERP_ZEROS: weight * (raw in [0, S-1] ? 1 : 0)  (border: as is)
+ * PE_INTERP_LINSPACE (4.57, bilinear with align_corners and border padding only): src is
+ * torch.linspace(0, S-1, L)[x] in fp32, step = fl32((S-1) / (L-1)), src = fl32(step * x)
+ * for x < L/2 and fl32(S-1 - step * (L-1-x)) with one rounding (torch's kernels on AVX2 /
+ * AVX-512 CPUs) above, src = 0 when L = 1; PE_INTERP_LINSPACE_TWO_ROUNDINGS rounds the
+ * product first (torch's portable kernel).  Then f = trunc(src), taps f and min(f+1, S-1),
+ * d = src - f, weights 1 - d and d.
+ *
+ * Example (S = 2, grid (1, 2, 3), m = 1, bilinear, align_corners = 0): the rows have src 0
+ * and 1 (taps 0 1 / 1 1, weights 1 0), the columns src -1/6, 1/2, 7/6 (taps 0 0 / 0 1 /
+ * 1 1, weights 1/6 5/6 | 1/2 1/2 | 5/6 1/6, in fp32 0.16666663 0.83333337 ...):
+ *     patch (0,0): indices 0 0 2 2, weights 0.16666663 0.83333337 0 0
+ *     patch (0,1): indices 0 1 2 3, weights 0.5 0.5 0 0
+ *     patch (1,2): indices 3 3 3 3, weights 0.83333337 0.16666663 0 0
+ * With PE_INTERP_ZEROS patch (0,0) becomes weights 0 0.83333337 0 0 (its tap -1 is
+ * outside the table).
+ *
+ * indices (patches, taps) int64 and weights (patches, taps) fp32, dense; patches must be
+ * the grids' patch count.  PE_ERR_ARG for S outside [1, 2^31 - 1], an unknown mode,
+ * padding or rule, or a LINSPACE rule with anything but bilinear, align_corners, border.
+ */
+typedef enum pe_interp_mode {
+    PE_INTERP_BILINEAR = 0,
+    PE_INTERP_BICUBIC = 1,
+} pe_interp_mode;
+
+typedef enum pe_interp_padding {
+    PE_INTERP_BORDER = 0, /* out-of-table taps clamped to the edge (F.interpolate) */
+    PE_INTERP_ZEROS = 1,  /* out-of-table taps weigh 0 (F.grid_sample padding_mode="zeros") */
+} pe_interp_padding;
+
+typedef enum pe_interp_rule {
+    PE_INTERP_RULES_5 = 0,                /* transformers 5.x closed form */
+    PE_INTERP_LINSPACE = 1,               /* 4.57, torch.linspace with one rounding */
+    PE_INTERP_LINSPACE_TWO_ROUNDINGS = 2, /* 4.57, torch.linspace rounding twice */
+} pe_interp_rule;
+
+typedef struct pe_vision_interp {
+    int64_t side;                /* S: num_grid_per_side */
+    pe_interp_mode mode;
+    int align_corners;
+    pe_interp_padding padding;
+    pe_interp_rule rule;
+} pe_vision_interp;
+
+int pe_vision_interpolation(const pe_vision_grids *g, const pe_vision_interp *p, int64_t *indices,
+                            float *weights, int64_t patches, int nthreads, pe_pos_error *err);
+
+/*
+ * Nearest-neighbour position ids (get_vision_nearest_position_ids, NaViT-style packers such
+ * as MiniCPM-V): for images of (h, w) patches (sizes: (n, 2) contiguous, h, w >= 1) and a
+ * learned side x side table, one flat table index per patch in raster order, image by
+ * image.  Coordinate y/h of row y (fp32 division) falls in bucket
+ *     bucket(c) = number of boundaries <= c,
+ * the boundaries being torch.arange(1/side, 1.0, 1/side) in fp32 as torch's CPU kernel
+ * computes it: with s = 1/side in double, ceil((1 - s) / s) values; value j is
+ * fl32(s + s*j) (in double, then rounded), except in the blocks of 16 from the start,
+ * each two runs of 8 from a base b = fl32(s + s*j0): fl32(b + k*s), k = 0 .. 7.  Likewise
+ * for the columns; the patch gets bucket(y/h) * side + bucket(x/w).
+ *   image (2, 3), side 4 (boundaries 0.25 0.5 0.75):  0 1 2 8 9 10.
+ * pe_vision_nearest_count gives the patch count (sum of h*w), PE_ERR_GRID with
+ * PE_POS_BAD_GRID for a size < 1; out: (total,) int64.  side >= 1 (else PE_ERR_ARG).
+ */
+int pe_vision_nearest_count(int64_t n, const int64_t *sizes, int64_t *total, pe_pos_error *err);
+int pe_vision_nearest_position_ids(int64_t n, const int64_t *sizes, int64_t side, int64_t *out,
+                                   int64_t total, int nthreads, pe_pos_error *err);
 
 /* ---------------------------------------------------------------------------------------
  * Sinusoidal absolute position encoding (Vaswani et al.)

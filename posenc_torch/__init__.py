@@ -2,7 +2,8 @@
 
 RoPE and the multimodal RoPE (MRoPE) of Qwen2-VL / Qwen2.5-VL / Qwen3-VL, forward and
 backward, as ``torch.ops.posenc`` custom ops with autograd and ``torch.compile`` support,
-and the sinusoidal absolute position table.
+the sinusoidal absolute position table, and (``posenc_torch.vision``) what the vision
+towers compute from their patch grids.
 The functions are drop-ins for the transformers functions of the same names.
 """
 
@@ -10,11 +11,11 @@ import torch  # noqa: F401  (maps libtorch before the extension is loaded)
 
 from . import _C  # noqa: F401  (registers torch.ops.posenc)
 from . import ops  # noqa: F401  (fake kernels and autograd formulas)
+from . import vision  # noqa: F401  (the vision towers' position ids, boundaries, taps)
 from .positions import (
     compute_mrope_decode_position_ids,
     compute_packed_mrope_position_ids,
     compute_mrope_position_ids,
-    vision_rotary_position_ids,
 )
 from .rope import (
     apply_multimodal_rotary_pos_emb,
@@ -24,6 +25,7 @@ from .rope import (
     compute_mrope_cos_sin,
 )
 from .sinusoidal import sinusoidal_position_encoding
+from .vision import vision_rotary_position_ids
 
 __version__ = "0.1.0"
 

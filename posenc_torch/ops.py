@@ -259,11 +259,51 @@ def _mrope_packed_position_ids_fake(input_ids, example_lens, row_examples, image
     return input_ids.new_empty((4, batch, seq), dtype=torch.int64)
 
 
+# The vision ops' output sizes (patches sum(t * h * w), frames sum(t), merged tokens,
+# windows) depend on the values of the grids: each is a new dynamic size.
+
+
 @torch.library.register_fake("posenc::vision_position_ids")
-def _vision_position_ids_fake(grid_thw, spatial_merge_size):
-    # The patch count sum(t * h * w) depends on the values of grid_thw.
+def _vision_position_ids_fake(grid_thw, spatial_merge_size, merge_sizes=None,
+                              include_temporal=False):
+    check_same_device(**_present(grid_thw=grid_thw, merge_sizes=merge_sizes))
     n = torch.library.get_ctx().new_dynamic_size()
-    return grid_thw.new_empty((n, 2), dtype=torch.int64)
+    return grid_thw.new_empty((n, 3 if include_temporal else 2), dtype=torch.int64)
+
+
+@torch.library.register_fake("posenc::vision_cu_seqlens")
+def _vision_cu_seqlens_fake(grid_thw, merge_temporal=False):
+    check_same_device(grid_thw=grid_thw)
+    # one segment per grid (a static size), or one per frame
+    n = grid_thw.shape[0] + 1 if merge_temporal else torch.library.get_ctx().new_dynamic_size(
+        min=1)
+    return (grid_thw.new_empty((n,), dtype=torch.int32),
+            grid_thw.new_empty((), dtype=torch.int64))
+
+
+@torch.library.register_fake("posenc::vision_window_index")
+def _vision_window_index_fake(grid_thw, spatial_merge_size, window_size, patch_size):
+    check_same_device(grid_thw=grid_thw)
+    ctx = torch.library.get_ctx()
+    tokens, boundaries = ctx.new_dynamic_size(), ctx.new_dynamic_size(min=1)
+    return (grid_thw.new_empty((tokens,), dtype=torch.int64),
+            grid_thw.new_empty((boundaries,), dtype=torch.int32))
+
+
+@torch.library.register_fake("posenc::vision_interpolation")
+def _vision_interpolation_fake(grid_thw, num_grid_per_side, mode=0, align_corners=False,
+                               spatial_merge_size=1, padding=0, rule=0):
+    check_same_device(grid_thw=grid_thw)
+    n, taps = torch.library.get_ctx().new_dynamic_size(), 4 if mode == 0 else 16
+    return (grid_thw.new_empty((n, taps), dtype=torch.int64),
+            grid_thw.new_empty((n, taps), dtype=torch.float32))
+
+
+@torch.library.register_fake("posenc::vision_nearest_position_ids")
+def _vision_nearest_position_ids_fake(target_sizes, num_patches_per_side):
+    check_same_device(target_sizes=target_sizes)
+    n = torch.library.get_ctx().new_dynamic_size()
+    return target_sizes.new_empty((n,), dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------------------

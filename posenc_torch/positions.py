@@ -1,5 +1,6 @@
-"""Position ids for multimodal RoPE: decoder ids (transformers' ``get_rope_index``), the
-ids of decoding steps, and the vision tower's patch ids.  Integer outputs, no gradients.
+"""Position ids for multimodal RoPE: decoder ids (transformers' ``get_rope_index``) and the
+ids of decoding steps.  Integer outputs, no gradients.  (The vision tower's patch ids are in
+``posenc_torch.vision``; ``vision_rotary_position_ids`` is still importable from here.)
 
 transformers changed ``get_rope_index`` between releases, so the decoder ids follow a
 *convention* named after the release whose rules it reproduces (see
@@ -23,7 +24,6 @@ from ._checks import (
     INT64_MAX,
     check_int,
     check_real,
-    check_same_device,
     check_str,
     check_tensor,
     check_tensors,
@@ -142,10 +142,6 @@ def _model(model: object) -> ModelType:
         check_str("model", model)
         raise ValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")
     return record
-
-
-# Kept under its old name: the vision-tower ids below use it.
-_check_int_arg = check_int
 
 
 class MropeOptions(TypedDict, total=False):
@@ -509,34 +505,6 @@ def _check_no_overflow(past_length: int | None, num_new_tokens: int, offsets: to
                          f"position offsets give ids up to {largest}, past int64 (2^63 - 1)")
 
 
-def vision_rotary_position_ids(grid_thw: torch.Tensor,
-                               spatial_merge_size: int = 2) -> torch.Tensor:
-    """(row, col) patch positions of the Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision tower.
-
-    Shapes:
-        grid_thw: (n, 3) integer patch grids (t, h, w) of the images / videos
-    Returns (N, 2) int64, N = sum of t * h * w, in the order the vision tower sees its
-    patches: grid by grid, t repeats of one frame; within a frame the
-    (h/m) x (w/m) merge windows row-major, and within a window its m x m patches
-    row-major (m = ``spatial_merge_size``).  These are the ids that transformers'
-    ``rot_pos_emb`` (4.x) / ``get_vision_position_ids`` (5.x) gather the vision rotary
-    frequencies with.  ValueError for values <= 0 or h, w not divisible by m;
-    RuntimeError naming grid_thw when the (N, 2) ids cannot be allocated.
-    """
-    _check_int_arg("spatial_merge_size", spatial_merge_size, 1)
-    if _is_compiling():
-        _check_grid_thw(grid_thw)
-    try:  # the op checks the grids (dtype, shape, values) first; see rope.py
-        return torch.ops.posenc.vision_position_ids(grid_thw, spatial_merge_size)
-    except Exception as err:
-        raise explain(err, _check_grid_thw, grid_thw) from None
-
-
-def _check_grid_thw(grid_thw: object) -> None:
-    check_tensor("grid_thw", grid_thw, 2, "2-D (num_grids, 3) of (t, h, w)")
-    check_same_device(grid_thw=grid_thw)
-
-
 # ---------------------------------------------------------------------------------------
 # Packed rows (padding-free batches).
 
@@ -821,3 +789,6 @@ def _packed_for_examples(
             video_grid_thw, walk.second_per_grid_ts, *walk.op_args, example_ids, example_grids)
     except Exception as err:
         raise op_error(err) from None
+
+
+from .vision import vision_rotary_position_ids  # noqa: E402, F401  (its former home)

@@ -91,3 +91,15 @@ def test_time_rule_numbers(enums):
     python = {name: value for name, value in vars(_tables).items()
               if name.startswith("TIME_") and isinstance(value, int)}
     assert {"PE_" + n: v for n, v in python.items()} == times
+
+
+def test_vision_interpolation_codes(enums):
+    from posenc_torch import vision
+
+    modes, paddings, rules = (enums[n] for n in ("pe_interp_mode", "pe_interp_padding",
+                                                 "pe_interp_rule"))
+    assert {"PE_INTERP_" + k.upper(): v for k, v in vision.INTERP_MODES.items()} == modes
+    assert {"PE_INTERP_" + k.upper(): v for k, v in vision.INTERP_PADDINGS.items()} == paddings
+    python = {name: value for name, value in vars(vision).items()
+              if name.startswith("INTERP_") and isinstance(value, int)}
+    assert {"PE_" + n: v for n, v in python.items()} == rules

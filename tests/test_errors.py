@@ -20,7 +20,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import posenc_torch as P
-from posenc_torch import _checks, ops, packing, positions, rope
+from posenc_torch import _checks, ops, packing, positions, rope, vision
 
 # ----------------------------------------------------------------------- valid arguments
 
@@ -41,6 +41,7 @@ POS = torch.arange(5).repeat(2, 1)          # (2, 5)
 POS3 = torch.arange(5).repeat(3, 2, 1)      # (3, 2, 5)
 INV = torch.rand(8)                         # rotary width 16
 IDS = torch.tensor([[1, 2, 3, 4]])
+_GRID = torch.tensor([[1, 4, 4]])                # one image grid, merge size 2
 
 
 def _rot(**kw):
@@ -373,6 +374,46 @@ CASES = [
     ("vision-ids/allocation", lambda: P.vision_rotary_position_ids(
         torch.tensor([[1, 2**22, 2**22]])), RuntimeError,
      r"could not allocate the \(patches, 2\) ids of grid_thw"),
+    # posenc_torch.vision
+    ("vision-pos/grid-dtype", lambda: vision.get_vision_position_ids(torch.ones(1, 3), 2),
+     TypeError, "grid_thw must be an integer tensor"),
+    ("vision-pos/merge-type", lambda: vision.get_vision_position_ids(_GRID, 2.0), TypeError,
+     "spatial_merge_size must be an int"),
+    ("vision-pos/grid-value", lambda: vision.get_vision_position_ids(
+        torch.tensor([[1, 4, 4], [1, 4, 3]]), 2), ValueError, r"grid_thw\[1\] = \(1, 4, 3\)"),
+    ("vision-pos/merge-tensor", lambda: vision.get_vision_position_ids(
+        _GRID, torch.tensor([2, 2])), ValueError, "spatial_merge_size as a tensor must have one"),
+    ("vision-cu/flag-type", lambda: vision.get_vision_cu_seqlens(_GRID, "yes"), TypeError,
+     "merge_temporal must be a bool"),
+    ("vision-cu/grid-shape", lambda: vision.get_vision_cu_seqlens(torch.ones(2, 2,
+                                                                             dtype=torch.long)),
+     ValueError, r"grid_thw must have shape \(num_grids, 3\)"),
+    ("vision-att/grid-type", lambda: vision.get_vision_attention_seqlens([[1, 2, 2]]), TypeError,
+     "grid_thw must be a torch.Tensor"),
+    ("vision-att/grid-value", lambda: vision.get_vision_attention_seqlens(
+        torch.tensor([[0, 2, 2]])), ValueError, r"grid_thw\[0\] = \(0, 2, 2\)"),
+    ("vision-win/window-type", lambda: vision.get_vision_window_index(_GRID, 2, 112.0, 14),
+     TypeError, "window_size must be an int"),
+    ("vision-win/window-small", lambda: vision.get_vision_window_index(_GRID, 2, 20, 14),
+     ValueError, "window_size .* must be at least"),
+    ("vision-interp/mode-type", lambda: vision.get_vision_interpolation_indices_and_weights(
+        _GRID, 4, 1), TypeError, "mode must be a str"),
+    ("vision-interp/mode", lambda: vision.get_vision_interpolation_indices_and_weights(
+        _GRID, 4, "nearest"), ValueError, "mode must be one of"),
+    ("vision-interp/side", lambda: vision.get_vision_interpolation_indices_and_weights(
+        _GRID, 0), ValueError, "num_grid_per_side must be >= 1"),
+    ("vision-bilinear/grid-dtype", lambda: vision.get_vision_bilinear_indices_and_weights(
+        torch.ones(1, 3, dtype=torch.bool), 4, 2), TypeError, "grid_thw must be an integer"),
+    ("vision-bilinear/grid-value", lambda: vision.get_vision_bilinear_indices_and_weights(
+        torch.tensor([[1, 2, -2]]), 4, 2), ValueError, r"grid_thw\[0\]"),
+    ("vision-nearest/sizes-dtype", lambda: vision.get_vision_nearest_position_ids(
+        torch.ones(1, 2), 4), TypeError, "target_sizes must be an integer tensor"),
+    ("vision-nearest/sizes-value", lambda: vision.get_vision_nearest_position_ids(
+        torch.tensor([[1, 2], [0, 2]]), 4), ValueError, r"target_sizes\[1\] = \(0, 2\)"),
+    ("vision-merged/window-type", lambda: vision.get_vision_merged_shape(
+        torch.tensor([[4, 4]]), 2), TypeError, "window_kernel_size must be"),
+    ("vision-merged/sizes-value", lambda: vision.get_vision_merged_shape(
+        torch.tensor([[0, 4]]), (2, 2)), ValueError, r"target_sizes\[0\] = \(0, 4\)"),
     # sinusoidal_position_encoding
     ("sinusoidal/positions-type", lambda: P.sinusoidal_position_encoding(4.0, 8), TypeError,
      "num_positions"),
@@ -467,8 +508,8 @@ def test_error_policy(call, exc, fragment):
     assert not str(info.value).startswith(_checks.TYPE_ERROR_TAG)
 
 
-# The public functions of posenc_torch and posenc_torch.packing (their __all__), by the
-# prefix of their cases above; kernel_isa takes no argument.
+# The public functions of posenc_torch, posenc_torch.packing and posenc_torch.vision (their
+# __all__), by the prefix of their cases above; kernel_isa takes no argument.
 PUBLIC = {
     "apply_rotary_pos_emb": "rot", "apply_multimodal_rotary_pos_emb": "mrot",
     "apply_rotary_pos_emb_vision": "vision", "apply_rope": "fused",
@@ -479,6 +520,11 @@ PUBLIC = {
     "pack_multimodal_examples": "pack", "MultimodalPackingCollator": "collator",
     "first_fit": "first-fit", "packed_attention_leaks": "leaks",
     "warn_packed_attention_leaks": "warn-leaks",
+    "get_vision_position_ids": "vision-pos", "get_vision_cu_seqlens": "vision-cu",
+    "get_vision_attention_seqlens": "vision-att", "get_vision_window_index": "vision-win",
+    "get_vision_interpolation_indices_and_weights": "vision-interp",
+    "get_vision_bilinear_indices_and_weights": "vision-bilinear",
+    "get_vision_nearest_position_ids": "vision-nearest", "get_vision_merged_shape": "vision-merged",
 }
 
 
@@ -489,7 +535,7 @@ def test_every_public_function_has_each_class():
     functions = {}
     for name, _, exc, _ in CASES:
         functions.setdefault(name.split("/")[0], set()).add(exc)
-    public = [n for n in (*P.__all__, *packing.__all__) if n != "kernel_isa"]
+    public = [n for n in (*P.__all__, *packing.__all__, *vision.__all__) if n != "kernel_isa"]
     missing = [n for n in public if PUBLIC.get(n) not in functions]
     assert not missing, f"public functions without cases in CASES: {missing}"
     for name in public:

@@ -1,5 +1,5 @@
-/* Position ids: multimodal RoPE ids for the decoder (get_rope_index) and the vision
- * tower's (row, col) patch ids.  Specification in posenc.h. */
+/* Position ids: multimodal RoPE ids for the decoder (get_rope_index).  Specification in
+ * posenc.h; the vision towers' ids are in vision.c. */
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
@@ -686,71 +686,4 @@ int pe_mrope_packed_position_ids(const pe_mrope_args *a, int64_t n_examples,
     }
     free(buf);
     return status;
-}
-
-/* ---- vision tower positions ----------------------------------------------------------- */
-
-int pe_vision_position_count(int64_t n_grids, const int64_t *grid_thw, int64_t spatial_merge_size,
-                             int64_t *total, pe_pos_error *err) {
-    set_error(err, PE_POS_NONE);
-    if (n_grids < 0 || (n_grids > 0 && !grid_thw) || spatial_merge_size < 1 || !total) {
-        set_error(err, PE_POS_BAD_ARG);
-        return PE_ERR_ARG;
-    }
-    int64_t sum = 0;
-    for (int64_t i = 0; i < n_grids; ++i) {
-        const int64_t *g = grid_thw + 3 * i;
-        int64_t merged, hw, patches;
-        if (!grid_ok(g, spatial_merge_size, &merged) || __builtin_mul_overflow(g[1], g[2], &hw) ||
-            __builtin_mul_overflow(g[0], hw, &patches) || patches > INT64_MAX / 4 - sum) {
-            set_error(err, PE_POS_BAD_GRID);
-            if (err) err->grid = i;
-            return PE_ERR_GRID;
-        }
-        sum += patches;
-    }
-    *total = sum;
-    return PE_OK;
-}
-
-/* One frame of grid (h, w) in merge-window order. */
-static void vision_frame(int64_t h, int64_t w, int64_t m, int64_t *out) {
-    int64_t k = 0;
-    for (int64_t bh = 0; bh < h / m; ++bh)
-        for (int64_t bw = 0; bw < w / m; ++bw)
-            for (int64_t ih = 0; ih < m; ++ih)
-                for (int64_t iw = 0; iw < m; ++iw) {
-                    out[2 * k] = bh * m + ih;
-                    out[2 * k + 1] = bw * m + iw;
-                    ++k;
-                }
-}
-
-int pe_vision_position_ids(int64_t n_grids, const int64_t *grid_thw, int64_t spatial_merge_size,
-                           int64_t total, int64_t *out, int nthreads, pe_pos_error *err) {
-    int64_t want;
-    const int rc = pe_vision_position_count(n_grids, grid_thw, spatial_merge_size, &want, err);
-    if (rc != PE_OK) return rc;
-    if (want != total || (total > 0 && !out)) {
-        set_error(err, PE_POS_BAD_ARG);
-        return PE_ERR_ARG;
-    }
-    if (n_grids == 0) return PE_OK;
-    int64_t *offset = malloc(sizeof(int64_t) * (size_t)(n_grids + 1));
-    if (!offset) return PE_ERR_NOMEM;
-    offset[0] = 0;
-    for (int64_t i = 0; i < n_grids; ++i)
-        offset[i + 1] = offset[i] + grid_thw[3 * i] * grid_thw[3 * i + 1] * grid_thw[3 * i + 2];
-    const int nt = (nthreads > 1 && n_grids > 1 && total >= PE_POSITIONS_SERIAL_TOKENS)
-                       ? (nthreads < n_grids ? nthreads : (int)n_grids) : 1;
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-    for (int64_t i = 0; i < n_grids; ++i) {
-        const int64_t t = grid_thw[3 * i], h = grid_thw[3 * i + 1], w = grid_thw[3 * i + 2];
-        int64_t *dst = out + 2 * offset[i];
-        vision_frame(h, w, spatial_merge_size, dst);
-        const size_t frame = sizeof(int64_t) * (size_t)(2 * h * w);
-        for (int64_t f = 1; f < t; ++f) memcpy((char *)dst + (size_t)f * frame, dst, frame);
-    }
-    free(offset);
-    return PE_OK;
 }
