@@ -19,6 +19,9 @@ _PROVIDERS: dict[str, str] = {
     # (model_type: str) -> the name of the convention its installed get_rope_index follows;
     # ValueError when transformers is not installed or no convention (or several) fits.
     "convention": "posenc_torch.hf._rope_index",
+    # (config_or_model, image_grid_thw, video_grid_thw) -> the vision tower's precomputed
+    # kwargs the installed transformers accepts for that model ({} when none).
+    "vision_kwargs": "posenc_torch.hf._vision",
 }
 _ANSWERS: dict[str, Callable[..., object]] = {}
 

@@ -20,6 +20,14 @@ transformers reads the flash-attention boundaries from the position ids only for
 one row.  :func:`packed_attention_leaks` names the calls that would still let the examples
 attend to each other (a cache, an attention mask, several rows under flash-attention without
 the boundaries), for a caller that sees the model's arguments.
+
+Both kinds of batch (packed, and padded by :func:`pad_multimodal_examples` /
+:class:`MultimodalPaddingCollator` for training without packing) carry, by default, the
+vision tower's precomputed keyword arguments (``image_position_ids``, ``image_cu_seqlens``,
+Qwen2.5-VL's ``image_window_index``, Qwen3-VL's ``image_interp_indices`` / ``_weights``,
+and the ``video_`` twins) that the installed transformers accepts for the model, computed
+by posenc's C walks (``posenc_torch.hf.precompute_vision_kwargs``, asked through
+``posenc_torch._installed``): the tower then recomputes nothing from the grids.
 """
 
 from __future__ import annotations
@@ -32,12 +40,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_bool, check_tensor
+from . import _installed
+from ._checks import check_bool, check_str, check_tensor
 from ._tables import MROPE_MODELS
 from .positions import MropeOptions, _Layout, _packed_for_examples, resolve_convention
 
-__all__ = ["pack_multimodal_examples", "MultimodalPackingCollator", "first_fit",
-           "packed_attention_leaks", "warn_packed_attention_leaks"]
+__all__ = ["pack_multimodal_examples", "MultimodalPackingCollator", "pad_multimodal_examples",
+           "MultimodalPaddingCollator", "first_fit", "packed_attention_leaks",
+           "warn_packed_attention_leaks"]
 
 IGNORE_INDEX = -100  # the label transformers' loss skips
 
@@ -313,6 +323,7 @@ def pack_multimodal_examples(
     pad_to_multiple_of: int | None = None,
     return_flash_attn_kwargs: bool | None = None,
     convention: str = "installed",
+    precompute_vision: bool = True,
 ) -> dict[str, object]:
     """One packed batch for ``model(**batch)`` from Qwen-VL examples.
 
@@ -354,6 +365,10 @@ def pack_multimodal_examples(
                            ``return_flash_attn_kwargs=True``): int32 cumulative lengths of
                            every sequence (examples, and each row's padding) over the rows
                            laid end to end, and the longest one
+        image_* / video_*: the vision tower's precomputed kwargs for these grids, with
+                           ``precompute_vision`` (the default) where the installed
+                           transformers' tower of this model type was matched (see the module
+                           docstring; one warning and none where it was not)
 
     There is no ``attention_mask``: the models derive the per-example causal mask from
     ``position_ids[0]`` (eager, sdpa; flash-attention for one row), and flash-attention
@@ -386,6 +401,7 @@ def pack_multimodal_examples(
     multiple = _check_count("pad_to_multiple_of", pad_to_multiple_of) or 1
     if return_flash_attn_kwargs is not None:
         check_bool("return_flash_attn_kwargs", return_flash_attn_kwargs)
+    check_bool("precompute_vision", precompute_vision)
     if isinstance(examples, Mapping) or not isinstance(examples, Sequence):
         raise TypeError(f"examples must be a list of examples (mappings), got "
                         f"{type(examples).__name__}")
@@ -418,21 +434,7 @@ def pack_multimodal_examples(
     batch: dict[str, object] = {"input_ids": input_ids, "labels": labels}
     batch["position_ids"] = _packed_position_ids(exs, rows, input_ids, types, seconds, settings,
                                                  convention)
-    for pixel_key, grid_key in _VISION:
-        present = [k for k in order if exs[k].pixels[pixel_key] is not None]
-        if not present:
-            continue
-        pix = [exs[k].pixels[pixel_key] for k in present]
-        for k, p in zip(present, pix, strict=True):
-            if p.shape[1] != pix[0].shape[1]:
-                raise ValueError(f"examples[{k}][{pixel_key!r}] has patches of {p.shape[1]} "
-                                 f"values, examples[{present[0]}] of {pix[0].shape[1]}: the "
-                                 "patch size must agree")
-            if p.dtype != pix[0].dtype:
-                raise TypeError(f"examples[{k}][{pixel_key!r}] is {p.dtype}, "
-                                f"examples[{present[0]}] {pix[0].dtype}: the dtype must agree")
-        batch[pixel_key] = torch.cat(pix)
-        batch[grid_key] = torch.cat([exs[k].grids[grid_key] for k in present])
+    batch.update(_vision_inputs(exs, order))
     if seconds is not None:
         batch["second_per_grid_ts"] = seconds
     if types is not None:
@@ -446,7 +448,129 @@ def pack_multimodal_examples(
         cu[1:] = torch.tensor(seqs).cumsum(0)
         batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=max(seqs),
                      max_length_k=max(seqs))
+    if precompute_vision:
+        batch.update(_vision_kwargs(config, batch))
     return batch
+
+
+def _vision_inputs(exs: list[_Example], order: list[int]) -> dict[str, torch.Tensor]:
+    """The pixels and grids of the examples in ``order``, concatenated."""
+    out = {}
+    for pixel_key, grid_key in _VISION:
+        present = [k for k in order if exs[k].pixels[pixel_key] is not None]
+        if not present:
+            continue
+        pix = [exs[k].pixels[pixel_key] for k in present]
+        for k, p in zip(present, pix, strict=True):
+            if p.shape[1] != pix[0].shape[1]:
+                raise ValueError(f"examples[{k}][{pixel_key!r}] has patches of {p.shape[1]} "
+                                 f"values, examples[{present[0]}] of {pix[0].shape[1]}: the "
+                                 "patch size must agree")
+            if p.dtype != pix[0].dtype:
+                raise TypeError(f"examples[{k}][{pixel_key!r}] is {p.dtype}, "
+                                f"examples[{present[0]}] {pix[0].dtype}: the dtype must agree")
+        out[pixel_key] = torch.cat(pix)
+        out[grid_key] = torch.cat([exs[k].grids[grid_key] for k in present])
+    return out
+
+
+def _vision_kwargs(config: object, batch: dict) -> dict[str, object]:
+    if batch.get("image_grid_thw") is None and batch.get("video_grid_thw") is None:
+        return {}
+    return _installed.ask("vision_kwargs", config, batch.get("image_grid_thw"),
+                          batch.get("video_grid_thw"))
+
+
+def pad_multimodal_examples(
+    examples: Sequence[Mapping[str, object]],
+    config: object,
+    *,
+    pad_to_multiple_of: int | None = None,
+    padding_side: str = "right",
+    precompute_vision: bool = True,
+) -> dict[str, object]:
+    """One padded batch for ``model(**batch)`` from Qwen-VL examples, one row each: for
+    training without packing.  ``examples`` and ``config`` as for
+    :func:`pack_multimodal_examples`.  Returns
+
+        input_ids:          (B, L) int64, padded with the config's pad token on
+                            ``padding_side`` ("right" or "left") to the longest example,
+                            rounded up to a multiple of ``pad_to_multiple_of``
+        attention_mask:     (B, L) int64, 1 on the examples' tokens
+        labels:             (B, L) int64, the examples' labels, -100 on the padding
+        mm_token_type_ids:  (B, L), when the examples carry it
+        pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
+        second_per_grid_ts: concatenated in example order
+        image_* / video_*:  the vision tower's precomputed kwargs, with
+                            ``precompute_vision`` (see :func:`pack_multimodal_examples`)
+
+    The model computes the position ids itself (``get_rope_index``; under
+    ``posenc_torch.hf.patch()`` posenc's walk).  Errors as :func:`pack_multimodal_examples`.
+    """
+    settings = _settings(config)
+    multiple = _check_count("pad_to_multiple_of", pad_to_multiple_of) or 1
+    if check_str("padding_side", padding_side) not in ("right", "left"):
+        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+    check_bool("precompute_vision", precompute_vision)
+    if isinstance(examples, Mapping) or not isinstance(examples, Sequence):
+        raise TypeError(f"examples must be a list of examples (mappings), got "
+                        f"{type(examples).__name__}")
+    if not examples:
+        raise ValueError("examples is empty")
+    exs = [_read_example(i, ex, settings) for i, ex in enumerate(examples)]
+    lengths = [ex.input_ids.numel() for ex in exs]
+    length = math.ceil(max(lengths) / multiple) * multiple
+    shape = (len(exs), length)
+    input_ids = torch.full(shape, settings.pad_token_id, dtype=torch.int64)
+    labels = torch.full(shape, IGNORE_INDEX, dtype=torch.int64)
+    mask = torch.zeros(shape, dtype=torch.int64)
+    with_types = any(ex.mm_token_type_ids is not None for ex in exs)
+    types = torch.zeros(shape, dtype=torch.int64) if with_types else None
+    for r, (ex, n) in enumerate(zip(exs, lengths, strict=True)):
+        at = slice(0, n) if padding_side == "right" else slice(length - n, length)
+        input_ids[r, at], labels[r, at], mask[r, at] = ex.input_ids, ex.labels, 1
+        if types is not None:
+            types[r, at] = ex.mm_token_type_ids if ex.mm_token_type_ids is not None else (
+                (ex.input_ids == settings.image_token_id).long()
+                + 2 * (ex.input_ids == settings.video_token_id).long())
+    batch: dict[str, object] = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+    order = list(range(len(exs)))
+    batch.update(_vision_inputs(exs, order))
+    if MROPE_MODELS[settings.model_type].reads_seconds:
+        seconds = _seconds(exs, order)
+        if seconds is not None:
+            batch["second_per_grid_ts"] = seconds
+    if types is not None:
+        batch["mm_token_type_ids"] = types
+    if precompute_vision:
+        batch.update(_vision_kwargs(config, batch))
+    return batch
+
+
+class MultimodalPaddingCollator:
+    """``data_collator`` that pads each list of examples with
+    :func:`pad_multimodal_examples` and these options (checked here)."""
+
+    def __init__(self, config: object, *, pad_to_multiple_of: int | None = None,
+                 padding_side: str = "right", precompute_vision: bool = True) -> None:
+        _settings(config)
+        self.config = getattr(config, "config", config) if not hasattr(config, "model_type") \
+            else config  # the config, not the model: a collator travels to loader workers
+        self.pad_to_multiple_of = _check_count("pad_to_multiple_of", pad_to_multiple_of)
+        if check_str("padding_side", padding_side) not in ("right", "left"):
+            raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+        self.padding_side = padding_side
+        self.precompute_vision = check_bool("precompute_vision", precompute_vision)
+
+    def __call__(self, examples: Sequence[Mapping[str, object]]) -> dict[str, object]:
+        return pad_multimodal_examples(
+            examples, self.config, pad_to_multiple_of=self.pad_to_multiple_of,
+            padding_side=self.padding_side, precompute_vision=self.precompute_vision)
+
+    def __repr__(self) -> str:
+        return (f"MultimodalPaddingCollator({self.config.model_type}, pad_to_multiple_of="
+                f"{self.pad_to_multiple_of}, padding_side={self.padding_side!r}, "
+                f"precompute_vision={self.precompute_vision})")
 
 
 class MultimodalPackingCollator:
@@ -461,8 +585,9 @@ class MultimodalPackingCollator:
     def __init__(self, config: object, *, max_tokens: int | None = None,
                  pad_to_multiple_of: int | None = None,
                  return_flash_attn_kwargs: bool | None = None,
-                 convention: str = "installed") -> None:
+                 convention: str = "installed", precompute_vision: bool = True) -> None:
         settings = _settings(config)
+        self.precompute_vision = check_bool("precompute_vision", precompute_vision)
         self.config = getattr(config, "config", config) if not hasattr(config, "model_type") \
             else config
         self.convention = resolve_convention(convention, settings.model_type)
@@ -475,13 +600,14 @@ class MultimodalPackingCollator:
         return pack_multimodal_examples(
             examples, self.config, max_tokens=self.max_tokens,
             pad_to_multiple_of=self.pad_to_multiple_of,
-            return_flash_attn_kwargs=self.return_flash_attn_kwargs, convention=self.convention)
+            return_flash_attn_kwargs=self.return_flash_attn_kwargs, convention=self.convention,
+            precompute_vision=self.precompute_vision)
 
     def __repr__(self) -> str:
         return (f"MultimodalPackingCollator({self.config.model_type}, max_tokens="
                 f"{self.max_tokens}, pad_to_multiple_of={self.pad_to_multiple_of}, "
                 f"return_flash_attn_kwargs={self.return_flash_attn_kwargs}, convention="
-                f"{self.convention!r})")
+                f"{self.convention!r}, precompute_vision={self.precompute_vision})")
 
 
 # ---------------------------------------------------------------------------------------

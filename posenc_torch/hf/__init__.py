@@ -63,9 +63,11 @@ from __future__ import annotations
 
 from ._handle import PatchHandle, UnsupportedModelWarning
 from ._patch import INSTALLERS, KNOWN_MODEL_TYPES, patch, support, unsupported_model_types  # noqa: F401
+from ._vision import precompute_vision_kwargs
 
 __all__ = ["KNOWN_MODEL_TYPES", "SUPPORTED_MODEL_TYPES", "PatchHandle",  # noqa: F822
-           "UnsupportedModelWarning", "patch", "unsupported_model_types"]
+           "UnsupportedModelWarning", "patch", "precompute_vision_kwargs",
+           "unsupported_model_types"]
 
 
 def __getattr__(name: str) -> object:

@@ -1,0 +1,362 @@
+"""The vision towers' precomputed keyword arguments: what the installed transformers'
+encoder of a model would compute from the patch grids on every forward, computed by
+posenc's C walks (``posenc_torch.vision``) once, in the data path.
+
+transformers 5.x encoders call ``vision_utils`` functions (``get_vision_position_ids``,
+``get_vision_attention_seqlens``, ``get_vision_window_index``,
+``get_vision_interpolation_indices_and_weights``, ``get_max_seqlen``) with a ``kwargs``
+dict, and each returns the tensor it finds there instead of computing it; the models'
+``get_image_features`` / ``get_video_features`` take those entries prefixed ``image_`` /
+``video_`` (``accepts_precomputed_kwargs``), so ``model(**batch)`` carries them down.
+
+Which entries, with which arguments, is read off the installed code and checked by
+behaviour, per model (:func:`vision_plan`):
+
+1. the model is built on the meta device from its config (or the given model is used),
+   and every module of its modeling file whose ``forward`` calls one of those functions
+   is found; each call's arguments are read from its source: constants, ``grid_thw``,
+   ``self.<attribute>`` chains (evaluated on that module: merge size, window size, patch
+   size, table side, interpolation mode, ...), and the caller's ``kwargs`` (a call that
+   is not given them reads nothing precomputed and is left out).  Anything else, an
+   unknown function of that family, or two calls that would read one entry, and the model
+   type gets no kwargs (one warning);
+2. every planned call is then run, with those arguments, through the function the module
+   binds (transformers' own, or a replacement installed over it) and through posenc's walk
+   on a fixed set of probe grids (images and videos, merge-divisible sizes that do and do
+   not divide the window, a 1 x 2 x 2 grid, several grids at once): the results must be
+   identical (dtypes, shapes, every integer and every fp32 weight bit).  The verdict is
+   kept while the function and the arguments stay the same (``_verdicts``).
+
+transformers 4.57 towers compute these in methods and accept no precomputed kwargs: no
+kwargs there (one warning).  ``max_seqlen`` / ``max_window_seqlen`` are included only where
+transformers computes them (a flash-attention implementation), as it would compute them.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import types
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from .. import _installed
+from .. import vision as _vision
+from . import _transformers, _verdicts
+from ._forms import global_loads
+from ._handle import UnsupportedModelWarning
+
+# transformers' function -> (posenc's function, the kwargs entries it pops, its outputs)
+_FUNCTIONS: dict[str, tuple[Callable, tuple[str, ...]]] = {
+    "get_vision_position_ids": (_vision.get_vision_position_ids, ("position_ids",)),
+    "get_vision_cu_seqlens": (_vision.get_vision_cu_seqlens, ("cu_seqlens",)),
+    "get_vision_attention_seqlens": (_vision.get_vision_attention_seqlens,
+                                     ("cu_seqlens", "max_seqlen")),
+    "get_vision_window_index": (_vision.get_vision_window_index,
+                                ("window_index", "cu_window_seqlens")),
+    "get_vision_interpolation_indices_and_weights": (
+        _vision.get_vision_interpolation_indices_and_weights, ("interp_indices", "interp_weights")),
+}
+_MAX = "get_max_seqlen"
+_FAMILY = (*_FUNCTIONS, "get_vision_bilinear_indices_and_weights",
+           "get_vision_nearest_position_ids", "get_vision_merged_shape")
+_GRID = object()  # the grids' place among a call's arguments
+
+
+class _Refused(Exception):
+    """The plan cannot be read off the installed code, or does not match by behaviour."""
+
+
+class Call(NamedTuple):
+    """One planned computation: transformers' function ``name`` with ``arguments`` (the
+    grids' place marked), the entries it reads (``keys``) and, for ``get_max_seqlen``,
+    the call whose boundaries it measures (``of``: its index in the plan)."""
+
+    name: str
+    arguments: tuple[tuple[str, object], ...]
+    keys: tuple[str, ...]
+    of: int | None = None
+
+
+class VisionPlan(NamedTuple):
+    model_type: str
+    calls: tuple[Call, ...]
+    flash: bool  # max_seqlen entries are given (a flash-attention implementation)
+
+    def kwargs(self, grid_thw: torch.Tensor, prefix: str) -> dict[str, object]:
+        """The entries for one modality's grids, prefixed (``image_`` / ``video_``)."""
+        out: dict[str, object] = {}
+        results: list[tuple] = []
+        for call in self.calls:
+            if call.name == _MAX:
+                cu = results[call.of][-1]
+                value = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+                results.append((value,))
+                if self.flash:
+                    out[prefix + call.keys[0]] = value
+                continue
+            result = _run_posenc(call, grid_thw)
+            results.append(result)
+            for key, value in zip(call.keys, result, strict=True):
+                if value is not None:  # max_seqlen: None outside flash-attention
+                    out[prefix + key] = value
+        return out
+
+
+def _run_posenc(call: Call, grid_thw: torch.Tensor) -> tuple:
+    ours = _FUNCTIONS[call.name][0]
+    args = {k: (grid_thw if v is _GRID else v) for k, v in call.arguments}
+    result = ours(**args)
+    return result if isinstance(result, tuple) else (result,)
+
+
+# ---------------------------------------------------------------------------------------
+# Reading the plan off the installed code.
+
+
+def _attribute(node: ast.AST, module: torch.nn.Module) -> object:
+    """The value of a ``self.a.b`` chain (or a constant) on ``module``; _Refused else."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    chain = []
+    while isinstance(node, ast.Attribute):
+        chain.append(node.attr)
+        node = node.value
+    if not (isinstance(node, ast.Name) and node.id == "self" and chain):
+        raise _Refused(f"an argument {ast.unparse(node)!r} that is not self.<attribute>")
+    value: object = module
+    for name in reversed(chain):
+        value = getattr(value, name)
+    return value
+
+
+def _calls_in(module: torch.nn.Module, func_module: types.ModuleType,
+              seen: dict[str, int], calls: list[Call]) -> None:
+    """Append the planned calls of ``module.forward``."""
+    forward = inspect.unwrap(type(module).forward)  # decorators record, the body computes
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError) as e:
+        raise _Refused(f"the source of {type(module).__qualname__}.forward cannot be read "
+                       f"({e})") from None
+    produced: dict[str, int] = {}  # variable -> index of the call whose last output it is
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in (*_FAMILY, _MAX)):
+            continue
+        name = node.func.id
+        if name not in _FUNCTIONS and name != _MAX:
+            raise _Refused(f"{type(module).__qualname__}.forward calls {name}, which posenc "
+                           "does not precompute")
+        given = {kw.arg: kw.value for kw in node.keywords}
+        reads_kwargs = isinstance(given.get("kwargs"), ast.Name) and given["kwargs"].id == "kwargs"
+        if not reads_kwargs:
+            continue  # computes without looking for a precomputed entry
+        target = getattr(func_module, name)
+        params = [p for p in inspect.signature(target).parameters if p != "kwargs"]
+        bound = dict(zip(params, node.args, strict=False))
+        bound.update({k: v for k, v in given.items() if k != "kwargs"})
+        if name == _MAX:
+            source = bound.get("cu_seqlens")
+            if not isinstance(source, ast.Name) or source.id not in produced:
+                raise _Refused(f"{type(module).__qualname__}.forward measures "
+                               f"{ast.unparse(source) if source else 'nothing'}, not boundaries "
+                               "it computed")
+            key = bound.get("kwarg_name")
+            key = "max_seqlen" if key is None else _attribute(key, module)
+            call = Call(_MAX, (), (key,), produced[source.id])
+        else:
+            arguments = []
+            for param, value in bound.items():
+                if param == "grid_thw":
+                    if not (isinstance(value, ast.Name) and value.id == "grid_thw"):
+                        raise _Refused(f"{name} is given {ast.unparse(value)} as its grids")
+                    arguments.append((param, _GRID))
+                else:  # (the config: read for its attention implementation)
+                    arguments.append((param, _attribute(value, module)))
+            if "grid_thw" not in bound:
+                raise _Refused(f"{name} is called without grid_thw")
+            call = Call(name, tuple(arguments), _FUNCTIONS[name][1])
+        for key in call.keys:
+            if key in seen:
+                raise _Refused(f"two computations read the precomputed {key!r}")
+            seen[key] = len(calls)
+        calls.append(call)
+        parent = _assignment_of(tree, node)
+        if parent is not None:
+            produced[parent] = len(calls) - 1
+
+
+def _assignment_of(tree: ast.AST, call: ast.Call) -> str | None:
+    """The name the last output of ``call`` is assigned to (``a, b = f(...)`` -> "b")."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and node.value is call and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Tuple) and target.elts and isinstance(target.elts[-1],
+                                                                             ast.Name):
+                return target.elts[-1].id
+            if isinstance(target, ast.Name):
+                return target.id
+    return None
+
+
+def _meta_model(config) -> torch.nn.Module:
+    transformers = _transformers.module()
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModel.from_config(config)
+
+
+def _read_plan(model: torch.nn.Module, model_type: str) -> VisionPlan:
+    module = _transformers.modeling_module(model_type)
+    transformers = _transformers.module()
+    generic = getattr(transformers.utils, "generic", None)
+    if not hasattr(generic, "accepts_precomputed_kwargs"):
+        raise _Refused(f"transformers {_transformers.version()} takes no precomputed "
+                       "vision-tower kwargs (its towers compute them in their methods)")
+    calls: list[Call] = []
+    seen: dict[str, int] = {}
+    classes: set[type] = set()
+    for sub in model.modules():
+        cls = type(sub)
+        forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
+        if (cls in classes or cls.__module__ != module.__name__
+                or not isinstance(forward, types.FunctionType)
+                or not (global_loads(forward.__code__) & {*_FAMILY, _MAX})):
+            continue
+        classes.add(cls)
+        _calls_in(sub, module, seen, calls)
+    if not any(c.name != _MAX for c in calls):
+        raise _Refused(f"no module of {module.__name__} reads precomputed vision kwargs")
+    config = model.config
+    vision_config = getattr(config, "vision_config", config)
+    implementation = getattr(vision_config, "_attn_implementation", None) or getattr(
+        config, "_attn_implementation", None)
+    return VisionPlan(model_type, tuple(calls), bool(implementation and "flash" in implementation))
+
+
+# ---------------------------------------------------------------------------------------
+# The behaviour check.
+
+
+def _probe_grids(merge: int) -> list[torch.Tensor]:
+    m = merge
+    return [
+        torch.tensor([[1, 2 * m, 2 * m]]),
+        torch.tensor([[1, 1 * m, 1 * m]]),
+        torch.tensor([[1, 8 * m, 12 * m], [3, 4 * m, 6 * m], [1, 2 * m, 2 * m]]),
+        torch.tensor([[16, 2 * m, 4 * m], [1, 10 * m, 6 * m]]),
+        torch.tensor([[2, 14 * m, 18 * m]]),
+    ]
+
+
+def _identical(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+    return a == b
+
+
+def _check(plan: VisionPlan, module: types.ModuleType) -> str | None:
+    """None when every planned call gives, through the function ``module`` binds, what
+    posenc's walk gives on the probe grids, else the first difference."""
+    merge = next((v for c in plan.calls for k, v in c.arguments if k == "spatial_merge_size"
+                  and isinstance(v, int)), 1)
+    for call in plan.calls:
+        if call.name == _MAX:
+            continue
+        theirs_fn = getattr(module, call.name)
+        for grids in _probe_grids(merge):
+            args = {k: (grids if v is _GRID else v) for k, v in call.arguments}
+            try:
+                theirs = theirs_fn(**args, kwargs=None)
+            except Exception as e:  # noqa: BLE001 -- reported
+                return f"{call.name}{tuple(args.values())[1:]} raised {type(e).__name__}: {e}"
+            theirs = theirs if isinstance(theirs, tuple) else (theirs,)
+            ours = _run_posenc(call, grids)
+            if len(theirs) != len(ours) or not all(map(_identical, ours, theirs)):
+                return (f"{call.name} with {dict(call.arguments[1:])} gives another result "
+                        f"than posenc's walk for the grids {grids.tolist()}")
+    return None
+
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # config -> plan or reason
+_WARNED: set[str] = set()
+
+
+def vision_plan(config_or_model: object) -> VisionPlan | None:
+    """The checked plan for this model (its config read once per config object), or None
+    with one ``UnsupportedModelWarning`` per model type and reason."""
+    model = config_or_model if isinstance(config_or_model, torch.nn.Module) else None
+    config = getattr(config_or_model, "config", config_or_model) if model is not None \
+        else config_or_model
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model_type, str):
+        raise TypeError(f"config_or_model must be a transformers model or config, got "
+                        f"{type(config_or_model).__name__}")
+    try:
+        cached = _PLANS.get(config)
+    except TypeError:
+        cached = None
+    if cached is None:
+        try:
+            module = _transformers.modeling_module(model_type)
+            plan = _read_plan(model if model is not None else _meta_model(config), model_type)
+            key = tuple((_verdicts.behaviour_key(getattr(module, c.name, None)), c.name,
+                         c.keys, c.of, tuple((k, getattr(v, "_attn_implementation", None)
+                                              if k == "config" else v)
+                                             for k, v in c.arguments)) for c in plan.calls)
+            reason = _verdicts.decided("vision", key, lambda: _check(plan, module),
+                                       account="vision")
+            cached = plan if reason is None else reason
+        except (_Refused, _transformers.Unsupported, ImportError, AttributeError,
+                TypeError, ValueError) as e:
+            cached = f"{e}"
+        try:
+            _PLANS[config] = cached
+        except TypeError:
+            pass
+    if isinstance(cached, str):
+        message = (f"posenc_torch.hf.precompute_vision_kwargs gives no kwargs for {model_type} "
+                   f"(transformers {_transformers.version()}): {cached}")
+        if message not in _WARNED:
+            _WARNED.add(message)
+            warnings.warn(message, UnsupportedModelWarning, stacklevel=3)
+        return None
+    return cached
+
+
+def precompute_vision_kwargs(config_or_model: object, image_grid_thw: torch.Tensor | None = None,
+                             video_grid_thw: torch.Tensor | None = None) -> dict[str, object]:
+    """The vision tower's keyword arguments the installed transformers accepts for this
+    model, computed from the grids by posenc's C walks, for ``model(**batch, **kwargs)``.
+
+    Shapes:
+        image_grid_thw, video_grid_thw: (n, 3) integer (t, h, w) patch grids, or None
+
+    Returns ``image_<entry>`` / ``video_<entry>`` for every entry the model's encoder reads
+    precomputed (e.g. Qwen2.5-VL: ``position_ids`` (N, 2) int64, ``cu_seqlens`` (S + 1,)
+    int32, ``window_index`` (M,) int64, ``cu_window_seqlens`` (W + 1,) int32; Qwen3-VL:
+    ``position_ids``, ``cu_seqlens``, ``interp_indices`` (N, 4) int64, ``interp_weights``
+    (N, 4) float32; ``max_seqlen`` ints under flash-attention), equal to what the encoder
+    would compute; an empty dict (with one ``UnsupportedModelWarning``) for a model whose
+    encoder could not be matched (see the module docstring).  A grid absent (None) gives no
+    entries of its modality.  Bad grids raise posenc's TypeError / ValueError naming the
+    row, ``grid_thw[i]``.
+    """
+    plan = vision_plan(config_or_model)
+    if plan is None:
+        return {}
+    out: dict[str, object] = {}
+    for prefix, grids in (("image_", image_grid_thw), ("video_", video_grid_thw)):
+        if grids is not None:
+            out.update(plan.kwargs(grids, prefix))
+    return out
+
+
+_installed.provide("vision_kwargs", precompute_vision_kwargs)
