@@ -160,6 +160,11 @@ CASES = [(mt, "text") for mt in ORIGINAL_TYPES] + [
 # What gets patched
 
 
+VISION_UTILS = ("get_vision_position_ids", "get_vision_cu_seqlens",
+                "get_vision_attention_seqlens", "get_vision_window_index",
+                "get_vision_interpolation_indices_and_weights")
+
+
 @pytest.mark.parametrize("model_type", ORIGINAL_TYPES)
 def test_patch_replaces_what_the_attention_calls(model_type):
     tiny_model(model_type)  # imports the modeling file
@@ -170,6 +175,8 @@ def test_patch_replaces_what_the_attention_calls(model_type):
     names = [t.split(".", 1)[1] for t in expected]
     if model_type in VL_TYPES:  # a method, not a module function: see test_hf_positions.py
         expected.append(f"{model_type}.get_rope_index")
+        # 5.x: the vision towers' vision_utils functions, routed (see test_vision_hf.py)
+        expected += [f"{model_type}.{name}" for name in VISION_UTILS if name in vars(module)]
     originals = {name: getattr(module, name) for name in names}
 
     handle = hf.patch(model_type)
@@ -179,7 +186,7 @@ def test_patch_replaces_what_the_attention_calls(model_type):
         for name in names:
             assert getattr(module, name) is not originals[name]
             assert getattr(module, name).posenc_original is originals[name]
-        assert handle.calls == dict.fromkeys(expected, 0)
+        assert handle.calls == dict.fromkeys(expected, 0)  # (the routes included)
     finally:
         handle.undo()
     assert not handle.active
@@ -224,8 +231,12 @@ def test_fp32_logits_and_gradients_match(model_type, kind):
         expected[f"{model_type}.apply_rotary_pos_emb_vision"] = n_vision
         # 3-D position ids: 5.x asks for them only with grids (see test_hf_positions.py)
         expected[f"{model_type}.get_rope_index"] = int(kind != "text" or TRANSFORMERS_MAJOR < 5)
-    assert handle.calls == expected
-    assert handle.fallbacks == dict.fromkeys(expected, 0)
+    routes = {t: n for t, n in handle.calls.items() if ".get_vision_" in t}
+    assert {t: n for t, n in handle.calls.items() if t not in routes} == expected
+    assert handle.fallbacks == dict.fromkeys(handle.calls, 0)
+    # 5.x: the vision tower's vision_utils calls went to the walks (once per modality)
+    assert all(n == ("image" in kind) + ("video" in kind) for n in routes.values()), routes
+    assert bool(routes) == (TRANSFORMERS_MAJOR >= 5 and model_type in VL_TYPES)
     if kind != "text":  # the 3-D position ids of the vision tokens were used
         assert (model.model.rope_deltas != 0).all()
         assert torch.equal(model.model.rope_deltas, ref_model.model.rope_deltas)
@@ -476,12 +487,14 @@ def test_unsupported_inputs_go_to_transformers():
         assert q_out.device.type == "meta" and q_out.shape == q.shape and k_out.shape == k.shape
         vq_out, _ = module.apply_rotary_pos_emb_vision(vq, vk, vcos, vsin)
         assert vq_out.shape == vq.shape
-        assert handle.fallbacks == {f"qwen2_vl.{text_name}": 1,
-                                    "qwen2_vl.apply_rotary_pos_emb_vision": 1,
-                                    "qwen2_vl.get_rope_index": 0}
-        assert handle.calls == {f"qwen2_vl.{text_name}": 0,
-                                "qwen2_vl.apply_rotary_pos_emb_vision": 0,
-                                "qwen2_vl.get_rope_index": 0}
+        rotary = lambda counts: {t: n for t, n in counts.items()  # noqa: E731
+                                 if ".get_vision_" not in t}
+        assert rotary(handle.fallbacks) == {f"qwen2_vl.{text_name}": 1,
+                                            "qwen2_vl.apply_rotary_pos_emb_vision": 1,
+                                            "qwen2_vl.get_rope_index": 0}
+        assert rotary(handle.calls) == {f"qwen2_vl.{text_name}": 0,
+                                        "qwen2_vl.apply_rotary_pos_emb_vision": 0,
+                                        "qwen2_vl.get_rope_index": 0}
 
         # Shapes transformers' function itself rejects: the same error with the patch.
         cpu_q, cpu_k = qk(1)

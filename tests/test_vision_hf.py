@@ -202,3 +202,44 @@ def test_graph_breaks_of_the_tower(model_type, record_property):
     record_property("graph_breaks", {"without": without, "with": with_kw})
     print(f"{model_type}: graph breaks without kwargs {without}, with {with_kw}")
     assert with_kw < without
+
+
+@v5
+@pytest.mark.parametrize("model_type", QWEN + OTHERS)
+def test_patch_routes_the_towers_own_calls_to_the_walks(model_type):
+    model = tiny(model_type)
+    grids = GRIDS["image"]
+    pix = pixels(model, grids)
+    plain = features(model, "image", pix, grids)
+    with hf.patch(model_type) as handle:
+        routed = {t for t in handle.targets if ".get_vision_" in t}
+        assert routed, handle.targets
+        assert torch.equal(features(model, "image", pix, grids), plain)
+        assert all(handle.calls[t] > 0 for t in routed), handle.calls
+        assert all(handle.fallbacks[t] == 0 for t in routed), handle.fallbacks
+        # with precomputed kwargs the routes hand them over and compute nothing
+        before = dict(handle.calls)
+        kw = hf.precompute_vision_kwargs(model.config, image_grid_thw=grids)
+        assert torch.equal(features(model, "image", pix, grids, **kw), plain)
+        assert all(handle.calls[t] == before[t] for t in routed)
+
+
+@v5
+def test_a_route_whose_function_changed_falls_back(monkeypatch):
+    model = tiny_qwen("qwen2_vl")
+    module = importlib.import_module("transformers.models.qwen2_vl.modeling_qwen2_vl")
+    real = module.get_vision_position_ids
+
+    def get_vision_position_ids(grid_thw, spatial_merge_size, include_temporal=False,
+                                kwargs=None):
+        return real(grid_thw, spatial_merge_size, include_temporal, kwargs).flip(-1)
+
+    monkeypatch.setattr(module, "get_vision_position_ids", get_vision_position_ids)
+    grids = GRIDS["image"]
+    pix = pixels(model, grids)
+    changed = features(model, "image", pix, grids)
+    with hf.patch("qwen2_vl") as handle:
+        assert torch.equal(features(model, "image", pix, grids), changed)
+        # a function of another module, not vision_utils': not routed at all
+        assert "qwen2_vl.get_vision_position_ids" not in handle.targets
+        assert handle.calls["qwen2_vl.get_vision_attention_seqlens"] > 0

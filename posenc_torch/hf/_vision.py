@@ -49,7 +49,7 @@ from .. import _installed
 from .. import vision as _vision
 from . import _transformers, _verdicts
 from ._forms import global_loads
-from ._handle import UnsupportedModelWarning
+from ._handle import UnsupportedModelWarning, bump
 
 # transformers' function -> (posenc's function, the kwargs entries it pops, its outputs)
 _FUNCTIONS: dict[str, tuple[Callable, tuple[str, ...]]] = {
@@ -255,6 +255,10 @@ def _probe_grids(merge: int) -> list[torch.Tensor]:
     ]
 
 
+def _unrouted(func: object) -> object:
+    return getattr(func, "posenc_original", func)
+
+
 def _identical(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
@@ -271,6 +275,7 @@ def _check(plan: VisionPlan, module: types.ModuleType) -> str | None:
         if call.name == _MAX:
             continue
         theirs_fn = getattr(module, call.name)
+        theirs_fn = getattr(theirs_fn, "posenc_original", theirs_fn)  # judge what a route replaced
         for grids in _probe_grids(merge):
             args = {k: (grids if v is _GRID else v) for k, v in call.arguments}
             try:
@@ -307,7 +312,7 @@ def vision_plan(config_or_model: object) -> VisionPlan | None:
         try:
             module = _transformers.modeling_module(model_type)
             plan = _read_plan(model if model is not None else _meta_model(config), model_type)
-            key = tuple((_verdicts.behaviour_key(getattr(module, c.name, None)), c.name,
+            key = tuple((_verdicts.behaviour_key(_unrouted(getattr(module, c.name, None))), c.name,
                          c.keys, c.of, tuple((k, getattr(v, "_attn_implementation", None)
                                               if k == "config" else v)
                                              for k, v in c.arguments)) for c in plan.calls)
@@ -360,3 +365,89 @@ def precompute_vision_kwargs(config_or_model: object, image_grid_thw: torch.Tens
 
 
 _installed.provide("vision_kwargs", precompute_vision_kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+# patch(): transformers' own calls of the vision_utils functions routed to the walks.
+#
+# Each replacement keeps transformers' contract: an entry precomputed in ``kwargs`` is
+# popped and returned by the original function, as before.  Otherwise the call goes to
+# posenc's walk when the walk gives what the original gives for the call's arguments (all
+# but the grids), decided once per argument set on the probe grids, and to the original
+# function when it does not, or when the walk refuses the grids (``handle.fallbacks``).
+# The original raising on a grid posenc takes, or posenc raising, falls back too: the
+# patch changes no result and no error.
+
+
+def _route_key(name: str, original: Callable, params: dict) -> tuple:
+    return (name, _verdicts.behaviour_key(original),
+            tuple((k, getattr(v, "_attn_implementation", None) if k == "config" else v)
+                  for k, v in params.items() if k != "grid_thw"))
+
+
+def _routable(name: str, original: Callable, params: dict) -> bool:
+    arguments = tuple((k, _GRID if k == "grid_thw" else v) for k, v in params.items())
+    call = Call(name, arguments, _FUNCTIONS[name][1])
+    stand_in = types.SimpleNamespace(**{name: original})
+    try:
+        key = _route_key(name, original, params)
+    except TypeError:  # an argument that cannot be a key: not decided, not routed
+        return False
+    return _verdicts.decided("vision-route", key, lambda: _check(
+        VisionPlan("", (call,), False), stand_in), account="vision") is None
+
+
+def _make_route(name: str, original: Callable, handle, target: str) -> Callable:
+    signature = inspect.signature(original)
+    keys = _FUNCTIONS[name][1]
+    ours = _FUNCTIONS[name][0]
+    calls, fallbacks = handle._calls.get(target), handle._fallbacks.get(target)
+    count = handle.count
+
+    def routed(*args, **kw):
+        try:
+            arguments = signature.bind(*args, **kw).arguments
+        except TypeError:
+            arguments = None
+        given = None if arguments is None else arguments.get("kwargs")
+        if (arguments is None or torch.compiler.is_compiling()
+                or (given is not None and any(given.get(k) is not None for k in keys))):
+            return original(*args, **kw)  # a precomputed entry, or another call form
+        params = {k: v for k, v in arguments.items() if k != "kwargs"}
+        grid = params.get("grid_thw")
+        if (isinstance(grid, torch.Tensor) and _routable(name, original, params)):
+            try:
+                result = ours(**params)
+            except (TypeError, ValueError):
+                result = None
+            if result is not None:
+                if count:
+                    bump(calls)
+                return result
+        if count:
+            bump(fallbacks)
+        return original(*args, **kw)
+
+    routed.__signature__ = signature
+    return routed
+
+
+def install(handle, model_types: tuple[str, ...]) -> None:
+    """Route the vision_utils functions the modules of ``model_types`` bind (transformers
+    5.x; a 4.57 module binds none of them)."""
+    for mt in model_types:
+        try:
+            module = _transformers.modeling_module(mt)
+        except _transformers.Unsupported:
+            continue
+        for name in _FUNCTIONS:
+            original = vars(module).get(name)
+            if not callable(original) or not (getattr(original, "__module__", "") or "").endswith(
+                    "vision_utils"):
+                continue
+            target = f"{mt}.{name}"
+            handle._add_counters(target)
+            wrapper = _make_route(name, original, handle, target)
+            wrapper.__doc__ = (f"posenc_torch route of transformers' {name} for {mt}; see "
+                               "posenc_torch.hf.")
+            handle.install(module, name, wrapper, target)
