@@ -64,7 +64,7 @@ pytest-hf4: build
 # 5.x releases (the version of each requirements file exactly); the newest also runs the tiny
 # model of every supported type.
 HF5_TESTS := test_positions.py test_hf_positions.py test_packed_positions.py test_packing.py \
-	test_hf_probe.py test_vision.py
+	test_hf_probe.py test_vision.py test_vision_hf.py
 HF5_LATEST_TESTS := $(HF5_TESTS) test_hf_models.py
 pytest-hf5_18: build
 	cd tests && PYTHONPATH=$(abspath $(HF5_18)) \
