@@ -567,7 +567,7 @@ def test_compile_fullgraph(name):
 
 def test_threads_do_not_change_results():
     rng = random.Random(15)
-    grids = torch.cat([random_grids(rng, 2, 8, largest=64), torch.tensor([[4, 128, 128]])])
+    grids = torch.cat([random_grids(rng, 2, 8, largest=64), torch.tensor([[4, 256, 256]])])
     calls = [lambda: V.get_vision_position_ids(grids, 2, True),
              lambda: V.get_vision_window_index(grids, 2, 112, 14),
              lambda: V.get_vision_interpolation_indices_and_weights(grids, 48, "bicubic"),

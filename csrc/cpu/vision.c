@@ -11,9 +11,10 @@
 
 #include "internal.h"
 
-/* A per-patch walk costs a few nanoseconds per patch; from 2^16 patches (a few hundred
- * microseconds) threads are worth their wake-up. */
-#define PE_VISION_SERIAL_PATCHES ((int64_t)1 << 16)
+/* A per-patch walk costs about a nanosecond per patch (every frame after a grid's first is
+ * a copy), so below 2^18 patches a call is a few hundred microseconds: less than what a
+ * thread team can cost to wake on a busy machine. */
+#define PE_VISION_SERIAL_PATCHES ((int64_t)1 << 18)
 
 /* Sums over the batch stay below this, far from int64 overflow in any product below. */
 #define PE_VISION_MAX_TOTAL ((int64_t)1 << 62)
