@@ -292,7 +292,8 @@ static void axis_rules_5(const pe_vision_interp *p, int64_t L, int n, int64_t *t
     const int64_t first = n == 2 ? 0 : -1;
     for (int64_t x = 0; x < L; ++x) {
         const float fx = (float)x;
-        const float src = p->align_corners ? (fx * last) / denom : ((fx + 0.5f) * side) / length - 0.5f;
+        const float src =
+            p->align_corners ? (fx * last) / denom : ((fx + 0.5f) * side) / length - 0.5f;
         const float f = floorf(src);
         const float frac = src - f;
         for (int j = 0; j < n; ++j) {
@@ -464,7 +465,8 @@ int pe_vision_nearest_count(int64_t n, const int64_t *sizes, int64_t *total, pe_
     for (int64_t i = 0; i < n; ++i) {
         const int64_t h = sizes[2 * i], w = sizes[2 * i + 1];
         int64_t hw;
-        if (h < 1 || w < 1 || __builtin_mul_overflow(h, w, &hw) || hw >= PE_VISION_MAX_TOTAL - sum) {
+        if (h < 1 || w < 1 || __builtin_mul_overflow(h, w, &hw) ||
+            hw >= PE_VISION_MAX_TOTAL - sum) {
             set_error(err, PE_POS_BAD_GRID, i);
             return PE_ERR_GRID;
         }

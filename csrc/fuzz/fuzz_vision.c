@@ -113,7 +113,8 @@ static void check_interpolation(const pe_vision_grids *g, const pe_vision_sizes 
             REQUIRE(idx[k] >= 0 && idx[k] < p.side * p.side && isfinite(w[k]));
         if (p.mode == PE_INTERP_BILINEAR && p.padding == PE_INTERP_BORDER)
             for (int64_t q = 0; q < s->patches; ++q)
-                REQUIRE(fabsf(w[4 * q] + w[4 * q + 1] + w[4 * q + 2] + w[4 * q + 3] - 1.0f) < 1e-5f);
+                REQUIRE(fabsf(w[4 * q] + w[4 * q + 1] + w[4 * q + 2] + w[4 * q + 3] - 1.0f) <
+                        1e-5f);
     }
     free(idx);
     free(w);
@@ -121,7 +122,10 @@ static void check_interpolation(const pe_vision_grids *g, const pe_vision_sizes 
 
 static void check_nearest(const pe_vision_grids *g, fuzz_bytes *in) {
     int64_t sizes[2 * MAX_G], total = 0;
-    for (int64_t i = 0; i < g->n; ++i) sizes[2 * i] = g->thw[3 * i + 1], sizes[2 * i + 1] = g->thw[3 * i + 2];
+    for (int64_t i = 0; i < g->n; ++i) {
+        sizes[2 * i] = g->thw[3 * i + 1];
+        sizes[2 * i + 1] = g->thw[3 * i + 2];
+    }
     const int64_t side = (int64_t)fuzz_below(in, 70) - 1;
     REQUIRE(pe_vision_nearest_count(g->n, sizes, &total, NULL) == PE_OK);
     int64_t *out = malloc(sizeof(int64_t) * (size_t)(total + 1));

@@ -293,7 +293,8 @@ static void interpolation_random(void) {
             p.rule = trial % 8 ? PE_INTERP_LINSPACE : PE_INTERP_LINSPACE_TWO_ROUNDINGS;
         }
         const int64_t taps = p.mode == PE_INTERP_BILINEAR ? 4 : 16, size = s.patches * taps;
-        int64_t *idx = malloc(sizeof(int64_t) * (size_t)size), *idx2 = malloc(sizeof(int64_t) * (size_t)size);
+        int64_t *idx = malloc(sizeof(int64_t) * (size_t)size);
+        int64_t *idx2 = malloc(sizeof(int64_t) * (size_t)size);
         float *w = malloc(sizeof(float) * (size_t)size), *w2 = malloc(sizeof(float) * (size_t)size);
         CHECK(pe_vision_interpolation(&g, &p, idx, w, s.patches, 1, NULL) == PE_OK &&
                   pe_vision_interpolation(&g, &p, idx2, w2, s.patches, 3, NULL) == PE_OK,

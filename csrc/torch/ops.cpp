@@ -1038,7 +1038,8 @@ Tensor vision_nearest_position_ids_cpu(const Tensor& target_sizes, int64_t num_p
     Tensor out = empty(std::array<int64_t, 1>{total}, ScalarType::Long, target_sizes,
                        "the position ids of target_sizes");
     rc = pe_vision_nearest_position_ids(n, hw, num_patches_per_side,
-                                        out.mutable_data_ptr<int64_t>(), total, num_threads(), &err);
+                                        out.mutable_data_ptr<int64_t>(), total, num_threads(),
+                                        &err);
     check_status(rc, "posenc::vision_nearest_position_ids");
     return out;
 }
