@@ -155,7 +155,7 @@ endef
 # libFuzzer with ASan + UBSan over the C entry points (csrc/fuzz), FUZZ_SECONDS per
 # harness, starting from the committed seed corpus (new inputs go to builddir-fuzz/).
 FUZZ_SECONDS ?= 30
-FUZZERS := rope positions
+FUZZERS := rope positions vision
 fuzz: $(STAMP)
 	@rm -f $(VENV)/.skip-fuzz
 	$(call need_packages,clang libclang-rt-14-dev libomp-14-dev)

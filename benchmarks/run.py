@@ -39,6 +39,7 @@ import bench_packing  # noqa: E402
 import bench_positions  # noqa: E402
 import bench_rope  # noqa: E402
 import bench_rotary_step  # noqa: E402
+import bench_vision  # noqa: E402
 import harness as H  # noqa: E402
 
 # The topic registry: one module per topic (the interface is in harness.py's docstring).
@@ -50,6 +51,7 @@ TOPICS = {m.TOPIC: m for m in (
     bench_overhead,
     bench_layer,
     bench_packing,
+    bench_vision,
     bench_gpu,
 )}
 DEFAULT_THREADS = {"quick": "all", "full": "1,all", "smoke": "all"}
@@ -238,6 +240,17 @@ TARGETS = (
            "apply_rotary_pos_emb <= 12 us a call (absolute time, no floor)",
            {"op": "rope_call", "extra": "grad recording", "method": "posenc"},
            "us", 12.0, "max", label="thr={threads}"),
+    Target("7. vision towers: position ids + attention seqlens + window index + interpolation "
+           "taps (posenc_torch.vision) >= 30x faster than transformers 5.x's vision_utils, "
+           "each batch",
+           {"op": "vision_all", "method": "hf_eager",
+            "extra": lambda e: e.endswith(",transformers5")},
+           "posenc_speedup", 30.0, "min", label="{extra}"),
+    Target("7b. (for information) the same against transformers 4.57.6's methods (rot_pos_emb, "
+           "get_window_index, fast_pos_embed_interpolate, forward's cu_seqlens) >= 30x",
+           {"op": "vision_all", "method": "hf_eager",
+            "extra": lambda e: e.endswith(",transformers4")},
+           "posenc_speedup", 30.0, "min", label="{extra}"),
 )
 
 

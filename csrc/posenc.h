@@ -431,7 +431,7 @@ int pe_mrope_packed_position_ids(const pe_mrope_args *a, int64_t n_examples,
  *     at  (0,0) (0,1) (1,0) (1,1) (0,2) (0,3) (1,2) (1,3) (2,0) (2,1) ... (3,3)
  *
  * Threads.  The per-patch walks split the grids over up to nthreads OpenMP threads (one
- * grid at a time) when the batch has 2^16 patches or more; nthreads <= 1 runs serially.
+ * grid at a time) when the batch has 2^18 patches or more; nthreads <= 1 runs serially.
  * Every frame of a grid after the first is a copy of the first.  Outputs must not overlap
  * the inputs.  Status: PE_OK, PE_ERR_ARG (err->problem PE_POS_BAD_ARG: a NULL pointer, an
  * output size that is not the one the grids give, an option out of range), PE_ERR_GRID or

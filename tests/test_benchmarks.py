@@ -203,7 +203,7 @@ def test_driver_writes_results_and_plots(tmp_path):
                if r["status"] == "ok")
     assert all(r["status"] == "skipped" for r in rows if r["method"] == "liger")
     assert [t["target"][:2] for t in payload["targets"]] == \
-        ["1.", "1b", "1c", "2a", "2b", "3.", "4.", "6.", "5a", "5b"]
+        ["1.", "1b", "1c", "2a", "2b", "3.", "4.", "6.", "5a", "5b", "7.", "7b"]
     assert "x clone" in proc.stdout and "x copy_" in proc.stdout
     assert (tmp_path / "smoke.csv").read_text().startswith("topic,op,model")
     plots = sorted(p.name for p in (tmp_path / "plots-smoke").glob("*.png"))
@@ -343,3 +343,28 @@ def test_packing_topic_checks_against_per_example_get_rope_index():
     assert ids.shape[1] <= 65536 and sorted(i for r in rows for i in r) == list(range(64))
     n_image = int((ids == bench_packing.IMAGE_PAD).sum())
     assert n_image == int((images[:, 0] * images[:, 1] * images[:, 2]).sum()) // 4
+
+
+@pytest.mark.any_transformers
+def test_vision_topic_checks_against_transformers():
+    """The vision topic under the installed transformers (5.x: vision_utils; 4.57.6: the
+    models' methods): every computation and their sum timed for posenc and transformers,
+    after their results were found equal; the batches are the ones the topic names."""
+    import transformers
+
+    import bench_vision
+
+    part = "vision_4_57" if transformers.__version__.startswith("4.") else "vision_5x"
+    opts = H.Options(part, "smoke", 1, "cpu", None)
+    planned = bench_vision.plan(opts)
+    rep = H.Reporter(sum(len(m) for _, m in planned), to_driver=True)
+    bench_vision.run(opts, rep)
+    assert [(r.case, r.method) for r in rep.results] == [(c, m) for c, ms in planned for m in ms]
+    assert {r.op for r in rep.results} == {f"vision_{c}" for c in bench_vision.COMPUTATIONS}
+    for r in rep.results:
+        if r.method != "hf_compile":
+            assert r.status == "ok", (r.op, r.method, r.reason)
+    assert all(r.max_rel_err == 0.0 for r in rep.results if r.method == "posenc")
+    patches = {label: sum(t * h * w for t, h, w in grids)
+               for label, grids in bench_vision.BATCHES.items()}
+    assert patches == {"32x896^2": 131072, "256x224^2": 65536, "8img+2vid64f": 294912}

@@ -46,7 +46,8 @@ def random_grids(rng: random.Random, merge: int, n: int | None = None,
             rows.append((1, 2, 2))
             continue
         t = 1 if rng.random() < 0.6 else rng.randint(2, 5)
-        rows.append((t, merge * rng.randint(1, largest // merge), merge * rng.randint(1, largest // merge)))
+        side = largest // merge
+        rows.append((t, merge * rng.randint(1, side), merge * rng.randint(1, side)))
     return torch.tensor(rows, dtype=torch.int64).reshape(n, 3)
 
 
@@ -149,7 +150,8 @@ def test_position_ids_per_grid_merge_sizes():
         sizes = torch.tensor(merges)
         temporal = rng.random() < 0.3
         assert_same(V.get_vision_position_ids(grids, sizes, temporal),
-                    hf.get_vision_position_ids(grids, sizes, temporal), f"{grids.tolist()} {merges}")
+                    hf.get_vision_position_ids(grids, sizes, temporal),
+                    f"{grids.tolist()} {merges}")
 
 
 def test_cu_seqlens_fuzz():
@@ -567,7 +569,7 @@ def test_compile_fullgraph(name):
 
 def test_threads_do_not_change_results():
     rng = random.Random(15)
-    grids = torch.cat([random_grids(rng, 2, 8, largest=64), torch.tensor([[4, 128, 128]])])
+    grids = torch.cat([random_grids(rng, 2, 8, largest=64), torch.tensor([[4, 256, 256]])])
     calls = [lambda: V.get_vision_position_ids(grids, 2, True),
              lambda: V.get_vision_window_index(grids, 2, 112, 14),
              lambda: V.get_vision_interpolation_indices_and_weights(grids, 48, "bicubic"),

@@ -11,9 +11,10 @@
 
 #include "internal.h"
 
-/* A per-patch walk costs a few nanoseconds per patch; from 2^16 patches (a few hundred
- * microseconds) threads are worth their wake-up. */
-#define PE_VISION_SERIAL_PATCHES ((int64_t)1 << 16)
+/* A per-patch walk costs about a nanosecond per patch (every frame after a grid's first is
+ * a copy), so below 2^18 patches a call is a few hundred microseconds: less than what a
+ * thread team can cost to wake on a busy machine. */
+#define PE_VISION_SERIAL_PATCHES ((int64_t)1 << 18)
 
 /* Sums over the batch stay below this, far from int64 overflow in any product below. */
 #define PE_VISION_MAX_TOTAL ((int64_t)1 << 62)
@@ -291,7 +292,8 @@ static void axis_rules_5(const pe_vision_interp *p, int64_t L, int n, int64_t *t
     const int64_t first = n == 2 ? 0 : -1;
     for (int64_t x = 0; x < L; ++x) {
         const float fx = (float)x;
-        const float src = p->align_corners ? (fx * last) / denom : ((fx + 0.5f) * side) / length - 0.5f;
+        const float src =
+            p->align_corners ? (fx * last) / denom : ((fx + 0.5f) * side) / length - 0.5f;
         const float f = floorf(src);
         const float frac = src - f;
         for (int j = 0; j < n; ++j) {
@@ -343,31 +345,65 @@ static void axis_taps(const pe_vision_interp *p, int64_t L, int n, int64_t *tap,
         axis_linspace(p, L, tap, weight);
 }
 
-/* Grid i into its rows of indices / weights; `scratch` holds the axis tables, 12 bytes per
- * tap per row and column. */
+/* Bytes of interp_grid's scratch for a grid of h + w = sides: the per-axis taps and weights
+ * (n per row and column), then each spread over the n*n taps of a patch. */
+static size_t interp_scratch_bytes(int64_t sides, int n) {
+    return (size_t)sides * (size_t)(n + n * n) * (sizeof(int64_t) + sizeof(float));
+}
+
+/* One frame in patch order, `taps` (4 or 16, a constant where it is inlined) per patch: tap
+ * k of the patch at (row, col) is rows[row*taps + k] + cols[col*taps + k] and its weight
+ * urow[row*taps + k] * vcol[col*taps + k], one fp32 multiply. */
+static inline void interp_frame(int64_t h, int64_t w, int64_t m, int64_t taps,
+                                const int64_t *restrict rows, const float *restrict urow,
+                                const int64_t *restrict cols, const float *restrict vcol,
+                                int64_t *restrict indices, float *restrict weights) {
+    for (int64_t bh = 0; bh < h / m; ++bh)
+        for (int64_t ih = 0; ih < m; ++ih) {
+            const int64_t row = bh * m + ih;
+            const int64_t *a = rows + row * taps;
+            const float *u = urow + row * taps;
+            const int64_t first = (bh * (w / m) * m + ih) * m; /* patch (row, 0) */
+            for (int64_t bw = 0; bw < w / m; ++bw)
+                for (int64_t iw = 0; iw < m; ++iw) {
+                    const int64_t col = bw * m + iw, k = first + bw * m * m + iw;
+                    const int64_t *b = cols + col * taps;
+                    const float *v = vcol + col * taps;
+                    int64_t *ip = indices + k * taps;
+                    float *wp = weights + k * taps;
+                    for (int64_t j = 0; j < taps; ++j) {
+                        ip[j] = a[j] + b[j];
+                        wp[j] = u[j] * v[j];
+                    }
+                }
+        }
+}
+
+/* Grid i into its rows of indices / weights, with `scratch` of interp_scratch_bytes. */
 static void interp_grid(const pe_vision_grids *g, int64_t i, const pe_vision_interp *p, int n,
                         void *scratch, int64_t *indices, float *weights) {
     const int64_t t = g->thw[3 * i], h = g->thw[3 * i + 1], w = g->thw[3 * i + 2];
     const int64_t m = merge_of(g, i), S = p->side, taps = (int64_t)n * n;
-    int64_t *htap = scratch, *wtap = htap + h * n;
-    float *hwt = (float *)(wtap + w * n), *wwt = hwt + h * n;
+    int64_t *htap = scratch, *wtap = htap + h * n, *rows = wtap + w * n, *cols = rows + h * taps;
+    float *hwt = (float *)(cols + w * taps), *wwt = hwt + h * n, *urow = wwt + w * n;
+    float *vcol = urow + h * taps;
     axis_taps(p, h, n, htap, hwt);
     axis_taps(p, w, n, wtap, wwt);
-    int64_t *ip = indices;
-    float *wp = weights;
-    for (int64_t bh = 0; bh < h / m; ++bh)
-        for (int64_t bw = 0; bw < w / m; ++bw)
-            for (int64_t ih = 0; ih < m; ++ih)
-                for (int64_t iw = 0; iw < m; ++iw) {
-                    const int64_t row = bh * m + ih, col = bw * m + iw;
-                    const int64_t *a = htap + row * n, *b = wtap + col * n;
-                    const float *u = hwt + row * n, *v = wwt + col * n;
-                    for (int r = 0; r < n; ++r)
-                        for (int c = 0; c < n; ++c) {
-                            *ip++ = a[r] * S + b[c];
-                            *wp++ = u[r] * v[c];
-                        }
-                }
+    /* tap k = r*n + c of a patch: row part r, column part c */
+    for (int64_t y = 0; y < h; ++y)
+        for (int64_t k = 0; k < taps; ++k) {
+            rows[y * taps + k] = htap[y * n + k / n] * S;
+            urow[y * taps + k] = hwt[y * n + k / n];
+        }
+    for (int64_t x = 0; x < w; ++x)
+        for (int64_t k = 0; k < taps; ++k) {
+            cols[x * taps + k] = wtap[x * n + k % n];
+            vcol[x * taps + k] = wwt[x * n + k % n];
+        }
+    if (taps == 4)
+        interp_frame(h, w, m, 4, rows, urow, cols, vcol, indices, weights);
+    else
+        interp_frame(h, w, m, 16, rows, urow, cols, vcol, indices, weights);
     repeat_frames(indices, t, h * w * taps, sizeof(int64_t));
     repeat_frames(weights, t, h * w * taps, sizeof(float));
 }
@@ -398,7 +434,7 @@ int pe_vision_interpolation(const pe_vision_grids *g, const pe_vision_interp *p,
         const int64_t sides = g->thw[3 * i + 1] + g->thw[3 * i + 2];
         if (sides > longest) longest = sides;
     }
-    const size_t scratch_bytes = (size_t)longest * (size_t)n * (sizeof(int64_t) + sizeof(float));
+    const size_t scratch_bytes = interp_scratch_bytes(longest, n);
     const int nt = walk_threads(nthreads, g->n, patches);
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -429,7 +465,8 @@ int pe_vision_nearest_count(int64_t n, const int64_t *sizes, int64_t *total, pe_
     for (int64_t i = 0; i < n; ++i) {
         const int64_t h = sizes[2 * i], w = sizes[2 * i + 1];
         int64_t hw;
-        if (h < 1 || w < 1 || __builtin_mul_overflow(h, w, &hw) || hw >= PE_VISION_MAX_TOTAL - sum) {
+        if (h < 1 || w < 1 || __builtin_mul_overflow(h, w, &hw) ||
+            hw >= PE_VISION_MAX_TOTAL - sum) {
             set_error(err, PE_POS_BAD_GRID, i);
             return PE_ERR_GRID;
         }

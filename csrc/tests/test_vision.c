@@ -78,7 +78,8 @@ static void positions_random(void) {
         thw[3 * i + 1] = merge[i] * (1 + rnd(24));
         thw[3 * i + 2] = merge[i] * (1 + rnd(24));
     }
-    thw[3 * 5] = 3, thw[3 * 5 + 1] = 256, thw[3 * 5 + 2] = 128; /* past 2^16: threads run */
+    /* past 2^18 patches: threads run */
+    merge[5] = 2, thw[3 * 5] = 3, thw[3 * 5 + 1] = 256, thw[3 * 5 + 2] = 384;
     pe_vision_grids g = {N, thw, merge, 0};
     pe_vision_sizes s;
     CHECK(pe_vision_sizes_of(&g, &s, NULL) == PE_OK, "random sizes");
@@ -276,12 +277,15 @@ static void interpolation_random(void) {
             thw[3 * i + 1] = m * (1 + rnd(20));
             thw[3 * i + 2] = m * (1 + rnd(20));
         }
+        const int big = trial % 50 == 1; /* 2^18 patches: threads run */
+        if (big) thw[0] = 1, thw[1] = 512, thw[2] = 512;
         const pe_vision_grids g = grids_of(n, thw, m);
         pe_vision_sizes s;
         pe_vision_sizes_of(&g, &s, NULL);
         pe_vision_interp p = {1 + rnd(50), rnd(2) ? PE_INTERP_BICUBIC : PE_INTERP_BILINEAR,
                               (int)rnd(2), rnd(2) ? PE_INTERP_ZEROS : PE_INTERP_BORDER,
                               PE_INTERP_RULES_5};
+        if (big) p.mode = PE_INTERP_BILINEAR;
         if (trial % 4 == 0) {
             p.mode = PE_INTERP_BILINEAR;
             p.align_corners = 1;
@@ -289,7 +293,8 @@ static void interpolation_random(void) {
             p.rule = trial % 8 ? PE_INTERP_LINSPACE : PE_INTERP_LINSPACE_TWO_ROUNDINGS;
         }
         const int64_t taps = p.mode == PE_INTERP_BILINEAR ? 4 : 16, size = s.patches * taps;
-        int64_t *idx = malloc(sizeof(int64_t) * (size_t)size), *idx2 = malloc(sizeof(int64_t) * (size_t)size);
+        int64_t *idx = malloc(sizeof(int64_t) * (size_t)size);
+        int64_t *idx2 = malloc(sizeof(int64_t) * (size_t)size);
         float *w = malloc(sizeof(float) * (size_t)size), *w2 = malloc(sizeof(float) * (size_t)size);
         CHECK(pe_vision_interpolation(&g, &p, idx, w, s.patches, 1, NULL) == PE_OK &&
                   pe_vision_interpolation(&g, &p, idx2, w2, s.patches, 3, NULL) == PE_OK,

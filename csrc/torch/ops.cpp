@@ -997,8 +997,8 @@ TensorPair vision_interpolation_cpu(const Tensor& grid_thw, int64_t num_grid_per
     check_vision(pe_vision_sizes_of(&v.g, &sizes, &err), err, v, true,
                  "posenc::vision_interpolation");
     const int64_t taps = mode == PE_INTERP_BILINEAR ? 4 : 16;
-    PE_CHECK_VALUE(sizes.patches <= INT64_MAX / 16, "grid_thw has too many patches: ",
-                   sizes.patches);
+    PE_CHECK_VALUE(sizes.patches <= (INT64_C(1) << 62) / taps, "grid_thw has too many patches "
+                   "for ", taps, " taps each: ", sizes.patches);
     const std::array<int64_t, 2> shape{sizes.patches, taps};
     Tensor indices = empty(shape, ScalarType::Long, grid_thw, "the interpolation indices");
     Tensor weights = empty(shape, ScalarType::Float, grid_thw, "the interpolation weights");
@@ -1038,7 +1038,8 @@ Tensor vision_nearest_position_ids_cpu(const Tensor& target_sizes, int64_t num_p
     Tensor out = empty(std::array<int64_t, 1>{total}, ScalarType::Long, target_sizes,
                        "the position ids of target_sizes");
     rc = pe_vision_nearest_position_ids(n, hw, num_patches_per_side,
-                                        out.mutable_data_ptr<int64_t>(), total, num_threads(), &err);
+                                        out.mutable_data_ptr<int64_t>(), total, num_threads(),
+                                        &err);
     check_status(rc, "posenc::vision_nearest_position_ids");
     return out;
 }
