@@ -268,7 +268,7 @@ def get_vision_interpolation_indices_and_weights(
     if check_str("convention", convention) not in CONVENTIONS:
         raise ValueError(f"convention must be one of {tuple(CONVENTIONS)}, got {convention!r}")
     rule = INTERP_RULES_5
-    if convention == "4.57":
+    if not CONVENTIONS[convention].v5:  # 4.57: fast_pos_embed_interpolate
         if code != INTERP_MODES["bilinear"] or not align_corners or padding != "border":
             raise ValueError("convention='4.57' (Qwen3-VL's fast_pos_embed_interpolate) is "
                              "bilinear with align_corners=True and padding='border' only, got "

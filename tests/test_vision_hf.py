@@ -163,9 +163,11 @@ def test_a_changed_vision_function_gets_no_kwargs(monkeypatch):
 @v5
 def test_bad_grids_name_the_row():
     model = tiny_qwen("qwen2_vl")
-    with pytest.raises(ValueError, match=r"grid_thw\[1\]"):
+    with pytest.raises(ValueError, match=r"image_grid_thw\[1\]"):
         hf.precompute_vision_kwargs(model.config, torch.tensor([[1, 4, 4], [1, 3, 4]]))
-    with pytest.raises(TypeError, match="grid_thw"):
+    with pytest.raises(ValueError, match=r"video_grid_thw\[0\]"):
+        hf.precompute_vision_kwargs(model.config, video_grid_thw=torch.tensor([[0, 4, 4]]))
+    with pytest.raises(TypeError, match="image_grid_thw"):
         hf.precompute_vision_kwargs(model.config, torch.tensor([[1.0, 4, 4]]))
     with pytest.raises(TypeError, match="config_or_model"):
         hf.precompute_vision_kwargs(object(), torch.tensor([[1, 4, 4]]))

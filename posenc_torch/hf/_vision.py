@@ -359,8 +359,12 @@ def precompute_vision_kwargs(config_or_model: object, image_grid_thw: torch.Tens
         return {}
     out: dict[str, object] = {}
     for prefix, grids in (("image_", image_grid_thw), ("video_", video_grid_thw)):
-        if grids is not None:
+        if grids is None:
+            continue
+        try:
             out.update(plan.kwargs(grids, prefix))
+        except (TypeError, ValueError) as e:  # posenc's message names grid_thw[i]
+            raise type(e)(str(e).replace("grid_thw", f"{prefix}grid_thw")) from None
     return out
 
 
