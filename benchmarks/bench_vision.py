@@ -32,6 +32,13 @@ Parts:
   ``fast_pos_embed_interpolate`` with a table of width 1 (the taps and weights gathered and
   summed as it does, posenc's taps and weights gathered and summed the same way).
 
+- "vision_5x" also times a tiny vision tower's forward (``vision_tower``: the image tower of a
+  random Qwen2.5-VL and of a Qwen3-VL with one block of width 32, the real patch, merge,
+  window and table settings, on 16 images of 224 x 224): ``posenc`` is the tower given
+  the kwargs ``posenc_torch.hf.precompute_vision_kwargs`` made beforehand (as a collator
+  does, outside the step), ``hf_eager`` the tower computing them itself.  The outputs
+  must be equal bit for bit.
+
 Outputs must be equal (integers identical, weights bit for bit) before anything is timed.
 "copy" is the floor of writing the outputs: a clone of the reference's tensors.  Forward
 only (integer outputs; the weights have no gradient here).
@@ -74,9 +81,72 @@ def _case(opts: H.Options, computation: str, label: str, grids: list) -> H.Case:
                   f"{label},transformers{PARTS.get(opts.part, '?')}")
 
 
+TOWER_GRIDS = {"smoke": [(1, 4, 4), (1, 8, 4)], "default": [(1, 16, 16)] * 16}
+TOWERS = ("qwen2_5_vl", "qwen3_vl")
+
+
+def _tower_grids(suite: str) -> list:
+    return TOWER_GRIDS["smoke" if suite == "smoke" else "default"]
+
+
+def _tower_case(opts: H.Options, model_type: str) -> H.Case:
+    grids = _tower_grids(opts.suite)
+    return H.Case(TOPIC, "vision_tower", model_type, len(grids),
+                  sum(t * h * w for t, h, w in grids), "float32", "fwd", opts.threads,
+                  opts.device, f"{len(grids)} images,transformers{PARTS.get(opts.part, '?')}")
+
+
 def plan(opts: H.Options):
-    return [(_case(opts, c, label, grids), METHOD_NAMES)
-            for label, grids in batches(opts.suite).items() for c in COMPUTATIONS]
+    cases = [(_case(opts, c, label, grids), METHOD_NAMES)
+             for label, grids in batches(opts.suite).items() for c in COMPUTATIONS]
+    if opts.part == "vision_5x":
+        cases += [(_tower_case(opts, mt), METHOD_NAMES) for mt in TOWERS]
+    return cases
+
+
+def _tiny_tower(model_type: str):
+    """The image tower (``model.model.get_image_features``) of a random model with one
+    vision block of width 32 and the real patch (14), merge (2), window (112) and table
+    (48 x 48) settings."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                  patch_size=14, spatial_merge_size=2)
+    if model_type == "qwen2_5_vl":
+        vision.update(window_size=112, fullatt_block_indexes=[0])
+    else:
+        vision.update(num_position_embeddings=SIDE * SIDE, deepstack_visual_indexes=[0])
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [3, 3, 2],
+                                   "mrope_interleaved": True}
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").eval()
+    return model
+
+
+def _tower_parts(model_type: str, rows: list):
+    import posenc_torch.hf
+
+    model = _tiny_tower(model_type)
+    vc = model.config.vision_config
+    grids = torch.tensor(rows)
+    gen = torch.Generator().manual_seed(5)
+    pix = torch.randn(int(grids.prod(-1).sum()),
+                      vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2, generator=gen)
+    kwargs = posenc_torch.hf.precompute_vision_kwargs(model.config, image_grid_thw=grids)
+    if not kwargs:
+        raise RuntimeError(f"no precomputed vision kwargs for {model_type}")
+
+    def tower(**kw):
+        with torch.no_grad():
+            out = model.model.get_image_features(pix, grids, **kw)
+        out = getattr(out, "pooler_output", out)
+        return (torch.cat(list(out)),) if isinstance(out, (tuple, list)) else (out,)
+
+    return (lambda: tower(**kwargs)), (lambda: tower())
 
 
 # ---------------------------------------------------------------------------------------
@@ -209,6 +279,25 @@ def run(opts: H.Options, rep: H.Reporter) -> None:
             for res in H.run_case(case, METHOD_NAMES, build, ref, opts.policy, exact=True,
                                   floor=floor, transformers_version=transformers.__version__):
                 rep.add(res, f"{case.name} {res.method}")
+    if major < 5:
+        return
+    for model_type in TOWERS:
+        ours, theirs = _tower_parts(model_type, _tower_grids(opts.suite))
+        ref = theirs()
+
+        def build_tower(name, ours=ours, theirs=theirs):
+            if name == "posenc":
+                return H.Workload(ours)
+            if name == "hf_eager":
+                return H.Workload(theirs)
+            raise NotImplementedError(
+                "the tower's forward with and without the precomputed kwargs is the "
+                "comparison; a compiled tower and a copy floor are not part of it")
+
+        case = _tower_case(opts, model_type)
+        for res in H.run_case(case, METHOD_NAMES, build_tower, ref, opts.policy, exact=True,
+                              transformers_version=transformers.__version__):
+            rep.add(res, f"{case.name} {res.method}")
 
 
 if __name__ == "__main__":

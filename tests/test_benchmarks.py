@@ -360,9 +360,10 @@ def test_vision_topic_checks_against_transformers():
     rep = H.Reporter(sum(len(m) for _, m in planned), to_driver=True)
     bench_vision.run(opts, rep)
     assert [(r.case, r.method) for r in rep.results] == [(c, m) for c, ms in planned for m in ms]
-    assert {r.op for r in rep.results} == {f"vision_{c}" for c in bench_vision.COMPUTATIONS}
+    towers = {"vision_tower"} if part == "vision_5x" else set()
+    assert {r.op for r in rep.results} == {f"vision_{c}" for c in bench_vision.COMPUTATIONS} | towers
     for r in rep.results:
-        if r.method != "hf_compile":
+        if r.method != "hf_compile" and not (r.op == "vision_tower" and r.method == "copy"):
             assert r.status == "ok", (r.op, r.method, r.reason)
     assert all(r.max_rel_err == 0.0 for r in rep.results if r.method == "posenc")
     patches = {label: sum(t * h * w for t, h, w in grids)
