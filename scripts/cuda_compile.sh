@@ -24,6 +24,7 @@ py=${PYTHON:-python3}
 archs=${GPU_ARCHS:-80 90}
 out=builddir-cuda
 mkdir -p "$out"
+# shellcheck disable=SC2054 # -Xcompiler takes one comma-separated argument
 flags=(-std=c++17 -O3 --fmad=false -Icsrc -Xcompiler -Wall,-Wextra,-Werror,-ffp-contract=off
        -Werror all-warnings -Xptxas -warn-spills)
 echo "cuda-compile: $("$nvcc" --version | tail -n 2 | head -n 1)"
@@ -58,6 +59,19 @@ echo "  the machine-code check finds every planted problem (csrc/cuda/tests/sass
 objs=()
 for arch in $archs; do objs+=("$out/rope.sm_$arch.o"); done
 "$py" scripts/cuda_sass_check.py --json "$out/sass.json" "${objs[@]}"
+# tests/cuda_variants.py (what the GPU tests and the sanitizer run) names every kernel there is
+"$py" - "$out/sass.json" <<'EOF'
+import json, sys
+sys.path.insert(0, "tests")
+import cuda_variants
+built = {cuda_variants.normalize(k["name"]) for ks in json.load(open(sys.argv[1])).values()
+         for k in ks}
+listed = {name for name, _, _ in cuda_variants.every_variant()}
+if built != listed:
+    sys.exit(f"tests/cuda_variants.py and the kernels disagree: built, not listed "
+             f"{sorted(built - listed)}; listed, not built {sorted(listed - built)}")
+print(f"  tests/cuda_variants.py lists the {len(built)} kernels built")
+EOF
 
 # The kernels' per-thread code on the host, bit for bit against the CPU kernels.
 [[ -f builddir-c/build.ninja ]] || "$meson" setup builddir-c -Dpython_extension=false >/dev/null

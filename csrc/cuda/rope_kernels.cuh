@@ -688,6 +688,15 @@ PE_HD void shared_vals(const R *c_row, const R *ss_row, int step, const Chunk &c
 // (the forward's ss[e] = sign(e) s[e], the transpose's ss[e] = -sign(e) s[p(e)]), each
 // token's written by its own threads, one per slot (a slot's two channels are partners).
 
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDA_ARCH__)
+#pragma GCC diagnostic push
+// A head's loads and a chunk's values are read under the conditions they were made under,
+// which GCC (the emulation's host build) cannot see; zeroing them first would cost the
+// device an instruction for every register.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
 // ---- one thread of an apply kernel.  Off: the integer type of element offsets inside a
 // token (int32_t when every one fits).  Per group: the token's row pointers once; then for
 // each of the thread's items, every load of its heads issued, then each head rotated,
@@ -764,7 +773,7 @@ PE_UNROLL
                 U::store(dt, row, off, xa[s]);
                 continue;
             }
-            Vals<R, V> v{};
+            Vals<R, V> v;
             vals(v);
             R oa[V], oz[V];
             if (g.step) {
@@ -801,10 +810,10 @@ PE_UNROLL
         const Rows rows = rows_of<T>(p, b, t);
         Chunk c = c0;
         for (int j = j0;;) {
-            Vals<R, V> v{};
+            Vals<R, V> v;
             if (!c.pass) table_vals<U>(p, g, rows, c, v);
             for (int r = r0; r < g.head_groups; r += g.rstep) {
-                raw xa[NH]{}, xz[NH]{};
+                raw xa[NH], xz[NH];
                 load_heads(p, g, rows, c, r, xa, xz);
                 store_heads(p, g, rows, c, r, xa, xz, [&](Vals<R, V> &out) { out = v; });
             }
@@ -856,6 +865,10 @@ PE_UNROLL
         }
     }
 };
+
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDA_ARCH__)
+#pragma GCC diagnostic pop
+#endif
 
 // ---- table gradients: row (b', t) of dcos/dsin, one lane per channel ---------------------
 
@@ -1166,7 +1179,17 @@ template <typename F> void with_table_grad_variant(const pe_rope_args *a, pe_dty
     const pe_dtype xdt = a->q.heads ? a->q.in_dtype : a->k.in_dtype;
     auto in_r = [&](auto r) {
         if (!same) return f(r, Tag<void>{}, Tag<void>{});
-        with_dtype(grad_dtype, [&](auto g) { with_dtype(xdt, [&](auto x) { f(r, g, x); }); });
+        with_dtype(grad_dtype, [&](auto g) {
+            with_dtype(xdt, [&](auto x) {
+                using R = typename decltype(r)::type;
+                using G = typename decltype(g)::type;
+                using X = typename decltype(x)::type;
+                // an fp64 operand makes the sums fp64: no fp32 kernel for it
+                if constexpr (std::is_same_v<R, double> ||
+                              !(std::is_same_v<G, double> || std::is_same_v<X, double>))
+                    f(r, g, x);
+            });
+        });
     };
     if (table_grad_f64(a, grad_dtype))
         in_r(Tag<double>{});
