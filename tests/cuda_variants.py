@@ -6,8 +6,9 @@ Qwen2-VL-7B case, under compute-sanitizer):
     python tests/cuda_variants.py [--shared-only]
 
 ``--shared-only`` keeps the kernels that use shared memory (the fused apply kernels and the
-tables kernel), the only ones racecheck has anything to check in.  Kernel names are written
-as the profiler reports them, without namespaces and spaces (``normalize``).  The apply
+tables kernel), the only ones racecheck has anything to check in.  The calls use the ops of
+posenc_torch, which the caller imports.  Kernel names are written as the profiler reports
+them, without namespaces and spaces (``normalize``).  The apply
 kernels' 64-bit-offset variants need a head stride past 2^31 elements: those calls view 2^31
 elements and more of one allocation (4 GiB in bf16, 16 GiB in fp64), of which they read a
 few rows.
@@ -177,6 +178,8 @@ def long_case(T: int = 5000) -> None:
 
 
 def main(argv: list[str]) -> int:
+    import posenc_torch  # noqa: F401  (registers torch.ops.posenc)
+
     shared_only = "--shared-only" in argv
     ran = skipped = 0
     for name, call, why in every_variant(shared_only):
