@@ -672,7 +672,7 @@ PE_UNROLL
     }
 }
 
-// The same values from a token's rows in shared memory (already signed: group_rows).
+// The same values from a token's rows in shared memory (already signed: positions_rows).
 template <typename R, int V>
 PE_HD void shared_vals(const R *c_row, const R *ss_row, int step, const Chunk &c,
                        Vals<R, V> &v) {
@@ -683,10 +683,6 @@ PE_HD void shared_vals(const R *c_row, const R *ss_row, int step, const Chunk &c
         read_row<R, V>(ss_row + c.e + step, v.sz);
     }
 }
-
-// ---- positions: the rows of a group's tokens in shared memory, cos and the signed sine
-// (the forward's ss[e] = sign(e) s[e], the transpose's ss[e] = -sign(e) s[p(e)]), each
-// token's written by its own threads, one per slot (a slot's two channels are partners).
 
 #if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDA_ARCH__)
 #pragma GCC diagnostic push
@@ -827,8 +823,10 @@ PE_UNROLL
         if (busy(p)) load_heads(p, g, rows_of<T>(p, b, t), c0, r0, a, z);
     }
 
-    // Positions, phase 2: the thread's share of its token's rows (slots lane, lane + lanes,
-    // ...), in shared memory at smem + 2 token row_stride.
+    // Positions, phase 2: the thread's share of its token's rows in shared memory, at smem +
+    // 2 token row_stride: cos and the signed sine (the forward's ss[e] = sign(e) s[e], the
+    // transpose's ss[e] = -sign(e) s[p(e)]) of slots lane, lane + lanes, ... (a slot's two
+    // channels are partners).
     PE_HD void positions_rows(const RopeP &p, const ApplyGrid &g, R *smem) const {
         if (!busy(p)) return;
         R *c = smem + 2 * static_cast<int64_t>(token) * g.row_stride, *ss = c + g.row_stride;
