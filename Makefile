@@ -198,9 +198,10 @@ cuda-compile: $(STAMP) $(CUDA_TOOLS)/.installed
 
 # On a machine with an NVIDIA GPU: build against its torch, run the GPU tests and the GPU
 # benchmark, everything into one folder (scripts/gpu_check.sh; README, section GPU).
-# PHASE=preflight|build|math|tests|sanitize|bench runs one phase (default: all).
+# PHASE=first (the default: preflight, build, math, tests), bench, or one of preflight,
+# build, math, tests, sanitize, all.
 gpu-check:
-	scripts/gpu_check.sh $(or $(PHASE),all)
+	scripts/gpu_check.sh $(or $(PHASE),first)
 
 bench: build
 	$(VPY) benchmarks/run.py --quick

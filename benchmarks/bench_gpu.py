@@ -1,5 +1,5 @@
-"""GPU cases: the posenc CUDA kernels against transformers (eager and torch.compile) and
-Liger-Kernel, as ratios to the two memory floors, with each method's GPU time alone.
+"""GPU cases: the posenc CUDA kernels against the two memory floors (and, in the full suite,
+transformers eager and torch.compile and Liger-Kernel), with each method's GPU time alone.
 
 Run with ``python benchmarks/run.py --device cuda --topics gpu`` (scripts/gpu_check.sh bench
 does); on a CPU run this topic is not selected.  Cases (Qwen2-VL-7B text shapes: 28 q heads,
@@ -14,13 +14,17 @@ transformers passes; bf16):
   (the same rotation; the merge is not timed).
 - ``rotary_step``: positions in, rotated q and k out: transformers' own rotary module +
   apply, Liger-Kernel on transformers' tables, posenc ``apply_rope`` (fused) and posenc
-  tables + apply; forward and forward+backward; also one decode step (B = 64, T = 1).
+  tables + apply; forward and backward; also one decode step (B = 64, T = 1).
 
-Every method is timed as the harness does (CUDA events around blocks of calls, methods
-alternating round by round: the wall time of back-to-back calls, launches and Python
-included).  Beside it, ``kernel_ms`` is the GPU time of one forward call alone: the call
-captured in a CUDA graph and the graph replayed (no Python, no dispatcher), for the methods
-that can be captured.
+The quick suite (``bench``: a few minutes with the machine's start) has posenc and the two
+floors at T = 4096 and 32768; the full suite adds the peers and more lengths.  Every method
+is timed as the harness does (CUDA events around blocks of calls, methods alternating round
+by round: the wall time of back-to-back calls, launches and Python included).  Beside it,
+``kernel_ms`` is the GPU time of one call alone, forward or backward: the call captured in a
+CUDA graph and the graph replayed (no Python, no dispatcher), L2 flushed before every replay
+(a 256 MiB write: the tables and q/k come from memory, as in a model, not from the previous
+replay's L2), for the methods that can be captured; a backward is the forward and backward
+captured together less the forward.
 """
 
 from __future__ import annotations
@@ -37,15 +41,23 @@ DEVICES = ("cuda",)  # run.py selects this topic only for --device cuda
 
 MODEL = "Qwen2-VL-7B"
 DECODE_BATCH = 64
-TABLE_METHODS = ("posenc", "hf_eager", "hf_compile", "liger", *H.FLOORS)
-STEP_METHODS = ("posenc_fused", "posenc_tables", "hf_eager", "hf_compile", "liger", *H.FLOORS)
+PEERS = ("hf_eager", "hf_compile", "liger")
+TABLE_METHODS = ("posenc", *PEERS, *H.FLOORS)
+STEP_METHODS = ("posenc_fused", "posenc_tables", *PEERS, *H.FLOORS)
 PLAN = {
-    "quick": {"rope": (4096, 32768), "mrope": (4096, 32768), "rotary_step": (8192,)},
+    "quick": {"rope": (4096, 32768), "mrope": (4096, 32768), "rotary_step": (4096, 32768)},
     "full": {"rope": (1024, 4096, 16384, 32768), "mrope": (1024, 4096, 16384, 32768),
              "rotary_step": (4096, 8192, 32768)},
     "smoke": {"rope": (256,), "mrope": (256,), "rotary_step": (256,)},
 }
-MODES = {"rope": ("fwd", "bwd"), "mrope": ("fwd", "bwd"), "rotary_step": ("fwd", "fwdbwd")}
+MODES = {"rope": ("fwd", "bwd"), "mrope": ("fwd", "bwd"), "rotary_step": ("fwd", "bwd")}
+FLUSH_BYTES = 256 << 20  # over 4x the H200's 60 MB L2
+
+
+def _methods(opts: H.Options, op: str) -> tuple[str, ...]:
+    """The methods of a case: no peers in the quick suite."""
+    methods = STEP_METHODS if op == "rotary_step" else TABLE_METHODS
+    return tuple(m for m in methods if opts.suite == "full" or m not in PEERS)
 
 
 def _groups(opts: H.Options):
@@ -62,7 +74,7 @@ def _case(opts, op, b, t, mode) -> H.Case:
 
 
 def plan(opts: H.Options):
-    return [(_case(opts, op, b, t, mode), STEP_METHODS if op == "rotary_step" else TABLE_METHODS)
+    return [(_case(opts, op, b, t, mode), _methods(opts, op))
             for op, b, t, modes in _groups(opts) for mode in modes]
 
 
@@ -126,10 +138,11 @@ def _table_builder(op, model, q, k, gq, gk, device):
     return build, hf
 
 
-def kernel_ms(fn, replays: int = 20) -> float | None:
-    """GPU milliseconds of one call of ``fn`` (a forward, no grad) alone: captured in a
-    CUDA graph, replayed ``replays`` times between two events.  None when the call cannot
-    be captured (a compiled function, a host synchronization inside)."""
+def kernel_ms(fn, replays: int = 20, flush_bytes: int = FLUSH_BYTES) -> float | None:
+    """GPU milliseconds of one call of ``fn`` (a forward under no grad, or a backward) alone:
+    captured in a CUDA graph, replayed ``replays`` times, each replay after a write of
+    ``flush_bytes`` (which evicts the L2) and timed between two events of its own.  None when
+    the call cannot be captured (a compiled function, a host synchronization inside)."""
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -137,20 +150,34 @@ def kernel_ms(fn, replays: int = 20) -> float | None:
             fn()  # warm-up on the capturing stream, as torch.cuda.graphs advises
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.no_grad():
+        with torch.cuda.graph(graph):
             fn()
         graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        flush = torch.empty(flush_bytes // 4, dtype=torch.int32, device="cuda")
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(replays)]
         torch.cuda.synchronize()
-        start.record()
-        for _ in range(replays):
+        for start, end in events:
+            flush.fill_(1)
+            start.record()
             graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / replays
+            end.record()
+        torch.cuda.synchronize()
+        return sum(s.elapsed_time(e) for s, e in events) / replays
     except Exception:  # noqa: BLE001 - not capturable: reported as None
         torch.cuda.synchronize()
         return None
+
+
+def kernel_ms_of(work: H.Workload, mode: str) -> float | None:
+    """kernel_ms of a method in ``mode``.  A backward captured alone would run on the
+    forward's stream, outside the capture: it is the forward and backward captured together
+    less the forward."""
+    if mode == "bwd" and "bwd" not in work.timed:
+        both = kernel_ms(H.timed_callable(work, "fwdbwd"))
+        fwd = kernel_ms(H.timed_callable(work, "fwd"))
+        return None if both is None or fwd is None else max(both - fwd, 0.0)
+    return kernel_ms(H.timed_callable(work, mode))
 
 
 def run(opts: H.Options, rep: H.Reporter) -> None:
@@ -168,12 +195,12 @@ def run(opts: H.Options, rep: H.Reporter) -> None:
             q, k, x, pos = step.step_inputs(model, b, t, torch.bfloat16, opts.device)
             gq, gk = torch.randn_like(q), torch.randn_like(k)
             build, hf_step = step.step_builder(model, q, k, x, pos, gq, gk, rotary, hf_apply)
-            ref_fn, methods = (lambda: hf_step(q, k, x, pos)), STEP_METHODS
+            ref_fn = lambda: hf_step(q, k, x, pos)  # noqa: E731
         else:
             _, _, q, k = H.qk_as_hf(b, t, model, torch.bfloat16, opts.device)
             gq, gk = torch.randn_like(q), torch.randn_like(k)
             build, ref_fn = _table_builder(op, model, q, k, gq, gk, opts.device)
-            methods = TABLE_METHODS
+        methods = _methods(opts, op)
         with torch.no_grad():
             ref_fwd = ref_fn()
         ref_grad = (torch.autograd.grad(ref_fn(), (q, k), (gq, gk))
@@ -185,9 +212,9 @@ def run(opts: H.Options, rep: H.Reporter) -> None:
                                  opts.policy, floor=floor * (2 if mode == "fwdbwd" else 1),
                                  transformers_version=hf_version)
             for res in results:
-                if mode == "fwd" and res.status == "ok" and opts.device == "cuda":
+                if res.status == "ok" and opts.device == "cuda":
                     work = build(res.method)
-                    res.kernel_ms = kernel_ms(H.timed_callable(work, "fwd"))
+                    res.kernel_ms = kernel_ms_of(work, mode)
                 rep.add(res, f"{case.name} {res.method}")
         del q, k, gq, gk, build, ref_fwd, ref_grad
         if opts.device == "cuda":

@@ -18,20 +18,30 @@
  * every product and sum rounded on its own (never fused), one rounding to nearest even at
  * the store.  The per-element math, including the fused path's angle
  * fl32(inv_freq * fl32(pos)) and its sine and cosine, is rope_math.h, the header the CPU
- * kernels use, so every op gives the CPU's bits.
+ * kernels use; the rounding to bf16 / fp16 is the hardware's conversion (cvt.rn, two values
+ * per instruction), which is the CPU's pe_f32_to_bf16 / pe_f32_to_f16 for every value but
+ * NaN, and a NaN result is encoded as the CPU encodes it.  So every op gives the CPU's bits,
+ * except for the payload and sign of a NaN result: NVIDIA's arithmetic returns a canonical
+ * NaN where the CPU propagates an input's (a result is NaN exactly where the CPU's is).
  *
- * Parallel layout.  apply: blocks of 256 threads, grid-stride over phases of several
+ * Parallel layout.  apply: blocks of 256 threads, grid-stride over groups of several
  * tokens.  A token's work is items, one channel chunk (16 bytes, or one element) of up to
- * four heads; a thread issues all loads of its item (up to 128 bytes), the block
- * writes the phase's cos and signed-sine rows to shared memory (one barrier), and the thread
- * reads its chunk's values into registers once and rotates and stores every head of its
- * item.  16-byte streaming loads and stores of whole vectors when every row is 16-byte
- * aligned and all tensors share one dtype (else one element at a time); 32-bit offsets
- * inside a token unless a head stride needs more.  No atomics.  table_grad: one block per
- * output row (b', t), one thread per channel summing the heads (and the batch when Bc = 1)
- * in the CPU's order, so the result is deterministic and equal to the CPU's; the dtypes of
- * gradients and inputs are template parameters chosen once per launch.  tables: one block
- * per (b, t).  The per-thread code of all three is in cuda/rope_kernels.cuh.
+ * four heads; a thread's chunk and first head group are fixed for the whole launch.  Per
+ * group a thread computes its token's row pointers once, issues every load of its item (up
+ * to 128 bytes of q/k), and rotates, rounds and stores each head.  With tables it reads its
+ * chunk's cos and sin straight into registers (16-byte loads in the vector variants, the
+ * dtype a template parameter; the MRoPE axis from the section bounds), so nothing is shared
+ * and no barrier is needed; with positions the threads of each token compute its cos and
+ * signed-sine rows into shared memory once (the q/k loads in flight meanwhile) and read
+ * their chunk after one barrier.  16-byte streaming loads and stores of whole vectors when
+ * every row (and, with tables, every table row) is 16-byte aligned, all tensors share one
+ * dtype, the tables are of that dtype and no chunk straddles two MRoPE sections (else one
+ * element at a time); 32-bit offsets inside a token unless a head stride needs more.  No
+ * atomics.  table_grad: one block per output row (b', t), one thread per channel summing
+ * the heads (and the batch when Bc = 1) in the CPU's order, so the result is deterministic
+ * and equal to the CPU's; the dtypes of gradients and inputs are template parameters chosen
+ * once per launch.  tables: one block per (b, t).  The per-thread code of all three, and
+ * their launch loops, are in cuda/rope_kernels.cuh.
  *
  * Statuses: PE_OK, PE_ERR_ARG (as on the CPU, plus the limit above) and PE_ERR_CUDA when the
  * launch fails (pe_cuda_last_error() then names the CUDA error).  Errors that happen later

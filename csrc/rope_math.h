@@ -2,8 +2,9 @@
  * rope_math.h — the per-element arithmetic of the RoPE kernels, shared by the CPU kernels
  * (plain C) and device code (CUDA C++), so that both give the same bits:
  *
- *   - dtype conversions: bf16 / fp16 <-> fp32 and fp64 -> bf16 / fp16, each rounding once
- *     to nearest even (NaN stays a quiet NaN, infinities and signed zeros are kept);
+ *   - dtype sizes, and conversions: bf16 / fp16 <-> fp32 and fp64 -> bf16 / fp16, each
+ *     rounding once to nearest even (NaN stays a quiet NaN, infinities and signed zeros
+ *     are kept);
  *   - the rotation of one channel, out = x * c + x_partner * signed_sine, as a product,
  *     a product and a sum, each rounded (never fused);
  *   - the fused path's angle fl32(inv_freq * fl32(pos)) and its sine and cosine.
@@ -17,8 +18,11 @@
 #ifndef POSENC_ROPE_MATH_H
 #define POSENC_ROPE_MATH_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "posenc.h"
 
 #ifdef __CUDACC__
 #define PE_HD __host__ __device__ __forceinline__
@@ -58,13 +62,31 @@ PE_HD float pe_bits_f32(uint32_t u) {
 #endif
 }
 
-/* ---- dtype conversions ------------------------------------------------------------- */
+/* ---- dtypes ------------------------------------------------------------------------ */
+
+/* Bytes of one element; 0 for a value that is not a pe_dtype. */
+PE_HD size_t pe_dtype_size(pe_dtype t) {
+    switch (t) {
+    case PE_FLOAT32: return 4;
+    case PE_FLOAT64: return 8;
+    case PE_BFLOAT16:
+    case PE_FLOAT16: return 2;
+    }
+    return 0;
+}
 
 PE_HD float pe_bf16_to_f32(uint16_t h) { return pe_bits_f32((uint32_t)h << 16); }
 
+/* The bf16 and fp16 encodings of the fp32 NaN of bits u: quiet, with its sign and leading
+ * fraction bits. */
+PE_HD uint16_t pe_bf16_of_nan(uint32_t u) { return (uint16_t)((u >> 16) | 0x40u); }
+PE_HD uint16_t pe_f16_of_nan(uint32_t u) {
+    return (uint16_t)(((u >> 16) & 0x8000u) | 0x7e00u | ((u >> 13) & 0x3ffu));
+}
+
 PE_HD uint16_t pe_f32_to_bf16(float f) {
     const uint32_t u = pe_f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
+    if ((u & 0x7fffffffu) > 0x7f800000u) return pe_bf16_of_nan(u);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -81,7 +103,7 @@ PE_HD float pe_f16_to_f32(uint16_t h) {
 PE_HD uint16_t pe_f32_to_f16(float f) {
     const uint32_t u = pe_f32_bits(f), a = u & 0x7fffffffu;
     const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); /* NaN */
+    if (a > 0x7f800000u) return pe_f16_of_nan(u);
     if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520: inf */
     if (a >= 0x38800000u) { /* normal: round at bit 13, rebias the exponent 127 -> 15 */
         const uint32_t r = a + 0xfffu + ((a >> 13) & 1u);

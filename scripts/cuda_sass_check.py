@@ -1,19 +1,39 @@
 """Check the compiled CUDA kernels (csrc/cuda/rope.cu) in their machine code, no GPU needed.
 
-    python scripts/cuda_sass_check.py [--cuobjdump PATH] OBJECT...
+    python scripts/cuda_sass_check.py [--cuobjdump PATH] [--json FILE] OBJECT...
 
 Each OBJECT is rope.cu compiled for one architecture with its PTX embedded (cuda_compile.sh
 builds builddir-cuda/rope.sm_XX.o so).  For every posenc kernel it reads the register and
 stack use (cuobjdump -res-usage), the launch bounds (the PTX's .maxntid / .minnctapersm) and
 the SASS, prints one line per kernel, and fails (exit status 1) when:
 
+- a kernel name cannot be demangled (c++filt, from binutils, is required: the rules below
+  read the template arguments);
 - a kernel has a stack frame or local memory (LDL/STL: spills, or arrays indexed at run time);
 - a kernel uses more registers than its launch bounds allow (65536 / (threads * blocks));
-- a vector variant of the apply kernel (16-byte rows) stores anything but 128-bit words;
+- a vector variant of the apply kernel (16-byte rows) stores anything but 128-bit words, or
+  loads q and k (its streaming loads) in anything but 128-bit words, or, with tables of its
+  own dtype, loads them in anything but 128-bit words;
 - any kernel has a fused multiply-add (FFMA, DFMA, HFMA2 other than the register-zeroing
   HFMA2.MMA idiom), a flush-to-zero operation (.FTZ; F2I aside) or a fast-math unit
   instruction (MUFU other than MUFU.RCP: integer division uses both): the per-element math
-  must be the CPU's, rounded op by op.
+  must be the CPU's, rounded op by op;
+- an apply kernel has no FMUL or DMUL (the rotation was compiled away);
+- an instruction budget (BUDGETS) is exceeded, or a vector apply variant is estimated to be
+  bound by instruction issue rather than memory on an H200 (see below).
+
+Per apply kernel it also prints the instruction counts: the whole kernel (every SASS
+instruction, as cuobjdump lists it) and an estimate of one group (one iteration of the
+grid-stride loop) for the benchmark's shape, Qwen2-VL-7B (28 q + 4 k heads, head_dim 128,
+half pairing, T = 32768): the instructions a thread issues per group are the longest path
+through the loop's body, each inner loop's body counted once and the branches on a warp
+vote (the rare NaN and large-angle paths) left out, times the items each thread holds (for
+the one-element variants, an upper bound); the rotate-and-store path is that path from its
+first FMUL/DMUL after the last barrier on (rotation, rounding, NaN test, addresses,
+stores), per element its unpredicated stores write.  Per SM, issue takes warps *
+instructions / (4 schedulers * 1.98 GHz) and memory bytes / (4.3 TB/s measured copy / 132
+SMs).  Issue at most ISSUE_SHARE of the memory time leaves the kernel memory-bound even at
+that issue efficiency.  --json writes every kernel's figures.
 
 cuobjdump comes from --cuobjdump, $CUOBJDUMP, the directory of nvcc, PATH, or the
 nvidia-cuda-cuobjdump wheel in .venv/cuda-tools (make cuda-compile installs it there).
@@ -23,6 +43,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
+import math
 import os
 import re
 import shutil
@@ -34,6 +56,38 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 REGISTERS_PER_SM = 65536
 
+# H200 (SXM): the figures of the estimate
+SMS = 132
+CLOCK_HZ = 1.98e9
+SCHEDULERS = 4
+COPY_BYTES_PER_S = 4.3e12  # device-to-device copy, bytes read + written
+ISSUE_SHARE = 0.5
+
+# The benchmark's shape: Qwen2-VL-7B text attention, one sequence of T tokens.
+BENCH = {"hq": 28, "hk": 4, "d": 128, "r": 128, "t": 32768}
+THREADS, HEADS_PER_THREAD = 256, 4
+
+STORAGE = {"float": 4, "double": 8, "Bf16": 2, "F16": 2}
+
+# Instruction budgets: (architecture, kernel name) -> the most SASS instructions allowed.
+# 2,285 = 60% of the 3,808 of the bf16 16-byte apply kernel before the conversions were
+# the hardware's and the tables were read straight into registers.
+BUDGETS = {("sm_90", "rope_apply_kernel<float, Bf16, 8, int, Tables<Bf16> >"): 2285}
+
+CONTROL = ("BRA", "BRX", "JMX", "JMP", "EXIT", "RET", "KILL")
+
+
+@dataclass
+class Ins:
+    addr: int
+    pred: str  # guard predicate ("" when none), e.g. "!P0" or "UP1"
+    op: str
+    args: str
+
+    @property
+    def base(self) -> str:
+        return self.op.split(".")[0]
+
 
 @dataclass
 class Kernel:
@@ -44,16 +98,45 @@ class Kernel:
     local: int = 0
     max_threads: int | None = None
     min_blocks: int | None = None
+    code: list[Ins] = field(default_factory=list)
     ops: collections.Counter = field(default_factory=collections.Counter)
     bad: list[str] = field(default_factory=list)
 
     @property
-    def vector_apply(self) -> bool:
-        m = re.search(r"rope_apply_kernel<([^>]*)>", self.name)
-        return bool(m) and int(m.group(1).split(",")[2]) > 1
+    def args(self) -> list[str]:
+        """Template arguments of the kernel, as demangled."""
+        m = re.search(r"<(.*)>\s*\(", self.name)
+        if not m:
+            return []
+        out, depth, cur = [], 0, ""
+        for ch in m.group(1):
+            if ch == "," and depth == 0:
+                out.append(cur.strip())
+                cur = ""
+                continue
+            depth += ch == "<"
+            depth -= ch == ">"
+            cur += ch
+        return [*out, cur.strip()]
 
-    def stores(self) -> dict[str, int]:
-        return {op: n for op, n in sorted(self.ops.items()) if op.startswith("STG")}
+    @property
+    def is_apply(self) -> bool:
+        return "rope_apply_kernel<" in self.name
+
+    @property
+    def vector(self) -> int:
+        return int(self.args[2]) if self.is_apply else 0
+
+    @property
+    def storage(self) -> int | None:
+        return STORAGE.get(self.args[1]) if self.is_apply else None
+
+    @property
+    def own_dtype_tables(self) -> bool:
+        return self.is_apply and len(self.args) > 4 and self.args[4] == f"Tables<{self.args[1]}>"
+
+    def count(self, prefix: str) -> dict[str, int]:
+        return {op: n for op, n in sorted(self.ops.items()) if op.startswith(prefix)}
 
 
 def find_cuobjdump(given: str | None) -> str:
@@ -76,11 +159,24 @@ def run(*cmd: str) -> str:
 
 
 def demangle(names: list[str]) -> dict[str, str]:
-    if not names or not shutil.which("c++filt"):
-        return {n: n for n in names}
-    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True,
+    """Readable names; fails rather than guessing when c++filt is missing or gives none."""
+    cxxfilt = shutil.which(os.environ.get("CXXFILT") or "c++filt")
+    if not cxxfilt:
+        raise SystemExit("cuda_sass_check: c++filt not found (binutils; or set CXXFILT): the "
+                         "checks read the kernels' template arguments from their demangled names")
+    out = subprocess.run([cxxfilt], input="\n".join(names), capture_output=True, text=True,
                          check=True).stdout.splitlines()
-    return {n: re.sub(r"\(anonymous namespace\)::|pe_cuda::", "", d) for n, d in zip(names, out)}
+    if len(out) != len(names):
+        raise SystemExit(f"cuda_sass_check: {cxxfilt} returned {len(out)} names for {len(names)}")
+    result = {}
+    for n, d in zip(names, out):
+        if d == n and n.startswith("_Z"):
+            raise SystemExit(f"cuda_sass_check: {cxxfilt} could not demangle {n}")
+        result[n] = re.sub(r"\(anonymous namespace\)::|pe_cuda::", "", d)
+    return result
+
+
+INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@(!?U?P\w+)\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
 def read_kernels(obj: Path, cuobjdump: str) -> dict[str, Kernel]:
@@ -104,12 +200,13 @@ def read_kernels(obj: Path, cuobjdump: str) -> dict[str, Kernel]:
         if f := re.search(r"Function : (\S+)", line):
             cur = kernels.get(f.group(1))
             continue
-        ins = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
+        ins = INS.search(line)
         if cur is None or not ins:
             continue
-        op, args = ins.group(1), ins.group(2)
+        i = Ins(int(ins.group(1), 16), ins.group(2) or "", ins.group(3), ins.group(4))
+        cur.code.append(i)
+        op, args, base = i.op, i.args, i.base
         cur.ops[op] += 1
-        base = op.split(".")[0]
         if base in ("FFMA", "DFMA", "FFMA32I") or (base == "HFMA2" and not (
                 op == "HFMA2.MMA" and re.search(r"-RZ,\s*RZ", args))):
             cur.bad.append(f"fused multiply-add {op}{args}")
@@ -125,7 +222,243 @@ def read_kernels(obj: Path, cuobjdump: str) -> dict[str, Kernel]:
     return kernels
 
 
-def check(kernel: Kernel) -> list[str]:
+# ---- control flow -----------------------------------------------------------------------
+
+def _target(i: Ins) -> int | None:
+    m = re.search(r"0x([0-9a-f]+)\s*$", i.args.strip())
+    return int(m.group(1), 16) if m and i.base in ("BRA", "CALL", "JMP") else None
+
+
+def _conditional(i: Ins) -> bool:
+    # a guard, a predicate operand (BRA P1, target / BRA.U !UP0, target) or a divergence test
+    return bool(i.pred) or ".DIV" in i.op or bool(re.match(r"\s*!?U?P\d", i.args))
+
+
+def _guard(i: Ins) -> str | None:
+    if i.pred:
+        return i.pred.lstrip("!")
+    m = re.match(r"\s*!?(U?P\d+)", i.args)
+    return m.group(1) if m else None
+
+
+@dataclass
+class Block:
+    start: int
+    code: list[Ins]
+    succ: list[tuple[int, bool]] = field(default_factory=list)  # (start, cold)
+
+
+def _subroutines(code: list[Ins]) -> set[int]:
+    """Targets of CALL that are subroutines (placed after the kernel's last EXIT: integer
+    division); a CALL into the body is a jump (the compiler's loop exits on sm_80)."""
+    last_exit = max((i.addr for i in code if i.base == "EXIT"), default=-1)
+    return {t for i in code if i.base == "CALL" and (t := _target(i)) is not None and t > last_exit}
+
+
+def blocks_of(code: list[Ins]) -> dict[int, Block]:
+    subs = _subroutines(code)
+    jumps = {i.addr for i in code if i.base == "CALL" and _target(i) not in subs}
+    leaders = {code[0].addr} if code else set()
+    for n, i in enumerate(code):
+        t = _target(i)
+        if t is not None:
+            leaders.add(t)
+        if (i.base in CONTROL or i.addr in jumps) and n + 1 < len(code):
+            leaders.add(code[n + 1].addr)
+    blocks: dict[int, Block] = {}
+    cur: list[Ins] = []
+    for i in code:
+        if i.addr in leaders and cur:
+            blocks[cur[0].addr] = Block(cur[0].addr, cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        blocks[cur[0].addr] = Block(cur[0].addr, cur)
+    starts = sorted(blocks)
+    index = {i.addr: n for n, i in enumerate(code)}
+    for n, s in enumerate(starts):
+        b = blocks[s]
+        last = b.code[-1]
+        nxt = starts[n + 1] if n + 1 < len(starts) else None
+        t = _target(last)
+        jump = last.base == "BRA" or last.addr in jumps
+        # a branch on a warp vote (the rare NaN path): the edge into the rare side is cold
+        vote = jump and _vote_guarded(code, index[last.addr])
+        negated = (last.pred or last.args.strip()).startswith("!")
+        if jump and t is not None:
+            b.succ.append((t, vote and not negated))
+        falls = (last.base not in CONTROL and not jump) or _conditional(last)
+        if falls and nxt is not None and last.base != "RET":
+            b.succ.append((nxt, vote and negated))
+    return blocks
+
+
+def _vote_guarded(code: list[Ins], n: int) -> bool:
+    """Instruction n, a branch, tests a warp vote's predicate: written by a VOTE, or by a
+    predicate operation (PLOP3) of one, within the 64 instructions before it."""
+    g = _guard(code[n])
+
+    def from_vote(pred: str | None, n: int, depth: int) -> bool:
+        if not pred or pred == "PT":
+            return False
+        for m in range(n - 1, max(-1, n - 65), -1):
+            i = code[m]
+            args = [a.strip().lstrip("!") for a in i.args.split(",")]
+            if pred in args[:2]:
+                if i.base in ("VOTE", "VOTEU"):
+                    return True
+                return depth > 0 and i.base in ("PLOP3", "UPLOP3") and any(
+                    from_vote(a, m, depth - 1) for a in args[2:] if re.fullmatch(r"U?P\d", a))
+        return False
+
+    return from_vote(g, n, 2)
+
+
+def call_costs(code: list[Ins]) -> dict[int, int]:
+    """Instructions from each subroutine's start to its RET (64-bit division)."""
+    by_addr = {i.addr: n for n, i in enumerate(code)}
+    costs = {}
+    for t in _subroutines(code):
+        if t in by_addr:
+            n = by_addr[t]
+            while n < len(code) and code[n].base != "RET":
+                n += 1
+            costs[t] = n - by_addr[t] + 1
+    return costs
+
+
+def group_path(k: Kernel) -> list[Block] | None:
+    """Longest path through the grid-stride loop's body (inner loop bodies once, vote-guarded
+    branches left out): the blocks a thread runs per group of the benchmark shape."""
+    blocks = blocks_of(k.code)
+    calls = call_costs(k.code)
+    preds: dict[int, list[int]] = collections.defaultdict(list)
+    back = []
+    for s, b in blocks.items():
+        for t, _ in b.succ:
+            preds[t].append(s)
+            if t <= s:
+                back.append((s, t))
+    if not back:
+        return None
+    latch, head = max(back, key=lambda e: e[0] - e[1])  # the outermost loop
+    body, todo = {head, latch}, [latch]
+    while todo:  # its natural loop: what reaches the latch without passing the head
+        for p in preds[todo.pop()]:
+            if p not in body:
+                body.add(p)
+                todo.append(p)
+
+    def weight(b: Block) -> int:
+        return len(b.code) + sum(calls.get(_target(i), 0) for i in b.code if i.base == "CALL")
+
+    def forward(s: int) -> list[int]:
+        """Successors of s in the acyclic order: forward edges, and an inner loop's back edge
+        replaced by its header's exits past s (a loop tested at the top leaves there)."""
+        out = []
+        for t, cold in blocks[s].succ:
+            if cold:
+                continue
+            if t > s:
+                out.append(t)
+            elif t != head:
+                out += [x for x, c in blocks[t].succ if not c and x > s]
+        return [t for t in out if t in body]
+
+    best, prev = {head: weight(blocks[head])}, {}
+    for s in sorted(body):  # forward edges go to higher addresses: a topological order
+        if s not in best:
+            continue
+        for t in forward(s):
+            if best[s] + weight(blocks[t]) > best.get(t, 0):
+                best[t] = best[s] + weight(blocks[t])
+                prev[t] = s
+    if latch not in best:
+        return None
+    path = [latch]
+    while path[-1] in prev:
+        path.append(prev[path[-1]])
+    return [blocks[s] for s in reversed(path)]
+
+
+def path_length(k: Kernel, path: list[Block]) -> int:
+    calls = call_costs(k.code)
+    return sum(len(b.code) + sum(calls.get(_target(i), 0) for i in b.code if i.base == "CALL")
+               for b in path)
+
+
+def stored_elements(k: Kernel, code: list[Ins]) -> int:
+    """Elements the unpredicated global stores of `code` write."""
+    es, n = k.storage or 1, 0
+    for i in code:
+        if i.base == "STG" and not i.pred:
+            m = re.search(r"\.(64|128)$", i.op)
+            width = int(m.group(1)) // 8 if m else (2 if ".U16" in i.op else 4)
+            n += max(1, width // es)
+    return n
+
+
+def rotate_path(k: Kernel) -> tuple[int, int] | None:
+    """(instructions, elements stored) of the group path from its first rotation (the first
+    block with an FMUL or DMUL after the last barrier) on: rotation, rounding, NaN test,
+    addresses and stores."""
+    path = group_path(k)
+    if not path:
+        return None
+    bar = max((n for n, b in enumerate(path) if any(i.base == "BAR" for i in b.code)), default=0)
+    first = next((n for n, b in enumerate(path)
+                  if n >= bar and any(i.base in ("FMUL", "DMUL") for i in b.code)), None)
+    if first is None:
+        return None
+    tail = path[first:]
+    stored = stored_elements(k, [i for b in tail for i in b.code])
+    return (path_length(k, tail), stored) if stored else None
+
+
+# ---- the estimate ---------------------------------------------------------------------------
+
+@dataclass
+class Estimate:
+    instr: int          # per thread and group, all its items
+    warps: int          # per group
+    tokens: int         # per group
+    issue_us: float     # per group
+    memory_us: float    # per group
+    call_issue_ms: float
+    call_memory_ms: float
+
+    @property
+    def share(self) -> float:
+        return self.issue_us / self.memory_us
+
+
+def estimate(k: Kernel) -> Estimate | None:
+    es, v = k.storage, k.vector
+    blocks = group_path(k)
+    if es is None or blocks is None:
+        return None
+    path = path_length(k, blocks)
+    s = BENCH
+    heads, d, r = s["hq"] + s["hk"], s["d"], s["r"]
+    rot_items = r // 2 // v
+    chunks = rot_items + (d - r) // v
+    items = chunks * math.ceil(heads / HEADS_PER_THREAD)
+    lanes = items if items <= THREADS else (THREADS // chunks * chunks if chunks <= THREADS
+                                            else THREADS)
+    tokens = THREADS // lanes
+    per_thread = math.ceil(items / lanes)
+    warps = math.ceil(tokens * lanes / 32)
+    source = k.args[4] if len(k.args) > 4 else "Tables<" + k.args[1] + ">"
+    tes = STORAGE.get(source[7:-1].strip(), es) if source.startswith("Tables<") else 0
+    token_bytes = heads * d * es * 2 + (2 * r * tes if tes else 3 * 8)
+    issue = warps * path * per_thread / (SCHEDULERS * CLOCK_HZ)
+    memory = tokens * token_bytes / (COPY_BYTES_PER_S / SMS)
+    groups = s["t"] / tokens
+    return Estimate(path * per_thread, warps, tokens, issue * 1e6, memory * 1e6,
+                    groups / SMS * issue * 1e3, s["t"] * token_bytes / COPY_BYTES_PER_S * 1e3)
+
+
+def check(kernel: Kernel, arch: str) -> list[str]:
     errors = list(dict.fromkeys(kernel.bad))
     if kernel.stack or kernel.local:
         errors.append(f"stack frame {kernel.stack} B, local memory {kernel.local} B")
@@ -134,34 +467,92 @@ def check(kernel: Kernel) -> list[str]:
         limit = min(255, limit // 8 * 8)
         if kernel.regs > limit:
             errors.append(f"{kernel.regs} registers, launch bounds allow {limit}")
-    if kernel.vector_apply:
-        narrow = {op: n for op, n in kernel.stores().items() if not op.endswith("128")}
+    if kernel.is_apply and not any(i.base in ("FMUL", "DMUL") for i in kernel.code):
+        errors.append("no FMUL or DMUL: the rotation is missing")
+    if kernel.is_apply and kernel.vector > 1:
+        narrow = {op: n for op, n in kernel.count("STG").items() if not op.endswith("128")}
         if narrow:
             errors.append(f"stores narrower than 128 bits in a vector variant: {narrow}")
+        streaming = {op: n for op, n in kernel.count("LDG").items() if ".EF" in op}
+        if not streaming:
+            errors.append("no streaming (q/k) loads found in a vector variant")
+        narrow = {op: n for op, n in streaming.items() if not op.endswith("128")}
+        if narrow:
+            errors.append(f"q/k loads narrower than 128 bits in a vector variant: {narrow}")
+        if kernel.own_dtype_tables:
+            narrow = {op: n for op, n in kernel.count("LDG").items() if not op.endswith("128")}
+            if narrow:
+                errors.append(f"table loads narrower than 128 bits with tables of the "
+                              f"kernel's dtype: {narrow}")
+        est = estimate(kernel)
+        if est and est.share > ISSUE_SHARE:
+            errors.append(f"estimated issue time {est.issue_us:.2f} us per group is "
+                          f"{est.share:.0%} of the memory time {est.memory_us:.2f} us "
+                          f"(at most {ISSUE_SHARE:.0%}): bound by instruction issue")
+    limit = BUDGETS.get((arch, kernel.name.removeprefix("void ").split("(")[0]))
+    if limit is not None and len(kernel.code) > limit:
+        errors.append(f"{len(kernel.code)} instructions, budget {limit}")
     return errors
+
+
+def summary(k: Kernel) -> dict:
+    out = {"name": k.name, "regs": k.regs, "instructions": len(k.code),
+           "stores": k.count("STG"), "loads": k.count("LDG")}
+    if k.is_apply:
+        rp = rotate_path(k)
+        if rp:
+            out["rotate_path"] = {"instructions": rp[0], "elements": rp[1],
+                                  "per_element": round(rp[0] / rp[1], 2)}
+        est = estimate(k)
+        if est:
+            out["group"] = {"instructions_per_thread": est.instr, "warps": est.warps,
+                            "tokens": est.tokens, "issue_us": round(est.issue_us, 3),
+                            "memory_us": round(est.memory_us, 3),
+                            "issue_share": round(est.share, 3),
+                            "t32768_issue_ms": round(est.call_issue_ms, 4),
+                            "t32768_memory_ms": round(est.call_memory_ms, 4)}
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("objects", nargs="+", type=Path)
     ap.add_argument("--cuobjdump")
+    ap.add_argument("--json", type=Path, help="write every kernel's figures to this file")
     args = ap.parse_args()
     cuobjdump = find_cuobjdump(args.cuobjdump)
     failed = 0
+    record = {}
     for obj in args.objects:
+        arch = m.group(0) if (m := re.search(r"sm_\d+", obj.name)) else obj.stem
         kernels = read_kernels(obj, cuobjdump)
         if not kernels:
             print(f"cuda_sass_check: no kernels found in {obj}", file=sys.stderr)
             return 1
-        print(f"{obj.name}: {len(kernels)} kernels (registers, launch bounds "
-              "threads x blocks per SM, global stores)")
+        print(f"{obj.name}: {len(kernels)} kernels (registers, launch bounds threads x blocks "
+              "per SM, SASS instructions, global stores)")
         for k in sorted(kernels.values(), key=lambda k: k.name):
             bounds = f"{k.max_threads}x{k.min_blocks or 1}" if k.max_threads else "-"
-            stores = " ".join(f"{op}:{n}" for op, n in k.stores().items())
-            print(f"  {k.regs:3d} regs  {bounds:>7}  {k.name}  [{stores}]")
-            for e in check(k):
+            stores = " ".join(f"{op}:{n}" for op, n in k.count("STG").items())
+            print(f"  {k.regs:3d} regs  {bounds:>7}  {len(k.code):5d} ins  {k.name}  [{stores}]")
+            info = summary(k)
+            if "rotate_path" in info:
+                rp = info["rotate_path"]
+                print(f"        rotate-and-store: {rp['instructions']} instructions for "
+                      f"{rp['elements']} elements, {rp['per_element']} per element")
+            if "group" in info:
+                g = info["group"]
+                print(f"        group of {g['tokens']} tokens ({g['warps']} warps): "
+                      f"{g['instructions_per_thread']} instructions per thread, issue "
+                      f"{g['issue_us']:.2f} us vs memory {g['memory_us']:.2f} us per SM "
+                      f"({g['issue_share']:.0%}); T=32768: {g['t32768_issue_ms']:.3f} ms issue, "
+                      f"{g['t32768_memory_ms']:.3f} ms memory")
+            record.setdefault(arch, []).append(info)
+            for e in check(k, arch):
                 print(f"    FAIL {e}")
                 failed += 1
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
     print(f"cuda_sass_check: {'FAILED, ' + str(failed) + ' problems' if failed else 'ok'}")
     return 1 if failed else 0
 

@@ -1,36 +1,49 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with an NVIDIA GPU, nvcc, and a Python with torch (a CUDA
-# build), transformers, meson and ninja; no network and no meson-python needed.  In phases,
-# each short enough for one 10-minute call, that resume from what an earlier call left
-# (the build in builddir-gpu, the results in OUTDIR):
+# build), transformers, meson and ninja; no network and no meson-python needed.
 #
 #   scripts/gpu_check.sh PHASE [OUTDIR]      (or: make gpu-check PHASE=...)
 #
-#   preflight  nvcc, the CUDA runtime library (a toolkit's libcudart.so or pip's
-#              libcudart.so.N), Python.h, torch and its CUDA version, the GPU; fails with
-#              the reason when something the build needs is missing
+#   first      preflight, build, math and tests, one after the other, within FIRST_BUDGET
+#              seconds (default 450: one call of at most 8 minutes); the first thing to run
+#   bench      benchmarks/run.py --quick --device cuda --topics gpu: posenc and the two
+#              memory floors at T = 4096 and 32768, forward and backward, each with its GPU
+#              time alone (kernel_ms, L2 flushed between replays); builds first when
+#              builddir-gpu has no build; within BENCH_BUDGET seconds (default 240)
+#   preflight  nvcc (PATH, then /usr/local/cuda/bin, then the toolkit beside the CUDA build
+#              of torch), the CUDA runtime library, Python.h, torch and its CUDA version,
+#              transformers, meson, ninja, the GPU, compute-sanitizer; fails with the reason
+#              when something the build needs is missing
 #   build      builds posenc_torch against this torch with the CUDA kernels (plain meson
 #              build in builddir-gpu, for this GPU's architecture) and stages the package
 #              with the built _C next to it (nothing is installed)
-#   math       csrc/cuda/tests/math_device.cu: rope_math.h on the GPU vs the host, bit for bit
-#   tests      tests/test_cuda.py
-#   sanitize   tests/test_cuda.py under compute-sanitizer (memcheck), when it is installed
-#   bench      benchmarks/run.py --device cuda --topics gpu (results written after every
-#              case, so a run cut short keeps what it measured)
-#   all        every phase in order (may take longer than 10 minutes)
+#   math       csrc/cuda/tests/math_device.cu, built with --fmad=false as the kernels are:
+#              rope_math.h on the GPU vs the host, and the kernels' bf16/fp16 conversions
+#              (the hardware instructions and their NaN path) vs the CPU's over all 2^32
+#              fp32 patterns, bit for bit
+#   tests      tests/test_cuda.py (pytest-junit.xml)
+#   sanitize   tests/cuda_variants.py (every kernel instantiation once, then a 5,000-token
+#              case) under compute-sanitizer: memcheck with torch's caching allocator off
+#              (PYTORCH_NO_CUDA_MEMORY_CACHING=1, so an overrun meets the end of its own
+#              allocation), then racecheck on the kernels that share memory; SKIPPED, with
+#              the sanitizer's own words, where it refuses the device
+#   all        every phase in order (longer than one call)
 #
-# Each phase appends one line to OUTDIR/summary.txt (ok / FAILED / STOPPED, with its
-# duration) and writes OUTDIR/<phase>.log; tests: pytest-junit.xml; bench: <suite>.json,
-# <suite>.csv, plots-<suite>/ (in OUTDIR/bench).  OUTDIR: $OUT if set, else ./gpu-check-out.
+# OUTDIR ($OUT if set, else ./gpu-check-out) gets summary.txt (a line per phase: ok /
+# FAILED / STOPPED / SKIPPED with its duration, appended as each phase ends) and a log per
+# phase written as it runs (first.log: every phase of `first` in order, each headed by its
+# start time, so a run cut short shows where it stopped); tests: pytest-junit.xml; bench:
+# bench/quick.json (rewritten after every case), quick.csv, plots-quick/.
 # Exit status: 0 passed, 1 failed, 2 needs a CUDA device and there is none.
 #   PYTHON=python3  SUITE=quick|full|smoke  GPU_ARCHS="90" (default: this GPU's)
 #   WHEELS=dir: extra wheels to put on the path first (default ./.whl when it has any)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 root=$PWD
+self=$root/scripts/gpu_check.sh
 phase=${1:-}
 case "$phase" in
-preflight | build | math | tests | sanitize | bench | all) ;;
+preflight | build | math | tests | sanitize | bench | first | all) ;;
 *)
     sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
     exit 1
@@ -43,21 +56,53 @@ py=${PYTHON:-python3}
 suite=${SUITE:-quick}
 summary="$out/summary.txt"
 touch "$summary"
+export PYTHONUNBUFFERED=1 # logs as they happen
 
 note() { echo "$*" | tee -a "$summary"; }
 
+# nvcc: on PATH, else the toolkit's usual place, else the toolkit beside the CUDA build of
+# torch (the CUDA_HOME torch was built to use, or the nvidia-* wheels in its site-packages).
+find_nvcc() {
+    if command -v nvcc; then return 0; fi
+    if [[ -x /usr/local/cuda/bin/nvcc ]]; then echo /usr/local/cuda/bin/nvcc; return 0; fi
+    "$py" - 2>/dev/null <<'EOF'
+import glob, os, sys
+import torch
+cands = []
+try:
+    from torch.utils.cpp_extension import CUDA_HOME
+    if CUDA_HOME:
+        cands.append(os.path.join(CUDA_HOME, "bin", "nvcc"))
+except Exception:  # noqa: BLE001
+    pass
+site = os.path.dirname(os.path.dirname(torch.__file__))
+cands += sorted(glob.glob(os.path.join(site, "nvidia", "*", "bin", "nvcc")))
+cands += sorted(glob.glob(os.path.join(site, "nvidia", "bin", "nvcc")))
+for c in cands:
+    if os.access(c, os.X_OK):
+        print(c)
+        sys.exit(0)
+sys.exit(1)
+EOF
+}
+
+nvcc_path=$(find_nvcc || true)
+# meson finds nvcc on PATH; ninja may live beside this Python only
+[[ -n $nvcc_path ]] && PATH="$(dirname "$nvcc_path"):$PATH"
+PATH="$(dirname "$(command -v "$py" || echo "$py")"):$PATH"
+export PATH
+
 # ---- preflight: what the build and the GPU phases need
 preflight() {
-    local bad=0 nvcc
-    nvcc=$(command -v nvcc || true)
-    if [[ -z "$nvcc" ]]; then
-        echo "MISSING nvcc: not on PATH (install the CUDA toolkit, or pip install" \
-            "nvidia-cuda-nvcc and put its bin/ on PATH); the build needs it"
+    local bad=0
+    if [[ -z $nvcc_path ]]; then
+        echo "MISSING nvcc: not on PATH, not in /usr/local/cuda/bin, not beside torch" \
+            "(install the CUDA toolkit, or pip install nvidia-cuda-nvcc); the build needs it"
         bad=1
     else
-        echo "nvcc: $nvcc ($("$nvcc" --version | tail -n 2 | head -n 1))"
-        if lib=$("$py" scripts/cuda_libdir.py "$nvcc") &&
-            link=$("$py" scripts/cuda_libdir.py --link "$nvcc"); then
+        echo "nvcc: $nvcc_path ($("$nvcc_path" --version | tail -n 2 | head -n 1))"
+        if lib=$("$py" scripts/cuda_libdir.py "$nvcc_path") &&
+            link=$("$py" scripts/cuda_libdir.py --link "$nvcc_path"); then
             echo "CUDA runtime: $lib ($link)"
         else
             echo "MISSING the CUDA runtime library (libcudart.so or libcudart.so.N)"
@@ -65,10 +110,11 @@ preflight() {
         fi
     fi
     "$py" - <<'EOF' || bad=1
-import os, platform, sysconfig, sys
+import os, platform, shutil, sysconfig, sys
 inc = sysconfig.get_paths()["include"]
 ok = os.path.exists(os.path.join(inc, "Python.h"))
-print("python", platform.python_version(), "Python.h:", inc if ok else f"MISSING in {inc}")
+print("python", platform.python_version(), sys.executable, "Python.h:",
+      inc if ok else f"MISSING in {inc}")
 try:
     import torch
 except ImportError as exc:
@@ -85,6 +131,8 @@ for mod, dist in (("transformers", "transformers"), ("mesonbuild", "meson"), ("n
     except ImportError as exc:
         ok = False
         print(f"MISSING {dist}: {exc}")
+print("ninja program:", shutil.which("ninja") or "MISSING (not on PATH)")
+ok = ok and shutil.which("ninja") is not None
 print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
 sys.exit(0 if ok else 1)
 EOF
@@ -93,8 +141,12 @@ EOF
     else
         echo "nvidia-smi: not found"
     fi
-    command -v compute-sanitizer >/dev/null && echo "compute-sanitizer: $(command -v compute-sanitizer)" ||
+    if command -v compute-sanitizer >/dev/null; then
+        echo "compute-sanitizer: $(command -v compute-sanitizer)"
+    else
         echo "compute-sanitizer: not found (the sanitize phase will be skipped)"
+    fi
+    echo "cores: $(nproc)"
     return $bad
 }
 
@@ -110,6 +162,7 @@ print(f'{c[0]}{c[1]}')")}"
 # ---- build against this torch, CUDA kernels required, and stage the package
 build() {
     local pkg=builddir-gpu/stage/posenc_torch
+    [[ -n $nvcc_path ]] || { echo "no nvcc (see preflight)"; return 1; }
     rm -rf builddir-gpu &&
         "$py" -m mesonbuild.mesonmain setup builddir-gpu -Dbuildtype=release -Dcuda=enabled \
             "-Dgpu_archs=$(archs | tr ' ' ',')" &&
@@ -139,63 +192,138 @@ staged() {
 math() {
     local a
     a=$(archs)
-    nvcc -std=c++17 -O2 -Icsrc -gencode "arch=compute_${a%% *},code=sm_${a%% *}" \
+    "$nvcc_path" -std=c++17 -O3 --fmad=false -Icsrc \
+        -gencode "arch=compute_${a%% *},code=sm_${a%% *}" \
         csrc/cuda/tests/math_device.cu -o builddir-gpu/math_device && builddir-gpu/math_device
 }
 
 # from tests/ (as make pytest does), so the staged package is imported, not the sources
 tests() {
-    (cd tests && "$py" -m pytest -q -rs -p no:cacheprovider test_cuda.py \
-        --junitxml="$out/pytest-junit.xml")
+    local timeout=()
+    "$py" -c "import pytest_timeout" 2>/dev/null && timeout=(--timeout 240)
+    (cd tests && "$py" -m pytest -q -rs -p no:cacheprovider --durations=10 "${timeout[@]}" \
+        test_cuda.py --junitxml="$out/pytest-junit.xml")
+}
+
+# compute-sanitizer on a one-allocation program first: where it refuses the device, its own
+# words are the reason the phase is skipped.
+sanitizer_refusal() {
+    local probe
+    probe=$(compute-sanitizer --tool memcheck --error-exitcode 1 "$py" -c \
+        "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()" 2>&1)
+    local rc=$?
+    if grep -qiE "not supported|error 999|unknown error|failed to initialize" <<<"$probe" ||
+        ((rc != 0)); then
+        grep -iE "not supported|error|failed" <<<"$probe" | head -n 2 | sed 's/^=* *//' |
+            tr '\n' ' '
+        [[ -n $probe ]] || echo "compute-sanitizer exited with status $rc"
+        return 0
+    fi
+    return 1
 }
 
 sanitize() {
-    (cd tests && compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 20 \
-        "$py" -m pytest -q -rs -p no:cacheprovider test_cuda.py -k "not 2_pow_31")
+    local why
+    if why=$(sanitizer_refusal); then
+        echo "compute-sanitizer refused the device: $why"
+        return 3
+    fi
+    echo "== memcheck, caching allocator off: every kernel instantiation, a 5,000-token case"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        --print-limit 20 "$py" tests/cuda_variants.py || return 1
+    echo "== racecheck: the kernels with shared memory, the 5,000-token case"
+    compute-sanitizer --tool racecheck --error-exitcode 1 --print-limit 20 "$py" \
+        tests/cuda_variants.py --shared-only
 }
 
 bench() {
     "$py" benchmarks/run.py "--$suite" --device cuda --topics gpu --out "$out/bench"
 }
 
-# run_phase NAME: the phase with its log, duration and summary line; 0 ok, 1 failed, 2 no GPU
+# run_phase NAME: the phase with its log, duration and summary line; 0 ok, 1 failed, 2 no
+# GPU, 3 skipped
 run_phase() {
     local name=$1 rc start
     start=$(date +%s)
     echo "==== $name ($(date -u +%H:%M:%S) UTC)"
-    case $name in
-    preflight) preflight ;;
-    build) build ;;
-    *)
-        staged || { note "FAILED  $name: no staged build (run the build phase first)"; return 1; }
-        if ! has_gpu; then
-            note "STOPPED $name: no CUDA device"
-            return 2
-        fi
-        if [[ $name == sanitize ]] && ! command -v compute-sanitizer >/dev/null; then
-            note "SKIPPED sanitize: compute-sanitizer not found"
-            return 0
-        fi
-        $name
-        ;;
-    esac > >(tee "$out/$name.log") 2>&1
-    rc=$?
+    (
+        case $name in
+        preflight) preflight ;;
+        build) build ;;
+        *)
+            if [[ $name == bench && ! -d builddir-gpu/stage/posenc_torch ]]; then
+                echo "no staged build: building first"
+                build || exit 1
+            fi
+            staged || exit 1
+            if ! has_gpu; then
+                echo "no CUDA device"
+                exit 2
+            fi
+            if [[ $name == sanitize ]] && ! command -v compute-sanitizer >/dev/null; then
+                echo "compute-sanitizer not found"
+                exit 3
+            fi
+            $name
+            ;;
+        esac
+    ) 2>&1 | tee "$out/$name.log"
+    rc=${PIPESTATUS[0]}
     local took=$(($(date +%s) - start))
-    if ((rc == 0)); then note "ok      $name (${took} s)"; else note "FAILED  $name (exit status $rc, ${took} s)"; fi
-    ((rc == 0))
+    case $rc in
+    0) note "ok      $name (${took} s)" ;;
+    2) note "STOPPED $name: no CUDA device (${took} s)" ;;
+    3) note "SKIPPED $name: $(tail -n 1 "$out/$name.log") (${took} s)" ;;
+    *) note "FAILED  $name (exit status $rc, ${took} s)" ;;
+    esac
+    return "$rc"
 }
 
-if [[ $phase == all ]]; then
-    status=0
-    for p in preflight build math tests sanitize bench; do
-        run_phase "$p"
-        rc=$?
-        ((rc == 2)) && exit 2
-        ((rc != 0)) && status=1
-        [[ $p == preflight || $p == build ]] && ((rc != 0)) && break
+# phases PHASE... under BUDGET seconds in all: each a child of this script under `timeout`
+# (so one that hangs is stopped and the next still runs), its output into OUT/<log>.log
+phases() {
+    local budget=$1 log=$2 status=0 start rc left
+    shift 2
+    start=$(date +%s)
+    : >"$out/$log.log"
+    for p in "$@"; do
+        left=$((budget - ($(date +%s) - start)))
+        if ((left <= 5)); then
+            note "STOPPED $p: not started, the $budget s budget of $phase is spent"
+            status=1
+            continue
+        fi
+        GPU_CHECK_CHILD=1 timeout --kill-after=10 "$left" "$self" "$p" "$out" 2>&1 |
+            tee -a "$out/$log.log"
+        rc=${PIPESTATUS[0]}
+        if ((rc == 124 || rc == 137)); then
+            note "STOPPED $p: cut off at the $budget s budget of $phase"
+            status=1
+        elif ((rc == 2)); then
+            return 2
+        elif ((rc != 0 && rc != 3)); then
+            status=1
+            [[ $p == preflight || $p == build ]] && break
+        fi
     done
-    echo "==== summary ($out)"
-    cat "$summary"
-    exit $status
-fi
-run_phase "$phase"
+    echo "==== summary ($out)" | tee -a "$out/$log.log"
+    tee -a "$out/$log.log" <"$summary"
+    return $status
+}
+
+case $phase in
+first) phases "${FIRST_BUDGET:-450}" first preflight build math tests ;;
+all) phases "${ALL_BUDGET:-3600}" all preflight build math tests sanitize bench ;;
+bench)
+    if [[ -n ${GPU_CHECK_CHILD:-} ]]; then
+        run_phase bench
+    else
+        GPU_CHECK_CHILD=1 timeout --kill-after=10 "${BENCH_BUDGET:-240}" "$self" bench "$out"
+        rc=$?
+        ((rc == 124 || rc == 137)) &&
+            note "STOPPED bench: cut off at its ${BENCH_BUDGET:-240} s budget"
+        exit $rc
+    fi
+    ;;
+*) run_phase "$phase" ;;
+esac

@@ -1,8 +1,11 @@
 """The CUDA kernels: parity with the CPU kernels (bit for bit: the same per-element math in
-csrc/rope_math.h, the same rounding) and with transformers' own functions, fp64 gradcheck,
-torch.library.opcheck, torch.compile with backward, torch.export, CUDA graphs, strided
-views, decode batches, the current stream, devices that do not match, and a tensor past
-2^31 elements.
+csrc/rope_math.h, the same rounding; a NaN where the CPU has one, whatever its payload) and
+with transformers' own functions, fp64 gradcheck, torch.library.opcheck, torch.compile with
+backward, torch.export, CUDA graphs, strided views, decode batches, long sequences with
+every gradient, MRoPE interleaved through the table op, no heads at all, NaN and infinities,
+the current stream, devices that do not match, tensors past 2^31 elements and head strides
+past 2^31 (the 64-bit-offset kernels), and every kernel instantiation launched
+(tests/cuda_variants.py).
 
 Everything here needs an NVIDIA GPU and a build with the CUDA kernels (meson option
 ``cuda``); without them the module is skipped with the reason.  ``scripts/gpu_check.sh``
@@ -11,13 +14,13 @@ builds and runs it on a GPU machine.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
+import cuda_variants
 import posenc_torch as pt
 import posenc_torch.hf  # noqa: F401  (pt.hf)
+from shapes import Shape
 
 if not pt._C.has_cuda():
     pytest.skip("posenc_torch was built without its CUDA kernels (needs nvcc and a CUDA build "
@@ -34,23 +37,6 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (  # noqa: E402
 
 CUDA = torch.device("cuda")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    name: str
-    B: int
-    Hq: int
-    Hk: int
-    T: int
-    D: int
-    R: int | None = None
-    cos_batch: int = 1
-
-    @property
-    def rot(self) -> int:
-        return self.R or self.D
-
 
 SHAPES = [
     Shape("qwen2-vl-7b-heads", 1, 28, 4, 37, 128),
@@ -111,6 +97,28 @@ def assert_bitwise(got, want):
         else:
             same = torch.equal(g, w)
         assert same, f"max |diff| {(g.double() - w.double()).abs().max().item():.3g}"
+
+
+def assert_bitwise_or_nan(got, want):
+    """NaN exactly where the CPU has NaN (the device's arithmetic returns a canonical NaN,
+    the CPU an input's payload), the same bits everywhere else."""
+    for g, w in zip(got, want):
+        g, w = g.detach().cpu().contiguous(), w.detach().cpu().contiguous()
+        assert g.dtype == w.dtype and g.shape == w.shape
+        nan = torch.isnan(w)
+        assert torch.equal(torch.isnan(g), nan), "NaN where the CPU has none, or the reverse"
+        bits = _BITS[g.element_size()]
+        assert torch.equal(g.view(bits)[~nan], w.view(bits)[~nan])
+
+
+def launched_kernels(fn) -> set[str]:
+    """The kernels fn() launches, named as tests/cuda_variants.py names them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {cuda_variants.normalize(e.name) for e in prof.events()}
 
 
 # =======================================================================================
@@ -230,22 +238,110 @@ def test_adjacent_pairing_and_partial_rotary_with_tables_bitwise_equal_to_cpu(dt
         assert_bitwise(got, want)
 
 
-@pytest.mark.parametrize("form", ["tables", "fused-mrope"])
-def test_long_sequence_bitwise_equal_to_cpu(form):
-    """10240 tokens of Qwen2-VL-7B heads in bf16: many more tokens than blocks, so every
-    block loops over several phases of tokens."""
-    s = Shape("qwen2-vl-7b-10k", 1, 28, 4, 10240, 128)
+@pytest.mark.parametrize("form", ["rope-tables", "mrope-tables", "fused-mrope"])
+def test_long_sequence_forward_backward_and_table_gradients_bitwise_equal_to_cpu(form):
+    """10,000 tokens of Qwen2-VL-7B heads in bf16, forward and every gradient (q, k and, with
+    tables, cos and sin): many more tokens than blocks, so every block loops over several
+    groups, and more table rows than the table-gradient grid (it wraps)."""
+    s = Shape("qwen2-vl-7b-10k", 1, 28, 4, 10000, 128)
     q, k = make_qk(s, "hf-transposed", torch.bfloat16)
-    if form == "tables":
-        cos, sin = make_tables(s, torch.bfloat16)
-        got = pt.apply_rotary_pos_emb(q, k, cos, sin)
-        want = pt.apply_rotary_pos_emb(*cpu(q, k, cos, sin))
-    else:
+    if form == "fused-mrope":
         inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float32, device=CUDA) / 128))
-        pos = torch.randint(0, 100000, (3, 1, 10240), device=CUDA)
-        got = pt.apply_rope(q, k, pos, inv, mrope_section=[16, 24, 24])
-        want = pt.apply_rope(*cpu(q, k, pos, inv), mrope_section=[16, 24, 24])
+        pos = torch.randint(0, 100000, (3, 1, 10000), device=CUDA)
+        args = [q, k]
+
+        def fn(q, k):
+            return pt.apply_rope(q, k, pos.to(q.device), inv.to(q.device),
+                                 mrope_section=[16, 24, 24])
+    else:
+        if form == "rope-tables":
+            cos, sin = make_tables(s, torch.bfloat16)
+            fn = pt.apply_rotary_pos_emb
+        else:
+            cos, sin = torch.randn(2, 3, 1, 10000, 128, device=CUDA).to(torch.bfloat16).unbind(0)
+
+            def fn(q, k, cos, sin):
+                return pt.apply_multimodal_rotary_pos_emb(q, k, cos, sin, [16, 24, 24])
+        args = [q, k, cos, sin]
+    args = [t.requires_grad_(True) for t in args]
+    out = fn(*args)
+    grads = [torch.randn_like(o) for o in out]
+    got = torch.autograd.grad(out, args, grads)
+    cpu_args = [t.detach().cpu().requires_grad_(True) for t in args]
+    want_out = fn(*cpu_args)
+    want = torch.autograd.grad(want_out, cpu_args, cpu(*grads))
+    assert_bitwise(out, cpu(*want_out))
     assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["forward", "transpose"])
+@pytest.mark.parametrize("pairing", [0, 1], ids=["half", "adjacent"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_mrope_interleaved_through_the_table_op_bitwise_equal_to_cpu(dtype, pairing, transpose):
+    """Qwen3-VL's interleaved axes ([24, 20, 20]) on (3, B, T, 128) tables through the table
+    op (no vector chunk has one axis: the one-element kernels) and its table gradient."""
+    B, T, H, Hk, D = 2, 37, 8, 2, 128
+    q = torch.randn(B, T, H, D, device=CUDA).to(dtype)
+    k = torch.randn(B, T, Hk, D, device=CUDA).to(dtype)
+    cos, sin = torch.randn(2, 3, B, T, D, device=CUDA).to(dtype).unbind(0)
+    args = (q, k, cos, sin, [24, 20, 20], True, pairing, transpose)
+    assert_bitwise(torch.ops.posenc.rope(*args), torch.ops.posenc.rope(*cpu(q, k, cos, sin),
+                                                                          *args[4:]))
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    grad_args = (gq, gk, q, k, cos, [24, 20, 20], True, pairing)
+    assert_bitwise(torch.ops.posenc.rope_table_grad(*grad_args),
+                   torch.ops.posenc.rope_table_grad(*cpu(gq, gk, q, k, cos), *grad_args[5:]))
+
+
+def test_no_heads_at_all_returns_empty_outputs():
+    """q and k with no heads and tokens (B T > 0): empty outputs, no launch, no crash; and
+    with heads in k only."""
+    q = torch.randn(2, 0, 7, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 0, 7, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = torch.randn(2, 1, 7, 64, device=CUDA, dtype=torch.bfloat16).unbind(0)
+    oq, ok = pt.apply_rotary_pos_emb(q, k, cos, sin)
+    assert oq.shape == q.shape and ok.shape == k.shape
+    gq, gk = torch.autograd.grad((oq, ok), (q, k), (torch.ones_like(oq), torch.ones_like(ok)))
+    assert gq.shape == q.shape and gk.shape == k.shape
+    inv = torch.rand(32, device=CUDA)
+    pos = torch.arange(7, device=CUDA)[None].expand(2, 7)
+    fq, fk = pt.apply_rope(q.detach(), k.detach(), pos, inv)
+    assert fq.shape == q.shape and fk.shape == k.shape
+    torch.cuda.synchronize()
+    k3 = torch.randn(2, 3, 7, 64, device=CUDA, dtype=torch.bfloat16)
+    assert_bitwise(pt.apply_rotary_pos_emb(q.detach(), k3, cos, sin),
+                   pt.apply_rotary_pos_emb(*cpu(q, k3, cos, sin)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_nan_and_infinities_give_nan_where_the_cpu_does(dtype):
+    """NaN, infinities, signed zeros, subnormals and the largest finite value in q, k and the
+    tables, forward and backward: NaN exactly where the CPU has one, the CPU's bits
+    elsewhere (overflow to infinity included)."""
+    s = Shape("qwen2-vl", 1, 28, 4, 19, 128)
+    info = torch.finfo(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, info.tiny / 4,
+                             info.max, -info.max], dtype=torch.float32).to(dtype)
+
+    def spiked(t, stride):
+        flat = t.reshape(-1)
+        idx = torch.arange(0, flat.numel(), stride, device=t.device)
+        flat[idx] = specials.to(t.device)[torch.arange(idx.numel(), device=t.device) % 7]
+        return t
+
+    q = spiked(torch.randn(s.B, s.T, s.Hq, s.D, device=CUDA).to(dtype), 13).transpose(1, 2)
+    k = spiked(torch.randn(s.B, s.T, s.Hk, s.D, device=CUDA).to(dtype), 11).transpose(1, 2)
+    cos, sin = make_tables(s, dtype)
+    cos, sin = spiked(cos.clone(), 29), spiked(sin.clone(), 31)
+    args = [t.requires_grad_(True) for t in (q, k, cos, sin)]
+    out = pt.apply_rotary_pos_emb(*args)
+    grads = [spiked(torch.randn_like(o).contiguous(), 17) for o in out]
+    got = torch.autograd.grad(out, args, grads)
+    cpu_args = [t.detach().cpu().requires_grad_(True) for t in args]
+    want_out = pt.apply_rotary_pos_emb(*cpu_args)
+    want = torch.autograd.grad(want_out, cpu_args, cpu(*grads))
+    assert_bitwise_or_nan(out, want_out)
+    assert_bitwise_or_nan(got, want)
 
 
 def test_mixed_dtypes_bitwise_equal_to_cpu():
@@ -453,8 +549,9 @@ def test_hf_patch_routes_cuda_tensors_to_posenc():
 
 
 def test_more_than_2_pow_31_elements():
-    """64-bit indexing: q of 2^31 + a few thousand bf16 elements (4 GiB; 9 GiB with the
-    output and the check), rotated and compared with the CPU on the last tokens."""
+    """64-bit token offsets: q of 2^31 + a few thousand bf16 elements (4 GiB; 9 GiB with the
+    output and the check) whose per-token offsets fit in 32 bits, rotated and compared with
+    the CPU on the last tokens."""
     H, D = 28, 128
     T = (2**31) // (H * D) + 8
     need = 3 * T * H * D * 2
@@ -472,3 +569,55 @@ def test_more_than_2_pow_31_elements():
     assert_bitwise((oq[:, :, tail], ok[:, :, tail]), want)
     del oq, ok, q, k
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("source", ["tables", "fused"])
+def test_head_stride_past_2_pow_31_runs_the_64_bit_offset_kernel(source):
+    """q in (B, H, T, D) with T D > 2^31 elements per head (8 GiB of bf16): offsets inside a
+    token pass int32, so the 64-bit-offset kernel runs (checked in the profiler); the first
+    and last tokens of both heads against the CPU."""
+    H, D = 2, 128
+    T = 2**31 // D + 8
+    # q and k in and out, and the two tables, in bf16
+    need = 2 * (2 * (H + 1) * T * D + (2 * T * D if source == "tables" else 0))
+    free, _ = torch.cuda.mem_get_info()
+    if free < need + (4 << 30):
+        pytest.skip(f"needs {need / 2**30:.1f} GiB of free GPU memory, {free / 2**30:.1f} free")
+    q = torch.randn(1, H, T, D, device=CUDA, dtype=torch.bfloat16)
+    k = torch.randn(1, 1, T, D, device=CUDA, dtype=torch.bfloat16)
+    assert q.stride(1) > 2**31
+    if source == "tables":
+        cos = torch.randn(1, T, D, device=CUDA, dtype=torch.bfloat16)
+        sin = torch.randn(1, T, D, device=CUDA, dtype=torch.bfloat16)
+
+        def fn(q, k, sl=slice(None)):
+            return pt.apply_rotary_pos_emb(q, k, cos[:, sl].to(q.device), sin[:, sl].to(q.device))
+    else:
+        inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.float32, device=CUDA) / D))
+        pos = torch.arange(T, device=CUDA)[None]
+
+        def fn(q, k, sl=slice(None)):
+            return pt.apply_rope(q, k, pos[:, sl].to(q.device), inv.to(q.device))
+    out = []
+    names = launched_kernels(lambda: out.append(fn(q, k)))
+    assert any(n.startswith("rope_apply_kernel") and ",long," in n for n in names), names
+    oq, ok = out[0]
+    for sl in (slice(0, 64), slice(T - 64, T)):
+        want = fn(q[:, :, sl].cpu(), k[:, :, sl].cpu(), sl)
+        assert_bitwise((oq[:, :, sl], ok[:, :, sl]), want)
+    del out, oq, ok, q, k
+    torch.cuda.empty_cache()
+
+
+def test_every_kernel_instantiation_is_launched_by_its_call():
+    """Each kernel of the build (the list is checked against the binary by make cuda-compile)
+    runs from the call tests/cuda_variants.py gives for it."""
+    unreachable = []
+    for name, call, why in cuda_variants.every_variant():
+        if call is None:
+            unreachable.append(name)
+            continue
+        got = launched_kernels(call)
+        assert name in got, (name, sorted(n for n in got if n.startswith("rope_")))
+        torch.cuda.empty_cache()
+    assert len(unreachable) <= 2, unreachable  # fp64 fused with mixed dtypes: C API only

@@ -3,8 +3,6 @@ gradients, torch.library.opcheck, torch.compile / export, threads, SIMD variants
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from transformers.models.glm.modeling_glm import apply_rotary_pos_emb as hf_glm_apply
@@ -12,24 +10,9 @@ from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb 
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply
 
 import posenc_torch as pt
+from shapes import Shape
 
 LOW = (torch.bfloat16, torch.float16)
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    name: str
-    B: int
-    Hq: int
-    Hk: int
-    T: int
-    D: int
-    R: int | None = None  # rotary width; None = D
-    cos_batch: int = 1
-
-    @property
-    def rot(self) -> int:
-        return self.R or self.D
 
 
 SHAPES = [

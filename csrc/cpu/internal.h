@@ -24,16 +24,6 @@
  * (gradients, tables from positions) take their rows this many at a time too. */
 #define PE_TOKEN_TILE 16
 
-static inline size_t pe_dtype_size(pe_dtype t) {
-    switch (t) {
-    case PE_FLOAT32: return 4;
-    case PE_FLOAT64: return 8;
-    case PE_BFLOAT16:
-    case PE_FLOAT16: return 2;
-    }
-    return 0;
-}
-
 static inline int pe_dtype_valid(pe_dtype t) { return pe_dtype_size(t) != 0; }
 
 /* Slot of rotary channel e (R = rotary width). */

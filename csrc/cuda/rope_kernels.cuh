@@ -1,16 +1,23 @@
 // The bodies of the CUDA RoPE kernels (posenc_cuda.h), written for one thread of a block:
-// each phase takes the thread's lane (index, count) instead of reading threadIdx/blockDim,
+// each function takes the thread's lane (index, count) instead of reading threadIdx/blockDim,
 // so the same code runs in the kernels (rope.cu) and, thread by thread, on the host in the
 // emulation test (tests/test_emulated.cu), which compares it bit for bit with the CPU.
-// Between phases the kernels synchronize the block; what a thread keeps from one phase to
-// the next lives in an object (ApplyThread) that the emulation keeps per thread.
+// What a thread keeps from one group of tokens to the next lives in an object (ApplyThread)
+// that the emulation keeps per thread; where a kernel synchronizes its block (the fused
+// path's shared rows), the emulation runs every thread through one phase before any starts
+// the next.  The host side (checks, parameters, the choice of kernel and the launch loop) is
+// at the end, shared by rope.cu and the emulation.
 #pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
+#include "cvt_model.h"  // the host model of the conversion instructions
 #include "posenc_cuda.h"
 #include "rope_check.h" // the argument checks, shared with the CPU entry points
 #include "rope_math.h"  // the per-element math, shared with the CPU kernels
@@ -31,11 +38,84 @@ struct Lane {
     int id, count; // this thread, threads of the block
 };
 
-// ---- dtypes: storage tags and their conversions (one rounding to nearest even) ----------
+template <typename T> struct Tag {
+    using type = T;
+};
+
+// ---- dtypes: storage tags and their conversions -------------------------------------------
+//
+// To bf16 / fp16 the kernels round with the hardware's conversion, two values per
+// instruction (cvt.rn.bf16x2.f32, cvt.rn.f16x2.f32), and they widen fp16 with cvt.f32.f16.
+// For every value but NaN these give the CPU's pe_f32_to_bf16 / pe_f32_to_f16 /
+// pe_f16_to_f32 (rope_math.h): round to nearest even, subnormals kept, overflow to infinity.
+// test_emulated.cu compares the instructions' documented semantics (their model,
+// cvt_model.h, which the host build runs in their place) with the CPU's functions over all
+// 2^32 fp32 bit patterns; math_device.cu compares the instructions themselves on a GPU.  A
+// NaN result is stored with the CPU's encoding instead (pe_bf16_of_nan, pe_f16_of_nan): for
+// one value by a select, for a vector on a path the warp takes only when one of its lanes
+// has a NaN (warp_any).
 
 struct Bf16 {};
 struct F16 {};
 
+PE_HD uint32_t cvt_bf16x2(float lo, float hi) { // lo in bits 0-15
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    uint32_t u;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(u) : "f"(hi), "f"(lo));
+    return u;
+#elif defined(__CUDA_ARCH__)
+    const __nv_bfloat162_raw r = __floats2bfloat162_rn(lo, hi);
+    return static_cast<uint32_t>(r.x) | static_cast<uint32_t>(r.y) << 16;
+#else
+    return static_cast<uint32_t>(cvt_rn_bf16_model(lo)) |
+           static_cast<uint32_t>(cvt_rn_bf16_model(hi)) << 16;
+#endif
+}
+
+PE_HD uint32_t cvt_f16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    uint32_t u;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(u) : "f"(hi), "f"(lo));
+    return u;
+#elif defined(__CUDA_ARCH__)
+    const __half2_raw r = __floats2half2_rn(lo, hi);
+    return static_cast<uint32_t>(r.x) | static_cast<uint32_t>(r.y) << 16;
+#else
+    return static_cast<uint32_t>(cvt_rn_f16_model(lo)) |
+           static_cast<uint32_t>(cvt_rn_f16_model(hi)) << 16;
+#endif
+}
+
+PE_HD float cvt_f32_f16(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+    return __half2float(__ushort_as_half(h));
+#else
+    return cvt_f32_f16_model(h);
+#endif
+}
+
+// One value rounded to bf16 / fp16: the CPU's bits for every input.
+PE_HD uint16_t round_bf16(float x) {
+    const uint16_t h = static_cast<uint16_t>(cvt_bf16x2(x, 0.0f));
+    return x != x ? pe_bf16_of_nan(pe_f32_bits(x)) : h;
+}
+
+PE_HD uint16_t round_f16(float x) {
+    const uint16_t h = static_cast<uint16_t>(cvt_f16x2(x, 0.0f));
+    return x != x ? pe_f16_of_nan(pe_f32_bits(x)) : h;
+}
+
+// Whether any lane of the warp (of those here) has p; on the host, the thread's own p.
+PE_HD bool warp_any(bool p) {
+#if defined(__CUDA_ARCH__)
+    return __any_sync(__activemask(), p);
+#else
+    return p;
+#endif
+}
+
+// Element conversions of the element-by-element paths (mixed dtypes, the table ops): the
+// CPU's functions, NaN payloads included (a copied channel keeps its bits).
 template <typename T> struct Io;
 template <> struct Io<float> {
     using storage = float;
@@ -56,7 +136,7 @@ template <> struct Io<Bf16> {
         if constexpr (std::is_same_v<R, double>)
             return pe_f64_to_bf16(v);
         else
-            return pe_f32_to_bf16(v);
+            return round_bf16(v);
     }
 };
 template <> struct Io<F16> {
@@ -68,18 +148,15 @@ template <> struct Io<F16> {
         if constexpr (std::is_same_v<R, double>)
             return pe_f64_to_f16(v);
         else
-            return pe_f32_to_f16(v);
+            return round_f16(v);
     }
 };
 
-PE_HD size_t dtype_size(pe_dtype t) {
-    switch (t) {
-    case PE_FLOAT32: return 4;
-    case PE_FLOAT64: return 8;
-    case PE_BFLOAT16:
-    case PE_FLOAT16: return 2;
-    }
-    return 0;
+template <typename T> PE_HD constexpr size_t storage_size() {
+    if constexpr (std::is_void_v<T>)
+        return 0;
+    else
+        return sizeof(typename Io<T>::storage);
 }
 
 template <typename R> PE_HD R load_dyn(const char *base, int64_t i, pe_dtype dt) {
@@ -134,11 +211,23 @@ struct W16 {
     uint32_t w[4];
 };
 
-// Inputs are read once: a streaming 16-byte load.  Outputs are written once and read by
-// the next op, not by this kernel: a streaming 16-byte store.
-PE_HD W16 load16(const void *p) {
+// q and k are read once: a streaming 16-byte load.  The outputs are written once and read
+// by the next op, not by this kernel: a streaming 16-byte store.  Tables are read by every
+// thread of a token's heads: a cached load.
+PE_HD W16 load16_stream(const void *p) {
 #if defined(__CUDA_ARCH__)
     const uint4 u = __ldcs(static_cast<const uint4 *>(p));
+    return {{u.x, u.y, u.z, u.w}};
+#else
+    W16 v;
+    std::memcpy(&v, p, 16);
+    return v;
+#endif
+}
+
+PE_HD W16 load16(const void *p) {
+#if defined(__CUDA_ARCH__)
+    const uint4 u = *static_cast<const uint4 *>(p);
     return {{u.x, u.y, u.z, u.w}};
 #else
     W16 v;
@@ -201,40 +290,75 @@ PE_UNROLL
     }
 }
 
+template <typename R, int V> PE_HD bool any_nan(const R (&x)[V]) {
+    bool nan = false;
+PE_UNROLL
+    for (int k = 0; k + 1 < V; k += 2) // one unordered comparison per pair
+        nan |= !(x[k] == x[k] && x[k + 1] == x[k + 1]);
+    if constexpr (V % 2) nan |= x[V - 1] != x[V - 1];
+    return nan;
+}
+
 // How a thread reads and writes V elements of one row.  T: the storage dtype of every
 // tensor in and out (void: each tensor its own dtype, one element at a time, V = 1).
-// raw: what the load returned, as loaded (the 16 bytes, one stored element, or for T =
-// void the value converted to R); get/put convert one element of it; outputs start zeroed.
+// raw: what a load returned (the 16 bytes, one stored element, or for T = void the value
+// converted to R); get converts element k of it for the rotation; pack rounds V results to
+// a raw for the store.  kRare: pack leaves NaN to fix_nan (the 16-bit vectors).
 template <typename R, typename T, int V> struct Unit { // 16 bytes
     using S = typename Io<T>::storage;
     using raw = W16;
     static_assert(V * sizeof(S) == 16, "a vector unit is 16 bytes");
-    PE_HD static raw load(const pe_dtype, const char *base, int64_t i) {
+    static constexpr bool kRare = sizeof(S) == 2;
+    PE_HD static raw load(pe_dtype, const char *base, int64_t i) {
+        return load16_stream(reinterpret_cast<const S *>(base) + i);
+    }
+    PE_HD static raw load_table(pe_dtype, const char *base, int64_t i) {
         return load16(reinterpret_cast<const S *>(base) + i);
     }
-    PE_HD static void store(const pe_dtype, char *base, int64_t i, const raw &v) {
+    PE_HD static void store(pe_dtype, char *base, int64_t i, const raw &v) {
         store16(reinterpret_cast<S *>(base) + i, v);
-    }
-    PE_HD static raw zero() {
-        return {{0u, 0u, 0u, 0u}};
     }
     PE_HD static R get(const raw &v, int k) {
         if constexpr (std::is_same_v<T, float>)
             return static_cast<R>(pe_bits_f32(v.w[k]));
         else if constexpr (std::is_same_v<T, double>)
             return static_cast<R>(f64_of_words(v.w[2 * k], v.w[2 * k + 1]));
+        else if constexpr (std::is_same_v<T, Bf16>) // exact: the bits moved to the top
+            return static_cast<R>(
+                pe_bits_f32(k & 1 ? v.w[k >> 1] & 0xffff0000u : v.w[k >> 1] << 16));
         else
-            return Io<T>::template load<R>(static_cast<uint16_t>(v.w[k >> 1] >> (16 * (k & 1))));
+            return static_cast<R>(cvt_f32_f16(static_cast<uint16_t>(v.w[k >> 1] >> (16 * (k & 1)))));
     }
-    PE_HD static void put(raw &v, int k, R x) {
-        if constexpr (std::is_same_v<T, float>) {
-            v.w[k] = pe_f32_bits(Io<float>::store(x));
-        } else if constexpr (std::is_same_v<T, double>) {
-            const uint64_t u = f64_bits(Io<double>::store(x));
-            v.w[2 * k] = static_cast<uint32_t>(u);
-            v.w[2 * k + 1] = static_cast<uint32_t>(u >> 32);
-        } else {
-            v.w[k >> 1] |= static_cast<uint32_t>(Io<T>::store(x)) << (16 * (k & 1));
+    PE_HD static raw pack(const R (&x)[V]) {
+        raw v;
+PE_UNROLL
+        for (int k = 0; k < 4; ++k) {
+            if constexpr (std::is_same_v<T, float>) {
+                v.w[k] = pe_f32_bits(static_cast<float>(x[k]));
+            } else if constexpr (std::is_same_v<T, double>) {
+                if (k < 2) {
+                    const uint64_t u = f64_bits(static_cast<double>(x[k]));
+                    v.w[2 * k] = static_cast<uint32_t>(u);
+                    v.w[2 * k + 1] = static_cast<uint32_t>(u >> 32);
+                }
+            } else if constexpr (std::is_same_v<T, Bf16>) {
+                v.w[k] = cvt_bf16x2(x[2 * k], x[2 * k + 1]);
+            } else {
+                v.w[k] = cvt_f16x2(x[2 * k], x[2 * k + 1]);
+            }
+        }
+        return v;
+    }
+    // the CPU's encoding for each NaN of x (pack's is the instruction's)
+    PE_HD static void fix_nan(raw &v, const R (&x)[V]) {
+        if constexpr (kRare) {
+PE_UNROLL
+            for (int k = 0; k < V; ++k) {
+                if (x[k] == x[k]) continue;
+                const uint32_t u = pe_f32_bits(x[k]), sh = 16u * (k & 1);
+                const uint32_t h = std::is_same_v<T, Bf16> ? pe_bf16_of_nan(u) : pe_f16_of_nan(u);
+                v.w[k >> 1] = (v.w[k >> 1] & ~(0xffffu << sh)) | h << sh;
+            }
         }
     }
 };
@@ -242,61 +366,81 @@ template <typename R, typename T, int V> struct Unit { // 16 bytes
 template <typename R, typename T> struct Unit<R, T, 1> { // one element, one dtype
     using S = typename Io<T>::storage;
     using raw = S;
-    PE_HD static raw load(const pe_dtype, const char *base, int64_t i) {
+    static constexpr bool kRare = false;
+    PE_HD static raw load(pe_dtype, const char *base, int64_t i) {
         return reinterpret_cast<const S *>(base)[i];
     }
-    PE_HD static void store(const pe_dtype, char *base, int64_t i, const raw &v) {
+    PE_HD static raw load_table(pe_dtype, const char *base, int64_t i) {
+        return reinterpret_cast<const S *>(base)[i];
+    }
+    PE_HD static void store(pe_dtype, char *base, int64_t i, const raw &v) {
         reinterpret_cast<S *>(base)[i] = v;
     }
-    PE_HD static raw zero() {
-        return S{};
-    }
     PE_HD static R get(const raw &v, int) {
-        return Io<T>::template load<R>(v);
+        if constexpr (std::is_same_v<T, F16>)
+            return static_cast<R>(cvt_f32_f16(v));
+        else
+            return Io<T>::template load<R>(v);
     }
-    PE_HD static void put(raw &v, int, R x) {
-        v = Io<T>::store(x);
+    PE_HD static raw pack(const R (&x)[1]) {
+        return Io<T>::store(x[0]);
     }
+    PE_HD static void fix_nan(raw &, const R (&)[1]) {}
 };
 
 template <typename R> struct Unit<R, void, 1> { // one element, any dtype in and out
     using raw = R;
+    static constexpr bool kRare = false;
     PE_HD static raw load(const pe_dtype dt, const char *base, int64_t i) {
+        return load_dyn<R>(base, i, dt);
+    }
+    PE_HD static raw load_table(const pe_dtype dt, const char *base, int64_t i) {
         return load_dyn<R>(base, i, dt);
     }
     PE_HD static void store(const pe_dtype dt, char *base, int64_t i, const raw &v) {
         store_dyn<R>(base, i, dt, v);
     }
-    PE_HD static raw zero() {
-        return R(0);
-    }
     PE_HD static R get(const raw &v, int) {
         return v;
     }
-    PE_HD static void put(raw &v, int, R x) {
-        v = x;
+    PE_HD static raw pack(const R (&x)[1]) {
+        return x[0];
     }
+    PE_HD static void fix_nan(raw &, const R (&)[1]) {}
 };
 
-template <typename T> PE_HD constexpr size_t storage_size() {
-    if constexpr (std::is_void_v<T>)
-        return 0;
-    else
-        return sizeof(typename Io<T>::storage);
-}
-
-// Heads one thread carries through the table barrier: their loads are all in flight at
-// once (4 heads x 32 bytes of a half-pairing chunk and its partner), and the chunk's cos
-// and signed-sine values stay in registers across them.
+// Heads one thread carries: their loads are all in flight at once (4 heads x 32 bytes of a
+// half-pairing chunk and its partner), and the chunk's cos and signed-sine values stay in
+// registers across them.
 constexpr int kHeadsPerThread = 4;
 
-// Blocks of kApplyThreads per SM that an apply kernel's launch bounds promise: 3 caps the
-// registers at 65536 / (256 * 3) = 85 per thread (80 usable).  The 16-bit vector kernels
-// hold 32 cos and signed-sine values and 4 heads of 16 elements; they get 2 blocks and 128
-// registers (spilling at 80 on sm_80): 512 threads x 128 bytes = 64 KiB of loads in flight
-// per SM.
-template <typename T, int V, typename Off> PE_HD constexpr int apply_min_blocks() {
-    return V > 1 && storage_size<T>() == 2 ? 2 : 3;
+// ---- MRoPE axes: which position axis a frequency slot reads -----------------------------
+
+enum AxisMode : int {
+    kAxisNone,        // one axis
+    kAxisSections,    // slot i: axis (i >= b1) + (i >= b2)
+    kAxisInterleaved, // slot i: 1 if i % 3 == 1 and i < b1, 2 if i % 3 == 2 and i < b2, else 0
+    kAxisMap,         // any other map (posenc.h allows one): map[i]
+};
+
+// A call's axis map (posenc.h, axis_of_slot) as its section bounds, where it has one of the
+// two forms pe_mrope_axis_map builds (b1, b2: 3 s1 and 3 s2 when interleaved), else the map.
+struct Axes {
+    int mode;
+    int b1, b2;
+    uint8_t map[kMaxSlots];
+};
+
+PE_HD int axis_of(const Axes &a, int i) {
+    switch (a.mode) {
+    case kAxisSections: return (i >= a.b1) + (i >= a.b2);
+    case kAxisInterleaved: {
+        const int m = i % 3;
+        return m == 1 && i < a.b1 ? 1 : m == 2 && i < a.b2 ? 2 : 0;
+    }
+    case kAxisMap: return a.map[i];
+    default: return 0;
+    }
 }
 
 // ---- kernel parameters (passed by value) --------------------------------------------------
@@ -310,7 +454,6 @@ struct TensorP {
 };
 
 struct SourceP {
-    int positions; // 1: pos + inv_freq, 0: tables
     const char *cos, *sin;
     pe_dtype table_dt;
     int64_t table_batch, table_s[3];
@@ -318,8 +461,8 @@ struct SourceP {
     int64_t pos_batch, pos_s[3];
     const float *inv_freq;
     float scaling;
-    int axes;                // 1 or 3
-    uint8_t axis[kMaxSlots]; // axis of each frequency slot (zeros when axes == 1)
+    int axes; // 1 or 3
+    Axes ax;  // axis of each frequency slot
 };
 
 struct RopeP {
@@ -337,6 +480,24 @@ struct GradP {
     char *dcos, *dsin;
 };
 
+// Where an apply kernel's cos / sin values come from: positions and inv_freq, the angles
+// computed once per token into shared memory (Positions); or tables of storage dtype TT
+// (TT = void: any dtype, element by element), which each thread reads straight into
+// registers, 16 bytes at a time in the vector variants (Tables<TT>).
+struct Positions {};
+template <typename TT> struct Tables {};
+template <typename S> constexpr bool is_positions = std::is_same_v<S, Positions>;
+
+// Blocks of kApplyThreads per SM that an apply kernel's launch bounds promise: 3 caps the
+// registers at 65536 / (256 * 3) = 85 per thread (80 usable).  The vector kernels hold a
+// chunk's cos and signed-sine values and the 32-byte loads of 4 heads, and the fp64 fused
+// kernels their loads across the angles' fp64 arithmetic; they get 2 blocks and 128
+// registers: for the vector kernels 512 threads x 128 bytes = 64 KiB of q/k loads in flight
+// per SM, twice what 4.3 TB/s over 132 SMs needs at a microsecond of latency.
+template <typename R, typename T, int V, typename S> PE_HD constexpr int apply_min_blocks() {
+    return V > 1 || (sizeof(R) == 8 && is_positions<S>) ? 2 : 3;
+}
+
 PE_HD int64_t slot_of(int pairing, int64_t e, int64_t R) {
     return pairing == PE_PAIR_HALF ? (e < R / 2 ? e : e - R / 2) : e / 2;
 }
@@ -351,35 +512,28 @@ PE_HD bool first_of_pair(int pairing, int64_t e, int64_t R) {
     return pairing == PE_PAIR_HALF ? e < R / 2 : e % 2 == 0;
 }
 
-// scaling * cos, scaling * sin of slot i's angle at token (b, t) (fused path)
-PE_HD void slot_sincos(const SourceP &src, int64_t b, int64_t t, int64_t i, float *c, float *s) {
+// scaling * cos, scaling * sin of slot i's angle at token (b, t) (fused path): the fast
+// reduction, and the exact one (the same result where both apply) on a path the warp takes
+// only when one of its lanes has an angle past PE_SINCOS_FAST_LIMIT (or inf or NaN).
+PE_HD void slot_sincos(const SourceP &src, int64_t b, int64_t t, int i, float *c, float *s) {
     const int64_t *pos = src.pos + (src.pos_batch == 1 ? 0 : b) * src.pos_s[1] + t * src.pos_s[2];
-    pe_sincos_large(pe_rope_angle(src.inv_freq[i], pos[src.axis[i] * src.pos_s[0]]), src.scaling, c,
-                    s); // any angle, the fast range included
+    const float x = pe_rope_angle(src.inv_freq[i], pos[axis_of(src.ax, i) * src.pos_s[0]]);
+    pe_sincos_fast(x, src.scaling, c, s);
+    const bool large = !(x <= PE_SINCOS_FAST_LIMIT && x >= -PE_SINCOS_FAST_LIMIT);
+    if (warp_any(large) && large) pe_sincos_large(x, src.scaling, c, s);
 }
 
 // ---- the token's cos and unsigned sin rows (the tables op) ---------------------------------
 
-template <typename R>
-PE_HD void token_tables(const RopeP &p, int64_t b, int64_t t, R *c, R *s, Lane l) {
-    const SourceP &src = p.src;
-    const int64_t nslot = p.R / 2;
-    if (src.positions) {
-        for (int64_t i = l.id; i < nslot; i += l.count) {
-            float cv, sv;
-            slot_sincos(src, b, t, i, &cv, &sv);
-            const int64_t e0 = p.pairing == PE_PAIR_HALF ? i : 2 * i;
-            const int64_t e1 = p.pairing == PE_PAIR_HALF ? i + nslot : 2 * i + 1;
-            c[e0] = c[e1] = static_cast<R>(cv);
-            s[e0] = s[e1] = static_cast<R>(sv);
-        }
-        return;
-    }
-    const int64_t off = (src.table_batch == 1 ? 0 : b) * src.table_s[1] + t * src.table_s[2];
-    for (int64_t e = l.id; e < p.R; e += l.count) {
-        const int64_t i = off + src.axis[slot_of(p.pairing, e, p.R)] * src.table_s[0] + e;
-        c[e] = load_dyn<R>(src.cos, i, src.table_dt);
-        s[e] = load_dyn<R>(src.sin, i, src.table_dt);
+PE_HD void token_tables(const RopeP &p, int64_t b, int64_t t, float *c, float *s, Lane l) {
+    const int nslot = static_cast<int>(p.R / 2);
+    for (int i = l.id; i < nslot; i += l.count) {
+        float cv, sv;
+        slot_sincos(p.src, b, t, i, &cv, &sv);
+        const int e0 = p.pairing == PE_PAIR_HALF ? i : 2 * i;
+        const int e1 = p.pairing == PE_PAIR_HALF ? i + nslot : 2 * i + 1;
+        c[e0] = c[e1] = cv;
+        s[e0] = s[e1] = sv;
     }
 }
 
@@ -387,204 +541,332 @@ PE_HD void token_tables(const RopeP &p, int64_t b, int64_t t, R *c, R *s, Lane l
 //
 // A token's work is items: an item is one channel chunk (V elements and, for the half
 // pairing, the V partner elements R/2 further; for adjacent pairs with V = 1, one pair) of
-// up to NH heads (h = r, r + Hs, r + 2 Hs, ...).  One thread per item, `lanes` threads per
-// token (a multiple of the chunks per head, so a thread keeps its chunk when it loops over
-// further items), `tokens` tokens per block and per block-wide phase.
+// up to four heads (h = r, r + Hs, r + 2 Hs, r + 3 Hs: head group r).  Chunk j of head group
+// r is item j + chunks * r.  `lanes` threads per token, `tokens` tokens per block and group
+// (one grid-stride step): thread `lane` of a token starts at item `lane` and steps by
+// `lanes`, which keeps its chunk (lanes is a multiple of the chunks) unless a head has more
+// chunks than the block has threads (then lanes = threads and each thread takes every head
+// group of its chunks).  So a thread's chunk j0 and head group r0 are divided out once, and
+// it steps j by jstep and r by rstep: no division inside a group.
 
 struct ApplyGrid {
     int rot_items;   // rotated chunks per head
     int chunks;      // all chunks per head: rotated, then pass-through
-    int heads;       // q heads + k heads
-    int head_groups; // Hs = ceil(heads / NH)
-    int items;       // per token: chunks * head_groups
+    int heads, hq;   // q heads + k heads; q heads
+    int head_groups; // Hs = ceil(heads / 4)
     int lanes;       // threads per token
-    int tokens;      // tokens of one phase
-    int row_stride;  // elements from a token's cos row to its signed-sine row (16-byte multiple)
+    int tokens;      // tokens per group
+    int jstep, rstep;
+    int step;        // the partner chunk's offset: R/2 (half), 1 (adjacent, V = 1), else 0
+    int row_stride;  // positions: elements from a token's cos row to its signed-sine row
     int64_t ntok, groups;
+    // the grid: `grid` blocks step `grid * tokens` tokens, (step_b, step_t) as (b, t)
+    int64_t grid, T, step_b, step_t;
 };
 
 // (b, t) of token `tok`: a 32-bit division when the sizes allow.
-PE_HD void split_token(const RopeP &p, int64_t tok, int64_t *b, int64_t *t) {
-    if (p.T <= UINT32_MAX && tok <= UINT32_MAX) {
-        const uint32_t u = static_cast<uint32_t>(tok), T = static_cast<uint32_t>(p.T);
-        *b = u / T;
-        *t = u - static_cast<uint32_t>(*b) * T;
+PE_HD void split_token(int64_t T, int64_t tok, int64_t *b, int64_t *t) {
+    if (T <= UINT32_MAX && tok <= UINT32_MAX) {
+        const uint32_t u = static_cast<uint32_t>(tok), T32 = static_cast<uint32_t>(T);
+        *b = u / T32;
+        *t = u - static_cast<uint32_t>(*b) * T32;
     } else {
-        *b = tok / p.T;
-        *t = tok - *b * p.T;
+        *b = tok / T;
+        *t = tok - *b * T;
     }
 }
 
-// ---- the rotation's rows of one phase's tokens: cos and the signed sine of the forward,
-// ss[e] = sign(e) s[e], or of the transpose, ss[e] = sign(p(e)) s[p(e)] = -sign(e) s[p(e)].
-// A channel and its partner share a frequency slot, hence an axis: each lane writes whole
-// entries from the source.  Token i of the phase has its rows at rows + 2 i row_stride.
+// A thread's chunk: where it starts, and the axis its tables row is read from (every
+// element of a vector chunk reads the same axis: with_apply_variant sends calls whose
+// sections would split a chunk to the element-by-element variant).
+struct Chunk {
+    int e;     // first element
+    bool pass; // past the rotary width: copied
+    int ax;
+};
 
-template <typename R>
-PE_HD void group_rows(const RopeP &p, const ApplyGrid &g, int64_t group, R *rows, Lane l) {
+template <int V> PE_HD Chunk chunk_of(const RopeP &p, const ApplyGrid &g, int j) {
+    Chunk c{};
+    if (j >= g.rot_items) {
+        c.e = static_cast<int>(p.R) + (j - g.rot_items) * V;
+        c.pass = true;
+        return c;
+    }
+    const bool half = p.pairing == PE_PAIR_HALF;
+    c.e = half || V > 1 ? j * V : 2 * j;
+    c.ax = axis_of(p.src.ax, half ? c.e : c.e / 2);
+    return c;
+}
+
+// Where a token's heads start, in and out, and its tables row (element offset, axis 0).
+struct Rows {
+    const char *in[2];
+    char *out[2];
+    int64_t table;
+};
+
+template <typename T> PE_HD Rows rows_of(const RopeP &p, int64_t b, int64_t t) {
+    Rows r{};
+PE_UNROLL
+    for (int w = 0; w < 2; ++w) {
+        const TensorP &x = p.x[w];
+        if (!x.heads) continue;
+        const size_t ies = std::is_void_v<T> ? pe_dtype_size(x.in_dt) : storage_size<T>();
+        const size_t oes = std::is_void_v<T> ? pe_dtype_size(x.out_dt) : storage_size<T>();
+        r.in[w] = x.in + static_cast<int64_t>(ies) * (b * x.in_s[0] + t * x.in_s[1]);
+        r.out[w] = x.out + static_cast<int64_t>(oes) * (b * x.out_s[0] + t * x.out_s[1]);
+    }
+    r.table = (p.src.table_batch == 1 ? 0 : b) * p.src.table_s[1] + t * p.src.table_s[2];
+    return r;
+}
+
+// A chunk's cos and signed sines in registers: ca, sa at its elements e.. e+V-1 and, with a
+// partner chunk (step > 0), cz, sz at e+step..: out = x c + x_partner ss then reads
+//   forward:    ss(e) = -s(e),        ss(e+step) = +s(e+step)
+//   transpose:  ss(e) = +s(e+step),   ss(e+step) = -s(e)
+// (half pairs, and adjacent pairs one at a time), and for adjacent pairs inside a chunk
+// (step = 0; k even is a pair's first)
+//   forward:    ss[k] = -s[k], ss[k+1] = +s[k+1]
+//   transpose:  ss[k] = +s[k+1], ss[k+1] = -s[k]
+template <typename R, int V> struct Vals {
+    R ca[V], sa[V], cz[V], sz[V];
+};
+
+// V values of a table at element e of the token's row (axis c.ax).
+template <typename U, typename R, int V>
+PE_HD void table_chunk(const SourceP &src, const char *table, int64_t row, int e, const Chunk &c,
+                       R (&out)[V]) {
+    const typename U::raw w =
+        U::load_table(src.table_dt, table, row + c.ax * src.table_s[0] + e);
+PE_UNROLL
+    for (int k = 0; k < V; ++k)
+        out[k] = U::get(w, k);
+}
+
+template <typename U, typename R, int V>
+PE_HD void table_vals(const RopeP &p, const ApplyGrid &g, const Rows &rows, const Chunk &c,
+                      Vals<R, V> &v) {
     const SourceP &src = p.src;
-    const int64_t tok0 = group * g.tokens;
-    const int nt = static_cast<int>(g.ntok - tok0 < g.tokens ? g.ntok - tok0 : g.tokens);
-    const int R_ = static_cast<int>(p.R), nslot = R_ / 2;
-    const int per_token = src.positions ? nslot : R_;
-    int cur = -1;
-    int64_t b = 0, t = 0;
-    for (int f = l.id; f < nt * per_token; f += l.count) {
-        const int tl = f / per_token, i = f - tl * per_token;
-        if (tl != cur) split_token(p, tok0 + tl, &b, &t), cur = tl;
-        R *c = rows + 2 * static_cast<int64_t>(tl) * g.row_stride, *ss = c + g.row_stride;
-        if (src.positions) { // one lane per slot: both channels of the slot are partners
+    const bool tr = p.transpose;
+    const int step = g.step;
+    table_chunk<U>(src, src.cos, rows.table, c.e, c, v.ca);
+    if (step) {
+        table_chunk<U>(src, src.cos, rows.table, c.e + step, c, v.cz);
+        table_chunk<U>(src, src.sin, rows.table, tr ? c.e + step : c.e, c, v.sa);
+        table_chunk<U>(src, src.sin, rows.table, tr ? c.e : c.e + step, c, v.sz);
+        const R sign_a = tr ? R(1) : R(-1);
+PE_UNROLL
+        for (int k = 0; k < V; ++k) {
+            v.sa[k] = mul(v.sa[k], sign_a);
+            v.sz[k] = mul(v.sz[k], -sign_a);
+        }
+    } else if constexpr (V > 1) {
+        R s[V];
+        table_chunk<U>(src, src.sin, rows.table, c.e, c, s);
+        const R sign_first = tr ? R(1) : R(-1);
+PE_UNROLL
+        for (int k = 0; k < V; k += 2) {
+            v.sa[k] = mul(tr ? s[k + 1] : s[k], sign_first);
+            v.sa[k + 1] = mul(tr ? s[k] : s[k + 1], -sign_first);
+        }
+    }
+}
+
+// The same values from a token's rows in shared memory (already signed: positions_rows).
+template <typename R, int V>
+PE_HD void shared_vals(const R *c_row, const R *ss_row, int step, const Chunk &c,
+                       Vals<R, V> &v) {
+    read_row<R, V>(c_row + c.e, v.ca);
+    read_row<R, V>(ss_row + c.e, v.sa);
+    if (step) {
+        read_row<R, V>(c_row + c.e + step, v.cz);
+        read_row<R, V>(ss_row + c.e + step, v.sz);
+    }
+}
+
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDA_ARCH__)
+#pragma GCC diagnostic push
+// A head's loads and a chunk's values are read under the conditions they were made under,
+// which GCC (the emulation's host build) cannot see; zeroing them first would cost the
+// device an instruction for every register.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
+// ---- one thread of an apply kernel.  Off: the integer type of element offsets inside a
+// token (int32_t when every one fits).  Per group: the token's row pointers once; then for
+// each of the thread's items, every load of its heads issued, then each head rotated,
+// rounded and stored.
+
+template <typename R, typename T, int V, typename Off, typename S> struct ApplyThread {
+    using U = Unit<R, T, V>;
+    using raw = typename U::raw;
+    static constexpr int NH = kHeadsPerThread;
+    // the thread's share of every group: its token, its lane of that token's, its first
+    // chunk (j0, c0) and head group
+    int token, lane, j0, r0;
+    bool active;
+    Chunk c0;
+    int64_t b, t;     // the token of the current group (b >= B: past the last token)
+    raw a[NH]{}, z[NH]{}; // positions: the first item's loads, held across the barrier
+
+    PE_HD ApplyThread(const RopeP &p, const ApplyGrid &g, int64_t block, Lane l) {
+        token = l.id / g.lanes;
+        lane = l.id - token * g.lanes;
+        j0 = lane % g.chunks;
+        r0 = lane / g.chunks;
+        active = token < g.tokens && r0 < g.head_groups;
+        c0 = chunk_of<V>(p, g, j0);
+        split_token(g.T, block * g.tokens + token, &b, &t);
+    }
+
+    PE_HD bool busy(const RopeP &p) const {
+        return active && b < p.B;
+    }
+
+    // the next group of this block: `grid` groups on
+    PE_HD void next_group(const ApplyGrid &g) {
+        t += g.step_t;
+        b += g.step_b;
+        if (t >= g.T) t -= g.T, ++b;
+    }
+
+    // head h of the call: q's head h, or k's head h - hq (w = 1); selects, not an index into
+    // the parameters or the rows (which would put them in local memory)
+    PE_HD void load_heads(const RopeP &p, const ApplyGrid &g, const Rows &rows, const Chunk &c,
+                          int r, raw (&xa)[NH], raw (&xz)[NH]) const {
+PE_UNROLL
+        for (int s = 0; s < NH; ++s) {
+            const int h = r + s * g.head_groups;
+            if (h >= g.heads) break;
+            const bool w = h >= g.hq;
+            const TensorP &x = p.x[w];
+            const Off hh = static_cast<Off>(w ? h - g.hq : h);
+            const char *row = w ? rows.in[1] : rows.in[0];
+            const Off off = hh * static_cast<Off>(x.in_s[2]) + c.e;
+            xa[s] = U::load(x.in_dt, row, off);
+            if (g.step && !c.pass) xz[s] = U::load(x.in_dt, row, off + g.step);
+        }
+    }
+
+    // vals(v) gives the chunk's values: a copy of those in registers (tables), or read from
+    // shared memory again for each head (positions: fewer registers held across the heads)
+    template <typename Vals_of>
+    PE_HD void store_heads(const RopeP &p, const ApplyGrid &g, const Rows &rows, const Chunk &c,
+                           int r, const raw (&xa)[NH], const raw (&xz)[NH],
+                           Vals_of &&vals) const {
+PE_UNROLL
+        for (int s = 0; s < NH; ++s) {
+            const int h = r + s * g.head_groups;
+            if (h >= g.heads) break;
+            const bool w = h >= g.hq;
+            const TensorP &x = p.x[w];
+            const pe_dtype dt = x.out_dt;
+            const Off hh = static_cast<Off>(w ? h - g.hq : h);
+            char *row = w ? rows.out[1] : rows.out[0];
+            const Off off = hh * static_cast<Off>(x.out_s[2]) + c.e;
+            if (c.pass) { // as loaded: the bits themselves when T is one dtype
+                U::store(dt, row, off, xa[s]);
+                continue;
+            }
+            Vals<R, V> v;
+            vals(v);
+            R oa[V], oz[V];
+            if (g.step) {
+PE_UNROLL
+                for (int k = 0; k < V; ++k) {
+                    const R x0 = U::get(xa[s], k), x1 = U::get(xz[s], k);
+                    oa[k] = rot(x0, v.ca[k], x1, v.sa[k]);
+                    oz[k] = rot(x1, v.cz[k], x0, v.sz[k]);
+                }
+                raw wa = U::pack(oa), wz = U::pack(oz);
+                if constexpr (U::kRare) {
+                    if (warp_any(any_nan(oa) || any_nan(oz))) U::fix_nan(wa, oa), U::fix_nan(wz, oz);
+                }
+                U::store(dt, row, off, wa);
+                U::store(dt, row, off + g.step, wz);
+            } else if constexpr (V > 1) {
+PE_UNROLL
+                for (int k = 0; k < V; ++k)
+                    oa[k] = rot(U::get(xa[s], k), v.ca[k], U::get(xa[s], k ^ 1), v.sa[k]);
+                raw wa = U::pack(oa);
+                if constexpr (U::kRare) {
+                    if (warp_any(any_nan(oa))) U::fix_nan(wa, oa);
+                }
+                U::store(dt, row, off, wa);
+            }
+        }
+    }
+
+    // Tables: the whole group, this thread's items.  (The loops test at the top, or do the
+    // next iteration's set-up after their exit test: nothing of an iteration that does not
+    // run is done.)
+    PE_HD void tables_group(const RopeP &p, const ApplyGrid &g) const {
+        if (!busy(p)) return;
+        const Rows rows = rows_of<T>(p, b, t);
+        Chunk c = c0;
+        for (int j = j0;;) {
+            Vals<R, V> v;
+            if (!c.pass) table_vals<U>(p, g, rows, c, v);
+            for (int r = r0; r < g.head_groups; r += g.rstep) {
+                raw xa[NH], xz[NH];
+                load_heads(p, g, rows, c, r, xa, xz);
+                store_heads(p, g, rows, c, r, xa, xz, [&](Vals<R, V> &out) { out = v; });
+            }
+            if ((j += g.jstep) >= g.chunks) break;
+            c = chunk_of<V>(p, g, j);
+        }
+    }
+
+    // Positions, phase 1 (before the barrier): the first item's loads.
+    PE_HD void positions_load(const RopeP &p, const ApplyGrid &g) {
+        if (busy(p)) load_heads(p, g, rows_of<T>(p, b, t), c0, r0, a, z);
+    }
+
+    // Positions, phase 2: the thread's share of its token's rows in shared memory, at smem +
+    // 2 token row_stride: cos and the signed sine (the forward's ss[e] = sign(e) s[e], the
+    // transpose's ss[e] = -sign(e) s[p(e)]) of slots lane, lane + lanes, ... (a slot's two
+    // channels are partners).
+    PE_HD void positions_rows(const RopeP &p, const ApplyGrid &g, R *smem) const {
+        if (!busy(p)) return;
+        R *c = smem + 2 * static_cast<int64_t>(token) * g.row_stride, *ss = c + g.row_stride;
+        const int nslot = static_cast<int>(p.R / 2);
+        for (int i = lane; i < nslot; i += g.lanes) {
             float cv, sv;
-            slot_sincos(src, b, t, i, &cv, &sv);
+            slot_sincos(p.src, b, t, i, &cv, &sv);
             const int e0 = p.pairing == PE_PAIR_HALF ? i : 2 * i;
             const int e1 = p.pairing == PE_PAIR_HALF ? i + nslot : 2 * i + 1;
             c[e0] = c[e1] = static_cast<R>(cv);
             ss[e0] = p.transpose ? static_cast<R>(sv) : -static_cast<R>(sv);
             ss[e1] = p.transpose ? -static_cast<R>(sv) : static_cast<R>(sv);
-            continue;
-        }
-        const int e = i;
-        const int64_t base = (src.table_batch == 1 ? 0 : b) * src.table_s[1] + t * src.table_s[2] +
-                             src.axis[slot_of(p.pairing, e, p.R)] * src.table_s[0];
-        const bool first = first_of_pair(p.pairing, e, p.R);
-        c[e] = load_dyn<R>(src.cos, base + e, src.table_dt);
-        const R sv = load_dyn<R>(src.sin, base + (p.transpose ? partner_of(p.pairing, e, p.R) : e),
-                                 src.table_dt);
-        ss[e] = first != static_cast<bool>(p.transpose) ? -sv : sv;
-    }
-}
-
-// ---- one thread's items: loads first (phase 1, before the rows exist), then rotation and
-// stores (phase 2, after the barrier), then any further items of its token.  Off: the
-// integer type of element offsets inside a token (int32_t when every one fits).
-
-template <typename R, typename T, int V, typename Off> struct ApplyThread {
-    using U = Unit<R, T, V>;
-    using raw = typename U::raw;
-    static constexpr int NH = kHeadsPerThread;
-    raw a[NH], z[NH]; // the chunk at e and its partner chunk at e + step (paired items)
-    int64_t b, t;    // the thread's token
-    int lane_token_; // its index in the phase
-    int item;        // the item in hand
-    bool active;
-
-    struct Where {
-        int e, step; // first element; partner offset (0: no partner chunk)
-        bool pass;   // pass-through chunk: copied
-        int r;       // head group
-    };
-
-    PE_HD static Where where(const RopeP &p, const ApplyGrid &g, int item) {
-        const int j = item % g.chunks, r = item / g.chunks;
-        const int Rw = static_cast<int>(p.R);
-        if (j >= g.rot_items) return {Rw + (j - g.rot_items) * V, 0, true, r};
-        if (p.pairing == PE_PAIR_HALF) return {j * V, Rw / 2, false, r};
-        if (V == 1) return {2 * j, 1, false, r}; // one adjacent pair, element by element
-        return {j * V, 0, false, r};             // whole adjacent pairs in one access
-    }
-
-    // head h of the call: tensor (q or k) and its own head index
-    PE_HD static const TensorP &tensor_of(const RopeP &p, int h, int *hh) {
-        const int hq = static_cast<int>(p.x[0].heads);
-        *hh = h < hq ? h : h - hq;
-        return p.x[h < hq ? 0 : 1];
-    }
-
-    PE_HD static const char *in_row(const TensorP &x, int64_t b, int64_t t) {
-        const size_t es = std::is_void_v<T> ? dtype_size(x.in_dt) : storage_size<T>();
-        return x.in + static_cast<int64_t>(es) * (b * x.in_s[0] + t * x.in_s[1]);
-    }
-    PE_HD static char *out_row(const TensorP &x, int64_t b, int64_t t) {
-        const size_t es = std::is_void_v<T> ? dtype_size(x.out_dt) : storage_size<T>();
-        return x.out + static_cast<int64_t>(es) * (b * x.out_s[0] + t * x.out_s[1]);
-    }
-
-    PE_HD void load_item(const RopeP &p, const ApplyGrid &g) {
-        const Where w = where(p, g, item);
-PE_UNROLL
-        for (int s = 0; s < NH; ++s) {
-            const int h = w.r + s * g.head_groups;
-            if (h >= g.heads) break;
-            int hh;
-            const TensorP &x = tensor_of(p, h, &hh);
-            const char *row = in_row(x, b, t);
-            const Off off = static_cast<Off>(hh) * static_cast<Off>(x.in_s[2]) + w.e;
-            a[s] = U::load(x.in_dt, row, off);
-            if (w.step) z[s] = U::load(x.in_dt, row, off + w.step);
         }
     }
 
-    PE_HD void store_item(const RopeP &p, const ApplyGrid &g, const R *rows) {
-        const Where w = where(p, g, item);
-        const R *c = rows + 2 * static_cast<int64_t>(lane_token_) * g.row_stride;
-        const R *ss = c + g.row_stride;
-        // the chunk's cos and signed sine, and its partner's
-        R ca[V]{}, sa[V]{}, cz[V]{}, sz[V]{};
-        if (!w.pass) {
-            read_row<R, V>(c + w.e, ca);
-            read_row<R, V>(ss + w.e, sa);
-            if (w.step) {
-                read_row<R, V>(c + w.e + w.step, cz);
-                read_row<R, V>(ss + w.e + w.step, sz);
+    // Positions, phase 3 (after the barrier): the rows' values, every item rotated.
+    PE_HD void positions_finish(const RopeP &p, const ApplyGrid &g, const R *smem) {
+        if (!busy(p)) return;
+        const Rows rows = rows_of<T>(p, b, t);
+        const R *c_row = smem + 2 * static_cast<int64_t>(token) * g.row_stride;
+        Chunk c = c0; // its first item's loads are in hand
+        for (int j = j0;;) {
+            const auto vals = [&](Vals<R, V> &v) {
+                shared_vals<R, V>(c_row, c_row + g.row_stride, g.step, c, v);
+            };
+            for (int r = r0;;) {
+                store_heads(p, g, rows, c, r, a, z, vals);
+                if ((r += g.rstep) >= g.head_groups) break;
+                load_heads(p, g, rows, c, r, a, z);
             }
-        }
-PE_UNROLL
-        for (int s = 0; s < NH; ++s) {
-            const int h = w.r + s * g.head_groups;
-            if (h >= g.heads) break;
-            int hh;
-            const TensorP &x = tensor_of(p, h, &hh);
-            char *row = out_row(x, b, t);
-            const Off off = static_cast<Off>(hh) * static_cast<Off>(x.out_s[2]) + w.e;
-            if (w.pass) { // as loaded: the bits themselves when T is one dtype
-                U::store(x.out_dt, row, off, a[s]);
-                continue;
-            }
-            raw oa = U::zero();
-            if (w.step) {
-                raw oz = U::zero();
-PE_UNROLL
-                for (int k = 0; k < V; ++k) {
-                    const R xa = U::get(a[s], k), xz = U::get(z[s], k);
-                    U::put(oa, k, rot(xa, ca[k], xz, sa[k]));
-                    U::put(oz, k, rot(xz, cz[k], xa, sz[k]));
-                }
-                U::store(x.out_dt, row, off, oa);
-                U::store(x.out_dt, row, off + w.step, oz);
-            } else {
-PE_UNROLL
-                for (int k = 0; k < V; k += 2) {
-                    const R x0 = U::get(a[s], k), x1 = U::get(a[s], k + 1);
-                    U::put(oa, k, rot(x0, ca[k], x1, sa[k]));
-                    U::put(oa, k + 1, rot(x1, ca[k + 1], x0, sa[k + 1]));
-                }
-                U::store(x.out_dt, row, off, oa);
-            }
-        }
-    }
-
-    // Phase 1: the thread's first item of its token, every load issued.
-    PE_HD void load(const RopeP &p, const ApplyGrid &g, int64_t group, Lane l) {
-        lane_token_ = l.id / g.lanes;
-        item = l.id - lane_token_ * g.lanes;
-        const int64_t tok = group * g.tokens + lane_token_;
-        active = lane_token_ < g.tokens && tok < g.ntok && item < g.items;
-        if (!active) return;
-        split_token(p, tok, &b, &t);
-        load_item(p, g);
-    }
-
-    // Phase 2 (after the rows are written): rotate and store, then the token's further
-    // items (a stride of `lanes` keeps the thread's chunk).
-    PE_HD void finish(const RopeP &p, const ApplyGrid &g, const R *rows) {
-        if (!active) return;
-        store_item(p, g, rows);
-        for (item += g.lanes; item < g.items; item += g.lanes) {
-            load_item(p, g);
-            store_item(p, g, rows);
+            if ((j += g.jstep) >= g.chunks) break;
+            c = chunk_of<V>(p, g, j);
+            load_heads(p, g, rows, c, r0, a, z);
         }
     }
 };
+
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDA_ARCH__)
+#pragma GCC diagnostic pop
+#endif
 
 // ---- table gradients: row (b', t) of dcos/dsin, one lane per channel ---------------------
 
@@ -604,7 +886,7 @@ PE_HD void table_grad_row(const GradP &gp, int64_t row, Lane l) {
     const int64_t Bc = p.src.table_batch, T = p.T, Rw = p.R, A = p.src.axes;
     const int64_t bc = row / T, t = row - bc * T;
     const int64_t b0 = Bc == 1 ? 0 : bc, b1 = Bc == 1 ? p.B : bc + 1;
-    const int64_t ges = static_cast<int64_t>(dtype_size(gp.g_dt));
+    const int64_t ges = static_cast<int64_t>(pe_dtype_size(gp.g_dt));
     for (int64_t e = l.id; e < Rw; e += l.count) {
         const bool first = first_of_pair(p.pairing, e, Rw);
         const int64_t pe = partner_of(p.pairing, e, Rw);
@@ -612,7 +894,7 @@ PE_HD void table_grad_row(const GradP &gp, int64_t row, Lane l) {
         for (int64_t b = b0; b < b1; ++b) {
             for (int w = 0; w < 2; ++w) {
                 const TensorP &x = p.x[w];
-                const int64_t xes = static_cast<int64_t>(dtype_size(x.in_dt));
+                const int64_t xes = static_cast<int64_t>(pe_dtype_size(x.in_dt));
                 for (int64_t hd = 0; hd < x.heads; ++hd) {
                     const char *xr = x.in + (b * x.in_s[0] + t * x.in_s[1] + hd * x.in_s[2]) * xes;
                     const char *gr =
@@ -624,7 +906,7 @@ PE_HD void table_grad_row(const GradP &gp, int64_t row, Lane l) {
                 }
             }
         }
-        const int64_t mine = p.src.axis[slot_of(p.pairing, e, Rw)];
+        const int64_t mine = axis_of(p.src.ax, static_cast<int>(slot_of(p.pairing, e, Rw)));
         for (int64_t ax = 0; ax < A; ++ax) {
             const int64_t i = ((ax * Bc + bc) * T + t) * Rw + e;
             store_dyn<R>(gp.dcos, i, p.src.table_dt, ax == mine ? acc_c : R(0));
@@ -644,6 +926,27 @@ PE_HD void store_tables_row(const RopeP &p, int64_t row, const float *c, const f
 }
 
 // ---- host: parameters and the choice of kernel ----------------------------------------------
+
+inline Axes axes_of(const uint8_t *map, int n) {
+    Axes a{};
+    if (!map) return a;
+    int64_t sec[3] = {0, 0, 0};
+    for (int i = 0; i < n; ++i)
+        ++sec[map[i]];
+    uint8_t built[kMaxSlots];
+    for (int interleaved = 0; interleaved < 2; ++interleaved) {
+        if (pe_mrope_axis_map(n, sec, interleaved, built) == PE_OK &&
+            std::memcmp(built, map, static_cast<size_t>(n)) == 0) {
+            a.mode = interleaved ? kAxisInterleaved : kAxisSections;
+            a.b1 = static_cast<int>(interleaved ? 3 * sec[1] : sec[0]);
+            a.b2 = static_cast<int>(interleaved ? 3 * sec[2] : sec[0] + sec[1]);
+            return a;
+        }
+    }
+    a.mode = kAxisMap;
+    std::memcpy(a.map, map, static_cast<size_t>(n));
+    return a;
+}
 
 inline TensorP tensor_params(const pe_rope_tensor &x) {
     TensorP t{};
@@ -667,7 +970,6 @@ inline RopeP rope_params(const pe_rope_args *a) {
     p.transpose = a->transpose;
     const pe_rope_source &s = a->src;
     SourceP &src = p.src;
-    src.positions = s.pos != nullptr;
     src.cos = static_cast<const char *>(s.cos);
     src.sin = static_cast<const char *>(s.sin);
     src.table_dt = s.table_dtype;
@@ -679,7 +981,7 @@ inline RopeP rope_params(const pe_rope_args *a) {
     src.inv_freq = s.inv_freq;
     src.scaling = s.scaling;
     src.axes = s.axis_of_slot ? 3 : 1;
-    if (s.axis_of_slot) std::memcpy(src.axis, s.axis_of_slot, static_cast<size_t>(a->rot_dim / 2));
+    src.ax = axes_of(s.axis_of_slot, static_cast<int>(a->rot_dim / 2));
     p.x[0] = tensor_params(a->q);
     p.x[1] = tensor_params(a->k);
     return p;
@@ -709,33 +1011,43 @@ inline bool table_grad_f64(const pe_rope_args *a, pe_dtype grad_dtype) {
            (a->k.heads && a->k.in_dtype == PE_FLOAT64);
 }
 
-template <typename T> struct Tag {
-    using type = T;
-};
-
-// The layout of an apply launch of `threads` threads per block (ApplyGrid).
-template <typename R, typename T, int V> ApplyGrid apply_grid(const RopeP &p, int threads) {
+// The layout of an apply launch of `threads` threads per block (ApplyGrid) for a call with
+// at least one head and one token; set_grid completes it with the launch's blocks.
+template <int V> ApplyGrid apply_grid(const RopeP &p, int threads) {
     ApplyGrid g{};
     const int Rw = static_cast<int>(p.R), D = static_cast<int>(p.D);
     const int nh = kHeadsPerThread;
     g.rot_items = p.pairing == PE_PAIR_HALF ? Rw / 2 / V : V == 1 ? Rw / 2 : Rw / V;
     g.chunks = g.rot_items + (D - Rw) / V;
+    g.hq = static_cast<int>(p.x[0].heads);
     g.heads = static_cast<int>(p.x[0].heads + p.x[1].heads);
     g.head_groups = (g.heads + nh - 1) / nh;
-    g.items = g.chunks * g.head_groups;
-    g.lanes = g.items <= threads   ? g.items
+    const int items = g.chunks * g.head_groups;
+    g.lanes = items <= threads    ? items
               : g.chunks <= threads ? threads / g.chunks * g.chunks
                                     : threads;
+    g.jstep = g.chunks <= threads ? g.chunks : threads;
+    g.step = p.pairing == PE_PAIR_HALF ? Rw / 2 : V == 1 ? 1 : 0;
+    g.rstep = g.chunks <= threads ? g.lanes / g.chunks : 1;
     g.ntok = p.B * p.T;
     g.tokens = threads / g.lanes;
     if (g.tokens > g.ntok) g.tokens = static_cast<int>(g.ntok);
-    const int align = static_cast<int>(16 / sizeof(R));
+    const int align = 4; // 16 bytes of fp32 (and of fp64 at an even count)
     g.row_stride = (Rw + align - 1) / align * align;
     g.groups = (g.ntok + g.tokens - 1) / g.tokens;
+    g.T = p.T;
     return g;
 }
 
-template <typename R> size_t apply_shared_bytes(const ApplyGrid &g) {
+inline void set_grid(ApplyGrid &g, int64_t grid) {
+    g.grid = grid;
+    const int64_t step = grid * g.tokens;
+    g.step_b = step / g.T;
+    g.step_t = step - g.step_b * g.T;
+}
+
+template <typename R, typename S> size_t apply_shared_bytes(const ApplyGrid &g) {
+    if constexpr (!is_positions<S>) return 0;
     return 2 * static_cast<size_t>(g.tokens) * static_cast<size_t>(g.row_stride) * sizeof(R);
 }
 
@@ -770,26 +1082,63 @@ inline bool rows_aligned(const pe_rope_args *a, int64_t vec, int64_t es) {
     return true;
 }
 
-// For one pass (apply_passes): calls f(Tag<R>, Tag<T>, integral_constant<V>, Tag<Off>) with
-// the compute type R, the one storage dtype T of every tensor in and out (void: mixed), the
-// elements per access V and the type of offsets inside a token.
+// The same for the tables' rows (chunk offsets are multiples of vec once rows_aligned).
+inline bool tables_aligned(const pe_rope_args *a, int64_t vec, int64_t es) {
+    const pe_rope_source &s = a->src;
+    const int64_t bytes = vec * es;
+    if (reinterpret_cast<uintptr_t>(s.cos) % bytes || reinterpret_cast<uintptr_t>(s.sin) % bytes)
+        return false;
+    const int64_t sizes[3] = {s.axis_of_slot ? 3 : 1, s.table_batch, a->seq};
+    for (int d = 0; d < 3; ++d)
+        if (sizes[d] > 1 && (s.table_stride[d] * es) % bytes) return false;
+    return true;
+}
+
+// Whether some chunk of vec elements would read two MRoPE axes of the tables.
+inline bool chunks_split_axes(const pe_rope_args *a, int64_t vec) {
+    const uint8_t *map = a->src.axis_of_slot;
+    if (!map || vec == 1) return false;
+    const int64_t R = a->rot_dim, half = a->pairing == PE_PAIR_HALF;
+    for (int64_t e = 0; e < (half ? R / 2 : R); e += vec)
+        for (int64_t k = 1; k < vec; ++k)
+            if (map[half ? e + k : (e + k) / 2] != map[half ? e : e / 2]) return true;
+    return false;
+}
+
+// For one pass (apply_passes): calls f(Tag<R>, Tag<T>, integral_constant<V>, Tag<Off>,
+// Tag<S>) with the compute type R, the one storage dtype T of every tensor in and out (void:
+// mixed), the elements per access V, the type of offsets inside a token and the source
+// (Positions, or Tables of T: tables of another dtype run the element-by-element variant, and
+// tables not aligned where q and k are, or with MRoPE sections that split a vector chunk, the
+// one-element variant).
 template <typename F> void with_apply_variant(const pe_rope_args *a, F &&f) {
     const pe_rope_tensor &x = a->q.heads ? a->q : a->k;
     const pe_dtype dt = x.in_dtype;
     const bool uniform = x.out_dtype == dt &&
                          (a->q.heads == 0 || (a->q.in_dtype == dt && a->q.out_dtype == dt)) &&
                          (a->k.heads == 0 || (a->k.in_dtype == dt && a->k.out_dtype == dt));
-    const bool narrow = offsets_fit_32(a);
+    const bool narrow = offsets_fit_32(a), positions = a->src.pos != nullptr;
     auto run = [&](auto r, auto tx, auto v) {
+        using T = typename decltype(tx)::type;
+        auto with_source = [&](auto off) {
+            if (positions)
+                f(r, tx, v, off, Tag<Positions>{});
+            else
+                f(r, tx, v, off, Tag<Tables<T>>{});
+        };
         if (narrow)
-            f(r, tx, v, Tag<int32_t>{});
+            with_source(Tag<int32_t>{});
         else
-            f(r, tx, v, Tag<int64_t>{});
+            with_source(Tag<int64_t>{});
     };
+    auto mixed = [&](auto r) { run(r, Tag<void>{}, std::integral_constant<int, 1>{}); };
     auto typed = [&](auto r, auto tx) {
         using T = typename decltype(tx)::type;
-        constexpr int V = static_cast<int>(16 / sizeof(typename Io<T>::storage));
-        if (rows_aligned(a, V, static_cast<int64_t>(sizeof(typename Io<T>::storage))))
+        constexpr int64_t es = static_cast<int64_t>(sizeof(typename Io<T>::storage));
+        constexpr int V = static_cast<int>(16 / es);
+        if (!positions && a->src.table_dtype != dt) return mixed(r);
+        if (rows_aligned(a, V, es) &&
+            (positions || (tables_aligned(a, V, es) && !chunks_split_axes(a, V))))
             run(r, tx, std::integral_constant<int, V>{});
         else
             run(r, tx, std::integral_constant<int, 1>{});
@@ -798,9 +1147,9 @@ template <typename F> void with_apply_variant(const pe_rope_args *a, F &&f) {
         if (uniform && dt == PE_FLOAT64)
             typed(Tag<double>{}, Tag<double>{});
         else
-            run(Tag<double>{}, Tag<void>{}, std::integral_constant<int, 1>{});
+            mixed(Tag<double>{});
     } else if (!uniform) {
-        run(Tag<float>{}, Tag<void>{}, std::integral_constant<int, 1>{});
+        mixed(Tag<float>{});
     } else if (dt == PE_FLOAT32) {
         typed(Tag<float>{}, Tag<float>{});
     } else if (dt == PE_BFLOAT16) {
@@ -828,7 +1177,17 @@ template <typename F> void with_table_grad_variant(const pe_rope_args *a, pe_dty
     const pe_dtype xdt = a->q.heads ? a->q.in_dtype : a->k.in_dtype;
     auto in_r = [&](auto r) {
         if (!same) return f(r, Tag<void>{}, Tag<void>{});
-        with_dtype(grad_dtype, [&](auto g) { with_dtype(xdt, [&](auto x) { f(r, g, x); }); });
+        with_dtype(grad_dtype, [&](auto g) {
+            with_dtype(xdt, [&](auto x) {
+                using R = typename decltype(r)::type;
+                using G = typename decltype(g)::type;
+                using X = typename decltype(x)::type;
+                // an fp64 operand makes the sums fp64: no fp32 kernel for it
+                if constexpr (std::is_same_v<R, double> ||
+                              !(std::is_same_v<G, double> || std::is_same_v<X, double>))
+                    f(r, g, x);
+            });
+        });
     };
     if (table_grad_f64(a, grad_dtype))
         in_r(Tag<double>{});
@@ -844,6 +1203,10 @@ enum class Work { None, Run, BadArg };
 
 inline Work work_of(int rc) {
     return rc < 0 ? Work::BadArg : rc == PE_CHECK_RUN ? Work::Run : Work::None;
+}
+
+inline int status_of(Work w) {
+    return w == Work::BadArg ? PE_ERR_ARG : PE_OK;
 }
 
 // rot_dim within the axis map; a token's elements, (q heads + k heads) * head_dim, counted
@@ -888,6 +1251,59 @@ inline GradP grad_params(const pe_rope_args *a, const void *grad_q, const int64_
     gp.dcos = static_cast<char *>(dcos);
     gp.dsin = static_cast<char *>(dsin);
     return gp;
+}
+
+// ---- host: the launch loops of the three entry points, shared by rope.cu (which launches
+// the kernels) and the emulation (which runs them on the host).  Each checks the call,
+// returns at once when there is nothing to compute, builds the parameters and calls
+// launch(...) once per kernel, stopping at the first status it returns.
+
+// apply: launch(Tag<R>, Tag<T>, integral_constant<V>, Tag<Off>, Tag<S>, RopeP, ApplyGrid).
+// grid(groups, min_blocks) gives a launch's blocks; `threads` its block size.
+template <typename Grid, typename Launch>
+int run_apply(const pe_rope_args *a, int threads, Grid &&grid, Launch &&launch) {
+    const Work w = check_apply(a);
+    if (w != Work::Run) return status_of(w);
+    // no head: no work (and no layout: apply_grid divides by a token's items)
+    if (a->q.heads == 0 && a->k.heads == 0) return PE_OK;
+    pe_rope_args pass[2];
+    for (int i = 0, n = apply_passes(a, pass); i < n; ++i) {
+        int rc = PE_OK;
+        with_apply_variant(&pass[i], [&](auto r, auto tx, auto v, auto off, auto src) {
+            using R = typename decltype(r)::type;
+            using T = typename decltype(tx)::type;
+            using S = typename decltype(src)::type;
+            constexpr int V = decltype(v)::value;
+            const RopeP p = rope_params(&pass[i]);
+            ApplyGrid g = apply_grid<V>(p, threads);
+            set_grid(g, grid(g.groups, apply_min_blocks<R, T, V, S>()));
+            rc = launch(r, tx, v, off, src, p, g);
+        });
+        if (rc) return rc;
+    }
+    return PE_OK;
+}
+
+// table_grad: launch(Tag<R>, Tag<G>, Tag<X>, GradP).
+template <typename Launch>
+int run_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t gqs[3],
+                   const void *grad_k, const int64_t gks[3], pe_dtype gdt, void *dcos,
+                   void *dsin, Launch &&launch) {
+    const Work w = check_table_grad(a, grad_q, gqs, grad_k, gks, gdt, dcos, dsin);
+    if (w != Work::Run) return status_of(w);
+    const GradP gp = grad_params(a, grad_q, gqs, grad_k, gks, gdt, dcos, dsin);
+    int rc = PE_OK;
+    with_table_grad_variant(a, gdt, [&](auto r, auto g, auto x) { rc = launch(r, g, x, gp); });
+    return rc;
+}
+
+// tables: launch(RopeP).
+template <typename Launch>
+int run_tables(const pe_rope_args *a, pe_dtype out_dtype, const void *cos, const void *sin,
+               Launch &&launch) {
+    const Work w = check_tables(a, out_dtype, cos, sin);
+    if (w != Work::Run) return status_of(w);
+    return launch(rope_params(a));
 }
 
 } // namespace pe_cuda
