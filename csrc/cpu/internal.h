@@ -19,9 +19,9 @@
 /* Outputs of this many bytes and more are asked to be backed by huge pages (rope.c). */
 #define PE_HUGE_PAGE_HINT_BYTES ((uintptr_t)32 << 20)
 
-/* Tokens per tile when the heads are the outer dimension in memory: the tile's cos/sin
- * rows (fp32) stay in L1 while each head's rows of the tile are rotated.  The table passes
- * (gradients, tables from positions) take their rows this many at a time too. */
+/* Tokens per tile: the tile's cos/sin rows (fp32) are prepared together, then stay in L1
+ * while the tile's rows are rotated.  The table passes (gradients, tables from positions)
+ * take their rows this many at a time too. */
 #define PE_TOKEN_TILE 16
 
 static inline size_t pe_dtype_size(pe_dtype t) {
@@ -55,7 +55,8 @@ typedef struct pe_rope_plan {
     int64_t nruns;         /* channels as runs of one axis: [run_start[i], run_start[i+1]) */
     int64_t *run_start;    /* nruns + 1 entries */
     int64_t *slot_pos_off; /* R/2: position offset of slot i's axis */
-    int64_t tile;          /* tokens per rotation tile: PE_TOKEN_TILE with the heads outer */
+    int64_t tile;          /* tokens per rotation tile */
+    int heads_outer;       /* the rotation's rows: heads outer in memory (B, H, T, D) */
     /* pe_rope_table_grad: the gradients of the forward output */
     const void *grad_q, *grad_k;
     int64_t grad_q_stride[3], grad_k_stride[3];
@@ -75,7 +76,8 @@ typedef void (*pe_tile_fn)(const pe_rope_args *a, const pe_rope_plan *p, int64_t
 
 /* Scratch of any tile function, in elements of the compute type (at most a double): cos and
  * signed sine rows of a tile, a sine row, the three MRoPE axis rows, an input and an output
- * row; then the R/2 slots' fp32 cos and sin. */
+ * row; then the R/2 slots' fp32 cos and sin.  (The fp32 core fits two more rows, of cos and
+ * sine in channel order, in the room the doubles leave.) */
 static inline size_t pe_scratch_bytes(int64_t R, int64_t D, int64_t tile) {
     return (size_t)(2 * tile * R + 4 * R + 2 * D) * sizeof(double) +
            (size_t)(R + 2) * sizeof(float);

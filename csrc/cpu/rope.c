@@ -300,7 +300,7 @@ static void rope_f64_rotate(const pe_rope_args *a, const pe_rope_plan *p, int64_
         token_tables_f64(a, p, (i0 + j) / T, (i0 + j) % T, c + j * R, ss + j * R, s, slots);
     const pe_rope_tensor *xs[2] = {&a->q, &a->k};
     for (int w = 0; w < 2; ++w) {
-        const int64_t H = xs[w]->heads, step = p->tile > 1 ? 1 : H;
+        const int64_t H = xs[w]->heads, step = p->heads_outer ? 1 : H;
         for (int64_t h = 0; h < H; h += step)
             for (int64_t j = 0; j < n; ++j)
                 rotate_heads_f64(a, xs[w], (i0 + j) / T, (i0 + j) % T, h, h + step, c + j * R,
@@ -427,9 +427,10 @@ int pe_rope_apply(const pe_rope_args *a) {
     if (tensor_spans(a, &a->k, a->head_dim, &unused, &out)) huge_page_hint(out);
     pe_rope_plan plan;
     if ((rc = plan_make(a, &plan))) return rc;
-    /* heads outer in memory: tiles of tokens, rotated head by head (rows stay adjacent) */
+    /* heads outer in memory: the tiles are rotated head by head (rows stay adjacent) */
     const pe_rope_tensor *lead = a->q.heads ? &a->q : &a->k;
-    if (lead->heads > 1 && lead->in_stride[2] > lead->in_stride[1]) plan.tile = PE_TOKEN_TILE;
+    plan.tile = PE_TOKEN_TILE;
+    plan.heads_outer = lead->heads > 1 && lead->in_stride[2] > lead->in_stride[1];
     /* q and k in one pass, or one pass each when they run in different precisions */
     const int q64 = runs_f64(a, &a->q), k64 = runs_f64(a, &a->k);
     const int split = a->q.heads && a->k.heads && q64 != k64;

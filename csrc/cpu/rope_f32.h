@@ -56,6 +56,32 @@ PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
         vx_store16(p, _mm512_cvtepi32_epi16(r));
     }
 }
+/* bf16 as pairs (pe_bf16_pairs below): the 32-bit words of a vector hold channels 2i, 2i+1. */
+typedef __m512i pe_vi;
+PE_INLINE pe_vi vi_load(const char *p) { return _mm512_loadu_si512((const void *)p); }
+PE_INLINE void vi_store(char *p, pe_vi v) { _mm512_storeu_si512((void *)p, v); }
+PE_INLINE pe_vf bf16_even(pe_vi u) { return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)); }
+PE_INLINE pe_vf bf16_odd(pe_vi u) {
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+}
+/* v rounded to bf16 in the high half of each word (the low half is left over): for numbers
+ * (bf16_round_num) and for any value, NaN included (bf16_round_hi) */
+PE_INLINE pe_vi bf16_round_num(pe_vf v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+}
+PE_INLINE pe_vi bf16_round_hi(pe_vf v) {
+    return _mm512_mask_or_epi32(bf16_round_num(v), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                _mm512_castps_si512(v), _mm512_set1_epi32(0x400000));
+}
+PE_INLINE int vf_any_nan4(pe_vf a, pe_vf b, pe_vf c, pe_vf d) {
+    return (_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, d, _CMP_UNORD_Q)) != 0;
+}
+/* the bf16 of even channels (high halves of `even`) and odd ones, interleaved again */
+PE_INLINE pe_vi bf16_join(pe_vi even, pe_vi odd) {
+    return _mm512_mask_blend_epi16((__mmask32)0xaaaaaaaau, _mm512_srli_epi32(even, 16), odd);
+}
 /* The first n < 16 lanes, for row tails (head_dim 80: 40 = 2 x 16 + 8). */
 #define PE_VTAIL 1
 PE_INLINE pe_vf vf_load_n(const float *p, int64_t n) {
@@ -108,6 +134,41 @@ PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
         vx_store16(p, _mm256_castsi256_si128(r));
     }
 }
+typedef __m256i pe_vi;
+PE_INLINE pe_vi vi_load(const char *p) { return _mm256_loadu_si256((const __m256i *)p); }
+PE_INLINE void vi_store(char *p, pe_vi v) { _mm256_storeu_si256((__m256i *)p, v); }
+PE_INLINE pe_vf bf16_even(pe_vi u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
+PE_INLINE pe_vf bf16_odd(pe_vi u) {
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+}
+PE_INLINE pe_vi bf16_round_num(pe_vf v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+}
+PE_INLINE pe_vi bf16_round_hi(pe_vf v) {
+    const __m256i u = _mm256_castps_si256(v);
+    return _mm256_blendv_epi8(bf16_round_num(v), _mm256_or_si256(u, _mm256_set1_epi32(0x400000)),
+                              _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+PE_INLINE int vf_any_nan4(pe_vf a, pe_vf b, pe_vf c, pe_vf d) {
+    const __m256 m = _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q));
+    return !_mm256_testz_ps(m, m);
+}
+PE_INLINE pe_vi bf16_join(pe_vi even, pe_vi odd) {
+    return _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xaa);
+}
+#endif
+
+#ifdef PE_VW
+/*
+ * bf16 rows a block of PE_BF16_BLOCK channels at a time, without widening or narrowing
+ * shuffles: the block's 32-bit words are channel pairs, a shift gives the even channels as
+ * fp32 and a mask the odd ones, and after rounding a 16-bit blend puts the pairs back.  The
+ * tables of such rows are in "pair order" (pair_order below): per block, the values of its
+ * even channels, then those of its odd channels.
+ */
+#define PE_BF16_BLOCK (2 * PE_VW)
 #endif
 
 PE_INLINE float sx_load(const char *p, pe_dtype dt) {
@@ -130,11 +191,12 @@ PE_INLINE void sx_store(char *p, float v, pe_dtype dt) {
     memcpy(p, &h, 2);
 }
 
-/* out[e] = x[e] c[e] + x[e+h] ss[e],  out[e+h] = x[e+h] c[e+h] + x[e] ss[e+h] */
+/* out[e] = x[e] c[e] + x[e+h] ss[e],  out[e+h] = x[e+h] c[e+h] + x[e] ss[e+h], channels e
+ * from e0 on (those before e0 are done). */
 PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const float *restrict c,
-                            const float *restrict ss, int64_t h, pe_dtype dt) {
+                            const float *restrict ss, int64_t h, pe_dtype dt, int64_t e0) {
     const int64_t es = dt == PE_FLOAT32 ? 4 : 2, hb = h * es;
-    int64_t e = 0;
+    int64_t e = e0;
 #ifdef PE_VW
     for (; e + PE_VW <= h; e += PE_VW) {
         const pe_vf x0 = vx_load(x + e * es, dt), x1 = vx_load(x + e * es + hb, dt);
@@ -169,8 +231,72 @@ PE_INLINE void rot_half_rows(const char *x, int64_t xs, char *o, int64_t os, int
                              const float *c, const float *ss, int64_t h, pe_dtype dt) {
     const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
     for (int64_t hd = 0; hd < nh; ++hd)
-        rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt);
+        rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt, 0);
 }
+
+#ifdef PE_BF16_BLOCK
+/* rot_half_row for bf16 with the tables in pair order: whole blocks as pairs, then the tail
+ * (natural order) as before. */
+PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
+                                  const float *restrict c, const float *restrict ss,
+                                  int64_t h) {
+    const int64_t hb = 2 * h;
+    int64_t e = 0;
+    for (; e + PE_BF16_BLOCK <= h; e += PE_BF16_BLOCK) {
+        const pe_vi u0 = vi_load(x + 2 * e), u1 = vi_load(x + 2 * e + hb);
+        const pe_vf x0e = bf16_even(u0), x0o = bf16_odd(u0);
+        const pe_vf x1e = bf16_even(u1), x1o = bf16_odd(u1);
+        const float *c0 = c + e, *s0 = ss + e, *c1 = c + h + e, *s1 = ss + h + e;
+        const pe_vf o0e = vf_rot(x0e, vf_load(c0), x1e, vf_load(s0));
+        const pe_vf o0o = vf_rot(x0o, vf_load(c0 + PE_VW), x1o, vf_load(s0 + PE_VW));
+        const pe_vf o1e = vf_rot(x1e, vf_load(c1), x0e, vf_load(s1));
+        const pe_vf o1o = vf_rot(x1o, vf_load(c1 + PE_VW), x0o, vf_load(s1 + PE_VW));
+        if (__builtin_expect(!vf_any_nan4(o0e, o0o, o1e, o1o), 1)) {
+            vi_store(o + 2 * e, bf16_join(bf16_round_num(o0e), bf16_round_num(o0o)));
+            vi_store(o + 2 * e + hb, bf16_join(bf16_round_num(o1e), bf16_round_num(o1o)));
+        } else {
+            vi_store(o + 2 * e, bf16_join(bf16_round_hi(o0e), bf16_round_hi(o0o)));
+            vi_store(o + 2 * e + hb, bf16_join(bf16_round_hi(o1e), bf16_round_hi(o1o)));
+        }
+    }
+    if (e < h) rot_half_row(x, o, c, ss, h, PE_BFLOAT16, e);
+}
+
+PE_INLINE void rot_half_rows_pairs(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
+                                   const float *c, const float *ss, int64_t h) {
+    for (int64_t hd = 0; hd < nh; ++hd)
+        rot_half_row_pairs(x + hd * xs * 2, o + hd * os * 2, c, ss, h);
+}
+
+/* The even and the odd lanes of the 2 PE_VW values at p. */
+PE_INLINE void vf_deinterleave(const float *p, pe_vf *even, pe_vf *odd) {
+#if PE_VW == 16
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+    *even = _mm512_permutex2var_ps(a, ie, b);
+    *odd = _mm512_permutex2var_ps(a, io, b);
+#else
+    const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
+    *even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
+    *odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
+#endif
+}
+
+/* A row of R = 2h table values from channel order into pair order. */
+PE_INLINE void pair_order(float *restrict dst, const float *restrict src, int64_t h) {
+    for (int64_t base = 0; base < 2 * h; base += h) {
+        int64_t b = 0;
+        for (; b + PE_BF16_BLOCK <= h; b += PE_BF16_BLOCK) {
+            pe_vf even, odd;
+            vf_deinterleave(src + base + b, &even, &odd);
+            vx_store((char *)(dst + base + b), even, PE_FLOAT32);
+            vx_store((char *)(dst + base + b + PE_VW), odd, PE_FLOAT32);
+        }
+        for (; b < h; ++b) dst[base + b] = src[base + b];
+    }
+}
+#endif
 
 /* n values of a 16-bit or fp32 dtype as fp32, a vector at a time (short MRoPE runs too). */
 PE_INLINE void to_f32_row(float *restrict dst, const char *restrict src, int64_t n, pe_dtype dt) {
@@ -184,7 +310,8 @@ PE_INLINE void to_f32_row(float *restrict dst, const char *restrict src, int64_t
 }
 
 /* Rotates the nh heads of one token (head strides xs, os in elements) if the fast rows
- * cover the dtype; returns 1 if so.  head_dim 128 (h = 64) gets a fully unrolled copy. */
+ * cover the dtype; returns 1 if so.  head_dim 128 (h = 64) gets a fully unrolled copy.  bf16
+ * rows of at least a block per half read the tables in pair order (pairs_rows). */
 PE_INLINE int rot_half_heads(const void *in, int64_t xs, void *out, int64_t os, int64_t nh,
                              pe_dtype dt, const float *c, const float *ss, int64_t R) {
     const char *x = (const char *)in;
@@ -196,8 +323,14 @@ PE_INLINE int rot_half_heads(const void *in, int64_t xs, void *out, int64_t os, 
         else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT32);
         return 1;
     case PE_BFLOAT16:
+#ifdef PE_BF16_BLOCK
+        if (h == 64) rot_half_rows_pairs(x, xs, o, os, nh, c, ss, 64);
+        else if (h >= PE_BF16_BLOCK) rot_half_rows_pairs(x, xs, o, os, nh, c, ss, h);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16);
+#else
         if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_BFLOAT16);
         else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16);
+#endif
         return 1;
     case PE_FLOAT16:
         if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT16);
@@ -380,29 +513,92 @@ PE_INLINE void token_heads(const pe_rope_args *a, const pe_rope_tensor *x, int64
     }
 }
 
+/* 1 when x's rows are the bf16 fast rows that read the tables in pair order
+ * (rot_half_heads). */
+PE_INLINE int pairs_rows(const pe_rope_args *a, const pe_rope_tensor *x) {
+#ifdef PE_BF16_BLOCK
+    return a->pairing == PE_PAIR_HALF && x->in_dtype == PE_BFLOAT16 &&
+           x->out_dtype == PE_BFLOAT16 && a->rot_dim / 2 >= PE_BF16_BLOCK;
+#else
+    (void)a;
+    (void)x;
+    return 0;
+#endif
+}
+
+/* cos and signed sine of the n tokens of a tile from flat index i0, in channel order or
+ * (pairs) in pair order; cn, sn are two scratch rows. */
+PE_INLINE void tile_tables(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0, int64_t n,
+                           float *restrict c, float *restrict ss, float *restrict s,
+                           float *restrict rows, float *restrict slots, float *restrict cn,
+                           float *restrict sn, int pairs) {
+    const int64_t T = a->seq, R = a->rot_dim;
+    for (int64_t j = 0; j < n; ++j) {
+        float *cj = c + j * R, *ssj = ss + j * R;
+        token_tables(a, p, (i0 + j) / T, (i0 + j) % T, pairs ? cn : cj, s, rows, slots);
+        sign_sine(s, pairs ? sn : ssj, R, a->pairing, a->transpose);
+#ifdef PE_BF16_BLOCK
+        if (pairs) {
+            pair_order(cj, cn, R / 2);
+            pair_order(ssj, sn, R / 2);
+        }
+#endif
+    }
+}
+
+/* Asks for the table values of token i (flat index) ahead of their use.  The rotation of
+ * a tile fetches the next tile's this way: the hardware prefetchers do not follow the
+ * short runs read from 3 axes, and a table load that misses would hold up the tile. */
+PE_INLINE void prefetch_tables(const pe_rope_args *a, const pe_rope_plan *p, int64_t i) {
+    const pe_rope_source *src = &a->src;
+    if (src->pos || i >= a->batch * a->seq) return;
+    const int64_t T = a->seq, es = (int64_t)pe_dtype_size(src->table_dtype);
+    const int64_t off = ((src->table_batch == 1 ? 0 : i / T) * src->table_stride[1] +
+                         i % T * src->table_stride[2]) * es;
+    const char *cb = (const char *)src->cos + off, *sb = (const char *)src->sin + off;
+    const int runs = p->axes > 1 && p->nruns <= 8;
+    for (int64_t r = 0; r < (runs ? p->nruns : p->axes); ++r) {
+        const int64_t e0 = runs ? p->run_start[r] : 0;
+        const int64_t e1 = runs ? p->run_start[r + 1] : a->rot_dim;
+        const int64_t o = (runs ? p->chan_axis[e0] : r) * src->table_stride[0] * es;
+        for (int64_t x = e0 * es; x < e1 * es; x += 64) {
+            __builtin_prefetch(cb + o + x);
+            __builtin_prefetch(sb + o + x);
+        }
+        __builtin_prefetch(cb + o + e1 * es - 1);
+        __builtin_prefetch(sb + o + e1 * es - 1);
+    }
+}
+
 /*
  * Tile of n consecutive tokens (flat index i0 = b*T + t; p->tile tokens at most): the
- * tokens' tables are prepared once, then the rows are rotated.  With the heads inner in
- * memory a tile is one token and all its heads go at once; with the heads outer ((B, H, T,
- * D) tensors, e.g. gradients coming back from attention) the tile is rotated head by head,
- * so the rows of each head, adjacent in memory, are visited in order.
+ * tokens' tables are prepared first, all together (their loads overlap one another instead
+ * of each waiting in front of its token's rows), then the rows are rotated.  With the heads
+ * inner in memory the tokens go in order, all heads of a token at once; with the heads
+ * outer ((B, H, T, D) tensors, e.g. gradients coming back from attention) the tile is
+ * rotated head by head, so the rows of each head, adjacent in memory, are visited in order.
  */
 PE_INLINE void rope_f32_rotate(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
                                int64_t n, void *scratch) {
     const int64_t T = a->seq, R = a->rot_dim, D = a->head_dim;
     float *c = (float *)scratch, *ss = c + p->tile * R, *s = ss + p->tile * R;
     float *xb = s + R, *ob = xb + D, *rows = ob + D, *slots = rows + 3 * R;
-    for (int64_t j = 0; j < n; ++j) {
-        token_tables(a, p, (i0 + j) / T, (i0 + j) % T, c + j * R, s, rows, slots);
-        sign_sine(s, ss + j * R, R, a->pairing, a->transpose);
-    }
+    float *cn = slots + R, *sn = cn + R;
     const pe_rope_tensor *xs[2] = {&a->q, &a->k};
+    const int first = a->q.heads ? 0 : 1;
+    int order = -1; /* the order the tile's tables are in: none yet */
     for (int w = 0; w < 2; ++w) {
-        const int64_t H = xs[w]->heads, step = p->tile > 1 ? 1 : H;
+        const int64_t H = xs[w]->heads, step = p->heads_outer ? 1 : H;
+        if (!H) continue;
+        const int pairs = pairs_rows(a, xs[w]);
+        if (pairs != order) tile_tables(a, p, i0, n, c, ss, s, rows, slots, cn, sn, pairs);
+        order = pairs;
         for (int64_t h = 0; h < H; h += step)
-            for (int64_t j = 0; j < n; ++j)
+            for (int64_t j = 0; j < n; ++j) {
+                if (h == 0 && w == first) prefetch_tables(a, p, i0 + p->tile + j);
                 token_heads(a, xs[w], (i0 + j) / T, (i0 + j) % T, h, h + step, c + j * R,
                             ss + j * R, xb, ob);
+            }
     }
 }
 
