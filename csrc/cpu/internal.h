@@ -55,6 +55,9 @@ typedef struct pe_rope_plan {
     int64_t nruns;         /* channels as runs of one axis: [run_start[i], run_start[i+1]) */
     int64_t *run_start;    /* nruns + 1 entries */
     int64_t *slot_pos_off; /* R/2: position offset of slot i's axis */
+    uint32_t *axis_sel;    /* 2 R: all ones where channel e reads axis 1, then axis 2 */
+    int64_t block;         /* channels per block of block_axes (0: none) */
+    uint8_t *block_axes;   /* R / block: the axes block k's channels read (bit a: axis a) */
     int64_t tile;          /* tokens per rotation tile */
     int heads_outer;       /* the rotation's rows: heads outer in memory (B, H, T, D) */
     /* pe_rope_table_grad: the gradients of the forward output */

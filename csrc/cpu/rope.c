@@ -141,22 +141,32 @@ static int source_spans(const pe_rope_args *a, int tables, span in[3]) {
 
 static void plan_free(pe_rope_plan *p) { free(p->slot_pos_off); }
 
-static int plan_make(const pe_rope_args *a, pe_rope_plan *p) {
-    const int64_t R = a->rot_dim, nslot = R / 2;
+/* `block`: channels per block of the rotation's vector table pass (f32_kernels), 0 for
+ * none. */
+static int plan_make(const pe_rope_args *a, pe_rope_plan *p, int64_t block) {
+    const int64_t R = a->rot_dim, nslot = R / 2, nblock = block ? R / block : 0;
     const uint8_t *axis = a->src.axis_of_slot;
     memset(p, 0, sizeof *p);
     p->axes = axis ? 3 : 1;
     p->tile = 1;
-    /* one block: slot_pos_off[nslot + 1], run_start[R + 1], chan_axis[R + 1] */
-    const size_t words = (size_t)(nslot + R + 2);
-    p->slot_pos_off = (int64_t *)calloc(1, words * sizeof(int64_t) + (size_t)R + 1);
+    /* one block: slot_pos_off[nslot + 1], run_start[R + 1] (int64); axis_sel[2 R] (uint32);
+     * chan_axis[R + 1], block_axes[nblock + 1] (bytes) */
+    const size_t words = (size_t)(nslot + R + 2), sels = (size_t)(2 * R);
+    p->slot_pos_off = (int64_t *)calloc(1, words * sizeof(int64_t) + sels * sizeof(uint32_t) +
+                                               (size_t)(R + nblock + 2));
     if (!p->slot_pos_off) return PE_ERR_NOMEM;
     p->run_start = p->slot_pos_off + nslot + 1;
-    p->chan_axis = (uint8_t *)(p->run_start + R + 1);
+    p->axis_sel = (uint32_t *)(p->run_start + R + 1);
+    p->chan_axis = (uint8_t *)(p->axis_sel + sels);
+    p->block_axes = p->chan_axis + R + 1;
+    p->block = block;
     p->nruns = 0;
     for (int64_t e = 0; e < R; ++e) {
         p->chan_axis[e] = axis ? axis[pe_slot(a->pairing, e, R)] : 0;
         if (e == 0 || p->chan_axis[e] != p->chan_axis[e - 1]) p->run_start[p->nruns++] = e;
+        for (int ax = 1; ax < 3; ++ax)
+            p->axis_sel[(ax - 1) * R + e] = p->chan_axis[e] == ax ? 0xffffffffu : 0u;
+        if (block) p->block_axes[e / block] |= (uint8_t)(1u << p->chan_axis[e]);
     }
     p->run_start[p->nruns] = R;
     for (int64_t i = 0; i < nslot; ++i)
@@ -360,18 +370,19 @@ static void rope_f64_grad_rows(const pe_rope_args *a, const pe_rope_plan *p, int
 
 typedef struct f32_kernels {
     pe_tile_fn rotate, grad_rows, table_rows;
+    int64_t block; /* channels per block of the rotation's vector table pass (rope_f32.h) */
 } f32_kernels;
 
 /* Indexed by pe_isa; only variants that were built are listed (pe_isa_best never returns
  * the others). */
 static const f32_kernels f32_variants[] = {
     [PE_ISA_BASELINE] = {pe_rope_rotate_f32_baseline, pe_rope_grad_rows_f32_baseline,
-                         pe_rope_table_rows_f32_baseline},
+                         pe_rope_table_rows_f32_baseline, 0},
 #ifdef PE_HAVE_X86_VARIANTS
     [PE_ISA_AVX2] = {pe_rope_rotate_f32_avx2, pe_rope_grad_rows_f32_avx2,
-                     pe_rope_table_rows_f32_avx2},
+                     pe_rope_table_rows_f32_avx2, 16},
     [PE_ISA_AVX512] = {pe_rope_rotate_f32_avx512, pe_rope_grad_rows_f32_avx512,
-                       pe_rope_table_rows_f32_avx512},
+                       pe_rope_table_rows_f32_avx512, 32},
 #endif
 };
 
@@ -425,8 +436,9 @@ int pe_rope_apply(const pe_rope_args *a) {
     span unused, out;
     if (tensor_spans(a, &a->q, a->head_dim, &unused, &out)) huge_page_hint(out);
     if (tensor_spans(a, &a->k, a->head_dim, &unused, &out)) huge_page_hint(out);
+    const f32_kernels *k32 = f32_current();
     pe_rope_plan plan;
-    if ((rc = plan_make(a, &plan))) return rc;
+    if ((rc = plan_make(a, &plan, k32->block))) return rc;
     /* heads outer in memory: the tiles are rotated head by head (rows stay adjacent) */
     const pe_rope_tensor *lead = a->q.heads ? &a->q : &a->k;
     plan.tile = PE_TOKEN_TILE;
@@ -439,7 +451,7 @@ int pe_rope_apply(const pe_rope_args *a) {
         if (split) *(pass ? &one.q.heads : &one.k.heads) = 0;
         const int64_t ntok = a->batch * a->seq;
         const int f64 = split ? (pass ? k64 : q64) : q64 || k64;
-        rc = run_tiles(&one, &plan, f64 ? rope_f64_rotate : f32_current()->rotate, ntok, plan.tile,
+        rc = run_tiles(&one, &plan, f64 ? rope_f64_rotate : k32->rotate, ntok, plan.tile,
                        ntok * (one.q.heads + one.k.heads) * a->head_dim);
     }
     plan_free(&plan);
@@ -485,7 +497,7 @@ int pe_rope_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t 
                                       grad_dtype, dcos, dsin);
     if (rc != PE_CHECK_RUN) return rc < 0 ? rc : PE_OK;
     pe_rope_plan plan;
-    if ((rc = plan_make(a, &plan))) return rc;
+    if ((rc = plan_make(a, &plan, 0))) return rc;
     plan.grad_q = grad_q;
     plan.grad_k = grad_k;
     if (grad_q_stride) memcpy(plan.grad_q_stride, grad_q_stride, sizeof plan.grad_q_stride);
@@ -524,7 +536,7 @@ int pe_rope_tables(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *s
     int rc = pe_rope_check_tables(a, out_dtype, cos, sin);
     if (rc != PE_CHECK_RUN) return rc < 0 ? rc : PE_OK;
     pe_rope_plan plan;
-    if ((rc = plan_make(a, &plan))) return rc;
+    if ((rc = plan_make(a, &plan, 0))) return rc;
     plan.cos_out = cos;
     plan.sin_out = sin;
     plan.out_dtype = out_dtype;

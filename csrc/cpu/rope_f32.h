@@ -31,6 +31,15 @@
 #define PE_VW 16
 typedef __m512 pe_vf;
 PE_INLINE pe_vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+PE_INLINE pe_vf vf_zero(void) { return _mm512_setzero_ps(); }
+PE_INLINE pe_vf vf_add(pe_vf a, pe_vf b) { return _mm512_add_ps(a, b); }
+PE_INLINE pe_vf vf_sub(pe_vf a, pe_vf b) { return _mm512_sub_ps(a, b); }
+PE_INLINE pe_vf vf_mul(pe_vf a, pe_vf b) { return _mm512_mul_ps(a, b); }
+PE_INLINE pe_vf vf_neg(pe_vf a) { return _mm512_xor_ps(a, _mm512_set1_ps(-0.0f)); }
+/* b in the lanes where the sign bit of m is set, else a */
+PE_INLINE pe_vf vf_select(pe_vf a, pe_vf b, pe_vf m) {
+    return _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(m)), a, b);
+}
 PE_INLINE pe_vf vf_rot(pe_vf a, pe_vf ca, pe_vf b, pe_vf sb) {
     return _mm512_add_ps(_mm512_mul_ps(a, ca), _mm512_mul_ps(b, sb));
 }
@@ -108,6 +117,12 @@ PE_INLINE void vx_store_n(char *p, pe_vf v, pe_dtype dt, int64_t n) {
 #define PE_VW 8
 typedef __m256 pe_vf;
 PE_INLINE pe_vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+PE_INLINE pe_vf vf_zero(void) { return _mm256_setzero_ps(); }
+PE_INLINE pe_vf vf_add(pe_vf a, pe_vf b) { return _mm256_add_ps(a, b); }
+PE_INLINE pe_vf vf_sub(pe_vf a, pe_vf b) { return _mm256_sub_ps(a, b); }
+PE_INLINE pe_vf vf_mul(pe_vf a, pe_vf b) { return _mm256_mul_ps(a, b); }
+PE_INLINE pe_vf vf_neg(pe_vf a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+PE_INLINE pe_vf vf_select(pe_vf a, pe_vf b, pe_vf m) { return _mm256_blendv_ps(a, b, m); }
 PE_INLINE pe_vf vf_rot(pe_vf a, pe_vf ca, pe_vf b, pe_vf sb) {
     return _mm256_add_ps(_mm256_mul_ps(a, ca), _mm256_mul_ps(b, sb));
 }
@@ -268,18 +283,18 @@ PE_INLINE void rot_half_rows_pairs(const char *x, int64_t xs, char *o, int64_t o
         rot_half_row_pairs(x + hd * xs * 2, o + hd * os * 2, c, ss, h);
 }
 
-/* The even and the odd lanes of the 2 PE_VW values at p. */
-PE_INLINE void vf_deinterleave(const float *p, pe_vf *even, pe_vf *odd) {
+/* The even and the odd lanes of the 2 PE_VW values in a, b (a first). */
+PE_INLINE void vf_deinterleave(pe_vf a, pe_vf b, pe_vf *even, pe_vf *odd) {
 #if PE_VW == 16
     const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
     *even = _mm512_permutex2var_ps(a, ie, b);
     *odd = _mm512_permutex2var_ps(a, io, b);
 #else
-    const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
-    *even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
-    *odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
+    *even = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
+    *odd = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
 #endif
 }
 
@@ -289,7 +304,7 @@ PE_INLINE void pair_order(float *restrict dst, const float *restrict src, int64_
         int64_t b = 0;
         for (; b + PE_BF16_BLOCK <= h; b += PE_BF16_BLOCK) {
             pe_vf even, odd;
-            vf_deinterleave(src + base + b, &even, &odd);
+            vf_deinterleave(vf_load(src + base + b), vf_load(src + base + b + PE_VW), &even, &odd);
             vx_store((char *)(dst + base + b), even, PE_FLOAT32);
             vx_store((char *)(dst + base + b + PE_VW), odd, PE_FLOAT32);
         }
@@ -344,6 +359,17 @@ PE_INLINE int rot_half_heads(const void *in, int64_t xs, void *out, int64_t os, 
 
 /* ---- fp32 core ---------------------------------------------------------------------- */
 
+/* n fp32 values stored as a 16-bit or fp32 dtype, a vector at a time. */
+PE_INLINE void from_f32_row(char *restrict dst, const float *restrict src, int64_t n,
+                            pe_dtype dt) {
+    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
+    int64_t i = 0;
+#ifdef PE_VW
+    for (; i + PE_VW <= n; i += PE_VW) vx_store(dst + i * es, vf_load(src + i), dt);
+#endif
+    for (; i < n; ++i) sx_store(dst + i * es, src[i], dt);
+}
+
 /* n values of dtype dt (fp32 or 16-bit) as fp32. */
 PE_INLINE void load_row(float *restrict dst, const void *restrict src, pe_dtype dt, int64_t n) {
     const char *s = (const char *)src;
@@ -357,7 +383,6 @@ PE_INLINE void load_row(float *restrict dst, const void *restrict src, pe_dtype 
 /* n fp32 values stored as dtype dt, one rounding each (fp64: the tables from positions). */
 PE_INLINE void store_row(void *restrict dst, const float *restrict src, pe_dtype dt, int64_t n) {
     char *d = (char *)dst;
-    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
     switch (dt) {
     case PE_FLOAT64:
         for (int64_t i = 0; i < n; ++i) {
@@ -365,9 +390,9 @@ PE_INLINE void store_row(void *restrict dst, const float *restrict src, pe_dtype
             memcpy(d + i * 8, &v, 8);
         }
         break;
-    case PE_FLOAT32: for (int64_t i = 0; i < n; ++i) sx_store(d + i * es, src[i], PE_FLOAT32); break;
-    case PE_BFLOAT16: for (int64_t i = 0; i < n; ++i) sx_store(d + i * es, src[i], PE_BFLOAT16); break;
-    default: for (int64_t i = 0; i < n; ++i) sx_store(d + i * es, src[i], PE_FLOAT16); break;
+    case PE_FLOAT32: from_f32_row(d, src, n, PE_FLOAT32); break;
+    case PE_BFLOAT16: from_f32_row(d, src, n, PE_BFLOAT16); break;
+    default: from_f32_row(d, src, n, PE_FLOAT16); break;
     }
 }
 
@@ -570,6 +595,116 @@ PE_INLINE void prefetch_tables(const pe_rope_args *a, const pe_rope_plan *p, int
     }
 }
 
+#ifdef PE_BF16_BLOCK
+/* The 2 PE_VW values of dtype dt at p as two fp32 vectors, in pair order or in channel
+ * order. */
+PE_INLINE void load_table_block(const char *p, pe_dtype dt, int pairs, pe_vf *v0, pe_vf *v1) {
+    if (dt == PE_BFLOAT16 && pairs) {
+        const pe_vi u = vi_load(p);
+        *v0 = bf16_even(u);
+        *v1 = bf16_odd(u);
+        return;
+    }
+    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
+    const pe_vf a = vx_load(p, dt), b = vx_load(p + PE_VW * es, dt);
+    if (pairs) {
+        vf_deinterleave(a, b, v0, v1);
+    } else {
+        *v0 = a;
+        *v1 = b;
+    }
+}
+
+/* Block k of a table row (axis rows ax * axis_bytes apart) as two vectors: the block of
+ * the lowest axis it reads, then the channels of the others blended in. */
+PE_INLINE void table_block(const char *row, int64_t axis_bytes, pe_dtype dt, int pairs,
+                           const pe_rope_plan *p, int64_t R, int64_t k, pe_vf *v0, pe_vf *v1) {
+    const int64_t es = (int64_t)pe_dtype_size(dt), e = k * PE_BF16_BLOCK;
+    const unsigned used = p->block_axes[k];
+    const int lo = used & 1u ? 0 : used & 2u ? 1 : 2;
+    load_table_block(row + lo * axis_bytes + e * es, dt, pairs, v0, v1);
+    for (int ax = lo + 1; ax < 3; ++ax) {
+        if (!(used & (1u << ax))) continue;
+        pe_vf b0, b1, m0, m1;
+        load_table_block(row + ax * axis_bytes + e * es, dt, pairs, &b0, &b1);
+        load_table_block((const char *)(p->axis_sel + (ax - 1) * R + e), PE_FLOAT32, pairs,
+                         &m0, &m1);
+        *v0 = vf_select(*v0, b0, m0);
+        *v1 = vf_select(*v1, b1, m1);
+    }
+}
+
+/* cos and signed sine of one token's block pair (k in the first half, k + nb in the
+ * second): c0, c1, s0, s1 are the cos and sine of the first and the second block. */
+PE_INLINE void store_block_pair(float *restrict c, float *restrict ss, int64_t h, int64_t e,
+                                const pe_vf c0[2], const pe_vf c1[2], const pe_vf s0[2],
+                                const pe_vf s1[2], int transpose) {
+    for (int i = 0; i < 2; ++i) {
+        vx_store((char *)(c + e + i * PE_VW), c0[i], PE_FLOAT32);
+        vx_store((char *)(c + h + e + i * PE_VW), c1[i], PE_FLOAT32);
+        /* forward ss = -s, s by half; transpose ss[e] = s[e + h], ss[e + h] = -s[e] */
+        vx_store((char *)(ss + e + i * PE_VW), transpose ? s1[i] : vf_neg(s0[i]), PE_FLOAT32);
+        vx_store((char *)(ss + h + e + i * PE_VW), transpose ? vf_neg(s0[i]) : s1[i],
+                 PE_FLOAT32);
+    }
+}
+
+/*
+ * tile_tables for half pairing with h a multiple of 2 PE_VW and tables of a dtype the
+ * vector loads read: each block of channels goes from the tables (or the slots' sine and
+ * cosine) straight into the rotation's order and signs, with no row in between.
+ */
+PE_INLINE void tile_tables_blocks(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                  int64_t n, float *restrict c, float *restrict ss,
+                                  float *restrict slots, int pairs) {
+    const pe_rope_source *src = &a->src;
+    const int64_t T = a->seq, R = a->rot_dim, h = R / 2, nb = h / PE_BF16_BLOCK;
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t b = (i0 + j) / T, t = (i0 + j) % T;
+        float *cj = c + j * R, *ssj = ss + j * R;
+        if (src->pos) {
+            float *cs = slots, *sn = slots + h;
+            pe_rope_slot_sincos(a, p, b, t, cs, sn);
+            for (int64_t k = 0; k < nb; ++k) {
+                const int64_t e = k * PE_BF16_BLOCK;
+                pe_vf cv[2], sv[2];
+                load_table_block((const char *)(cs + e), PE_FLOAT32, pairs, &cv[0], &cv[1]);
+                load_table_block((const char *)(sn + e), PE_FLOAT32, pairs, &sv[0], &sv[1]);
+                store_block_pair(cj, ssj, h, e, cv, cv, sv, sv, a->transpose);
+            }
+            continue;
+        }
+        const pe_dtype dt = src->table_dtype;
+        const int64_t es = (int64_t)pe_dtype_size(dt), axis_bytes = src->table_stride[0] * es;
+        const int64_t off = ((src->table_batch == 1 ? 0 : b) * src->table_stride[1] +
+                             t * src->table_stride[2]) * es;
+        const char *cb = (const char *)src->cos + off, *sb = (const char *)src->sin + off;
+        for (int64_t k = 0; k < nb; ++k) {
+            pe_vf c0[2], c1[2], s0[2], s1[2];
+            table_block(cb, axis_bytes, dt, pairs, p, R, k, &c0[0], &c0[1]);
+            table_block(cb, axis_bytes, dt, pairs, p, R, k + nb, &c1[0], &c1[1]);
+            table_block(sb, axis_bytes, dt, pairs, p, R, k, &s0[0], &s0[1]);
+            table_block(sb, axis_bytes, dt, pairs, p, R, k + nb, &s1[0], &s1[1]);
+            store_block_pair(cj, ssj, h, k * PE_BF16_BLOCK, c0, c1, s0, s1, a->transpose);
+        }
+    }
+}
+#endif
+
+/* 1 when tile_tables_blocks can prepare the tables (the plan's blocks are this build's). */
+PE_INLINE int table_blocks(const pe_rope_args *a, const pe_rope_plan *p) {
+#ifdef PE_BF16_BLOCK
+    const pe_dtype dt = a->src.table_dtype;
+    return a->pairing == PE_PAIR_HALF && p->block == PE_BF16_BLOCK &&
+           (a->rot_dim / 2) % PE_BF16_BLOCK == 0 &&
+           (a->src.pos || dt == PE_FLOAT32 || dt == PE_BFLOAT16 || dt == PE_FLOAT16);
+#else
+    (void)a;
+    (void)p;
+    return 0;
+#endif
+}
+
 /*
  * Tile of n consecutive tokens (flat index i0 = b*T + t; p->tile tokens at most): the
  * tokens' tables are prepared first, all together (their loads overlap one another instead
@@ -585,20 +720,30 @@ PE_INLINE void rope_f32_rotate(const pe_rope_args *a, const pe_rope_plan *p, int
     float *xb = s + R, *ob = xb + D, *rows = ob + D, *slots = rows + 3 * R;
     float *cn = slots + R, *sn = cn + R;
     const pe_rope_tensor *xs[2] = {&a->q, &a->k};
-    const int first = a->q.heads ? 0 : 1;
+    const int blocks = table_blocks(a, p);
+    (void)blocks;
     int order = -1; /* the order the tile's tables are in: none yet */
+    int fetch = 1;  /* the next tile's tables are still to be asked for */
     for (int w = 0; w < 2; ++w) {
         const int64_t H = xs[w]->heads, step = p->heads_outer ? 1 : H;
         if (!H) continue;
         const int pairs = pairs_rows(a, xs[w]);
-        if (pairs != order) tile_tables(a, p, i0, n, c, ss, s, rows, slots, cn, sn, pairs);
+        if (pairs != order) {
+#ifdef PE_BF16_BLOCK
+            if (blocks)
+                tile_tables_blocks(a, p, i0, n, c, ss, slots, pairs);
+            else
+#endif
+                tile_tables(a, p, i0, n, c, ss, s, rows, slots, cn, sn, pairs);
+        }
         order = pairs;
         for (int64_t h = 0; h < H; h += step)
             for (int64_t j = 0; j < n; ++j) {
-                if (h == 0 && w == first) prefetch_tables(a, p, i0 + p->tile + j);
+                if (fetch && h == 0) prefetch_tables(a, p, i0 + p->tile + j);
                 token_heads(a, xs[w], (i0 + j) / T, (i0 + j) % T, h, h + step, c + j * R,
                             ss + j * R, xb, ob);
             }
+        fetch = 0;
     }
 }
 
@@ -625,6 +770,98 @@ PE_INLINE void accumulate_heads(const pe_rope_args *a, const pe_rope_tensor *x, 
     }
 }
 
+#ifdef PE_VW
+/* The 2 PE_VW values of a block of dtype dt at p as two vectors: for bf16 the even and the
+ * odd channels (pair order), else the first and the second PE_VW channels. */
+PE_INLINE void vx_load_block(const char *p, pe_dtype dt, pe_vf *v0, pe_vf *v1) {
+    if (dt == PE_BFLOAT16) {
+        const pe_vi u = vi_load(p);
+        *v0 = bf16_even(u);
+        *v1 = bf16_odd(u);
+    } else {
+        const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
+        *v0 = vx_load(p, dt);
+        *v1 = vx_load(p + PE_VW * es, dt);
+    }
+}
+
+/* The inverse of vx_load_block's order for fp32 values: 2 PE_VW floats at dst, in channel
+ * order. */
+PE_INLINE void vf_store_block(float *dst, pe_vf v0, pe_vf v1, pe_dtype dt) {
+    if (dt == PE_BFLOAT16) { /* interleave the even (v0) and the odd (v1) channels */
+#if PE_VW == 16
+        const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                             15, 31);
+        const pe_vf a = _mm512_permutex2var_ps(v0, lo, v1), b = _mm512_permutex2var_ps(v0, hi, v1);
+#else
+        const __m256 l = _mm256_unpacklo_ps(v0, v1), h = _mm256_unpackhi_ps(v0, v1);
+        const pe_vf a = _mm256_permute2f128_ps(l, h, 0x20), b = _mm256_permute2f128_ps(l, h, 0x31);
+#endif
+        v0 = a;
+        v1 = b;
+    }
+    vx_store((char *)dst, v0, PE_FLOAT32);
+    vx_store((char *)(dst + PE_VW), v1, PE_FLOAT32);
+}
+
+/*
+ * acc_c, acc_s of one table row (rows of batch b0 .. b1-1 at t), half pairing, q, k and the
+ * gradients all of dtype dt, h a multiple of 2 PE_VW: a block of channels of both halves
+ * at a time, summed over every head in registers (the same sums, in the same order, as
+ * accumulate_heads), with no conversion through scratch rows.
+ */
+PE_INLINE void accumulate_blocks(const pe_rope_args *a, const pe_rope_plan *p, int64_t b0,
+                                 int64_t b1, int64_t t, pe_dtype dt, float *restrict acc_c,
+                                 float *restrict acc_s) {
+    const int64_t h = a->rot_dim / 2, es = dt == PE_FLOAT32 ? 4 : 2;
+    const pe_rope_tensor *xs[2] = {&a->q, &a->k};
+    const void *gs[2] = {p->grad_q, p->grad_k};
+    const int64_t *gst[2] = {p->grad_q_stride, p->grad_k_stride};
+    for (int64_t e = 0; e < h; e += 2 * PE_VW) {
+        const pe_vf z = vf_zero();
+        pe_vf c0a = z, c0b = z, c1a = z, c1b = z, s0a = z, s0b = z, s1a = z, s1b = z;
+        for (int64_t b = b0; b < b1; ++b)
+            for (int w = 0; w < 2; ++w)
+                for (int64_t hd = 0; hd < xs[w]->heads; ++hd) {
+                    const char *xr = pe_row(xs[w]->in, xs[w]->in_stride, es, b, t, hd) + e * es;
+                    const char *gr = pe_row(gs[w], gst[w], es, b, t, hd) + e * es;
+                    pe_vf x0a, x0b, x1a, x1b, g0a, g0b, g1a, g1b;
+                    vx_load_block(xr, dt, &x0a, &x0b);
+                    vx_load_block(xr + h * es, dt, &x1a, &x1b);
+                    vx_load_block(gr, dt, &g0a, &g0b);
+                    vx_load_block(gr + h * es, dt, &g1a, &g1b);
+                    c0a = vf_add(c0a, vf_mul(g0a, x0a));
+                    c0b = vf_add(c0b, vf_mul(g0b, x0b));
+                    c1a = vf_add(c1a, vf_mul(g1a, x1a));
+                    c1b = vf_add(c1b, vf_mul(g1b, x1b));
+                    s0a = vf_sub(s0a, vf_mul(g0a, x1a));
+                    s0b = vf_sub(s0b, vf_mul(g0b, x1b));
+                    s1a = vf_add(s1a, vf_mul(g1a, x0a));
+                    s1b = vf_add(s1b, vf_mul(g1b, x0b));
+                }
+        vf_store_block(acc_c + e, c0a, c0b, dt);
+        vf_store_block(acc_c + h + e, c1a, c1b, dt);
+        vf_store_block(acc_s + e, s0a, s0b, dt);
+        vf_store_block(acc_s + h + e, s1a, s1b, dt);
+    }
+}
+#endif
+
+/* 1 when a table-gradient row can run accumulate_blocks. */
+PE_INLINE int grad_blocks(const pe_rope_args *a, const pe_rope_plan *p) {
+#ifdef PE_VW
+    const pe_dtype dt = p->grad_dtype;
+    return a->pairing == PE_PAIR_HALF && (a->rot_dim / 2) % (2 * PE_VW) == 0 &&
+           (dt == PE_FLOAT32 || dt == PE_BFLOAT16 || dt == PE_FLOAT16) &&
+           (!a->q.heads || a->q.in_dtype == dt) && (!a->k.heads || a->k.in_dtype == dt);
+#else
+    (void)a;
+    (void)p;
+    return 0;
+#endif
+}
+
 /* Table-gradient rows i0 .. i0+n-1 (row i = bc*T + t of the (Bc, T) tables). */
 PE_INLINE void rope_f32_grad_rows(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
                                   int64_t n, void *scratch) {
@@ -632,23 +869,37 @@ PE_INLINE void rope_f32_grad_rows(const pe_rope_args *a, const pe_rope_plan *p, 
     const size_t oes = pe_dtype_size(p->out_dtype);
     float *acc_c = (float *)scratch, *acc_s = acc_c + R, *xb = acc_s + R, *gb = xb + R;
     float *ob = gb + R;
+#ifdef PE_VW
+    const int blocks = grad_blocks(a, p);
+#endif
     for (int64_t i = i0; i < i0 + n; ++i) {
         const int64_t bc = i / T, t = i % T;
-        for (int64_t e = 0; e < R; ++e) acc_c[e] = acc_s[e] = 0;
         const int64_t b0 = Bc == 1 ? 0 : bc, b1 = Bc == 1 ? B : bc + 1;
-        for (int64_t b = b0; b < b1; ++b) {
-            accumulate_heads(a, &a->q, p->grad_q, p->grad_q_stride, p->grad_dtype, b, t, acc_c,
-                             acc_s, xb, gb);
-            accumulate_heads(a, &a->k, p->grad_k, p->grad_k_stride, p->grad_dtype, b, t, acc_c,
-                             acc_s, xb, gb);
+#ifdef PE_VW
+        if (blocks) {
+            accumulate_blocks(a, p, b0, b1, t, p->grad_dtype, acc_c, acc_s);
+        } else
+#endif
+        {
+            for (int64_t e = 0; e < R; ++e) acc_c[e] = acc_s[e] = 0;
+            for (int64_t b = b0; b < b1; ++b) {
+                accumulate_heads(a, &a->q, p->grad_q, p->grad_q_stride, p->grad_dtype, b, t,
+                                 acc_c, acc_s, xb, gb);
+                accumulate_heads(a, &a->k, p->grad_k, p->grad_k_stride, p->grad_dtype, b, t,
+                                 acc_c, acc_s, xb, gb);
+            }
         }
         for (int64_t ax = 0; ax < p->axes; ++ax) {
             const int64_t off = ((ax * Bc + bc) * T + t) * R * (int64_t)oes;
             for (int pass = 0; pass < 2; ++pass) {
                 const float *acc = pass ? acc_s : acc_c;
-                for (int64_t e = 0; e < R; ++e)
-                    ob[e] = (p->axes == 1 || p->chan_axis[e] == ax) ? acc[e] : 0.0f;
-                store_row((char *)(pass ? p->sin_out : p->cos_out) + off, ob, p->out_dtype, R);
+                char *dst = (char *)(pass ? p->sin_out : p->cos_out) + off;
+                if (p->axes == 1) {
+                    store_row(dst, acc, p->out_dtype, R);
+                    continue;
+                }
+                for (int64_t e = 0; e < R; ++e) ob[e] = p->chan_axis[e] == ax ? acc[e] : 0.0f;
+                store_row(dst, ob, p->out_dtype, R);
             }
         }
     }
