@@ -65,7 +65,7 @@ PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
         vx_store16(p, _mm512_cvtepi32_epi16(r));
     }
 }
-/* bf16 as pairs (pe_bf16_pairs below): the 32-bit words of a vector hold channels 2i, 2i+1. */
+/* bf16 as channel pairs (PE_BF16_BLOCK below): each 32-bit word holds channels 2i, 2i+1. */
 typedef __m512i pe_vi;
 PE_INLINE pe_vi vi_load(const char *p) { return _mm512_loadu_si512((const void *)p); }
 PE_INLINE void vi_store(char *p, pe_vi v) { _mm512_storeu_si512((void *)p, v); }
@@ -309,6 +309,25 @@ PE_INLINE void pair_order(float *restrict dst, const float *restrict src, int64_
             vx_store((char *)(dst + base + b + PE_VW), odd, PE_FLOAT32);
         }
         for (; b < h; ++b) dst[base + b] = src[base + b];
+    }
+}
+
+/* The 2 PE_VW values of dtype dt at p as two fp32 vectors, in pair order or in channel
+ * order. */
+PE_INLINE void load_block(const char *p, pe_dtype dt, int pairs, pe_vf *v0, pe_vf *v1) {
+    if (dt == PE_BFLOAT16 && pairs) {
+        const pe_vi u = vi_load(p);
+        *v0 = bf16_even(u);
+        *v1 = bf16_odd(u);
+        return;
+    }
+    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
+    const pe_vf a = vx_load(p, dt), b = vx_load(p + PE_VW * es, dt);
+    if (pairs) {
+        vf_deinterleave(a, b, v0, v1);
+    } else {
+        *v0 = a;
+        *v1 = b;
     }
 }
 #endif
@@ -596,25 +615,6 @@ PE_INLINE void prefetch_tables(const pe_rope_args *a, const pe_rope_plan *p, int
 }
 
 #ifdef PE_BF16_BLOCK
-/* The 2 PE_VW values of dtype dt at p as two fp32 vectors, in pair order or in channel
- * order. */
-PE_INLINE void load_table_block(const char *p, pe_dtype dt, int pairs, pe_vf *v0, pe_vf *v1) {
-    if (dt == PE_BFLOAT16 && pairs) {
-        const pe_vi u = vi_load(p);
-        *v0 = bf16_even(u);
-        *v1 = bf16_odd(u);
-        return;
-    }
-    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
-    const pe_vf a = vx_load(p, dt), b = vx_load(p + PE_VW * es, dt);
-    if (pairs) {
-        vf_deinterleave(a, b, v0, v1);
-    } else {
-        *v0 = a;
-        *v1 = b;
-    }
-}
-
 /* Block k of a table row (axis rows ax * axis_bytes apart) as two vectors: the block of
  * the lowest axis it reads, then the channels of the others blended in. */
 PE_INLINE void table_block(const char *row, int64_t axis_bytes, pe_dtype dt, int pairs,
@@ -622,12 +622,12 @@ PE_INLINE void table_block(const char *row, int64_t axis_bytes, pe_dtype dt, int
     const int64_t es = (int64_t)pe_dtype_size(dt), e = k * PE_BF16_BLOCK;
     const unsigned used = p->block_axes[k];
     const int lo = used & 1u ? 0 : used & 2u ? 1 : 2;
-    load_table_block(row + lo * axis_bytes + e * es, dt, pairs, v0, v1);
+    load_block(row + lo * axis_bytes + e * es, dt, pairs, v0, v1);
     for (int ax = lo + 1; ax < 3; ++ax) {
         if (!(used & (1u << ax))) continue;
         pe_vf b0, b1, m0, m1;
-        load_table_block(row + ax * axis_bytes + e * es, dt, pairs, &b0, &b1);
-        load_table_block((const char *)(p->axis_sel + (ax - 1) * R + e), PE_FLOAT32, pairs,
+        load_block(row + ax * axis_bytes + e * es, dt, pairs, &b0, &b1);
+        load_block((const char *)(p->axis_sel + (ax - 1) * R + e), PE_FLOAT32, pairs,
                          &m0, &m1);
         *v0 = vf_select(*v0, b0, m0);
         *v1 = vf_select(*v1, b1, m1);
@@ -668,8 +668,8 @@ PE_INLINE void tile_tables_blocks(const pe_rope_args *a, const pe_rope_plan *p, 
             for (int64_t k = 0; k < nb; ++k) {
                 const int64_t e = k * PE_BF16_BLOCK;
                 pe_vf cv[2], sv[2];
-                load_table_block((const char *)(cs + e), PE_FLOAT32, pairs, &cv[0], &cv[1]);
-                load_table_block((const char *)(sn + e), PE_FLOAT32, pairs, &sv[0], &sv[1]);
+                load_block((const char *)(cs + e), PE_FLOAT32, pairs, &cv[0], &cv[1]);
+                load_block((const char *)(sn + e), PE_FLOAT32, pairs, &sv[0], &sv[1]);
                 store_block_pair(cj, ssj, h, e, cv, cv, sv, sv, a->transpose);
             }
             continue;
@@ -771,24 +771,10 @@ PE_INLINE void accumulate_heads(const pe_rope_args *a, const pe_rope_tensor *x, 
 }
 
 #ifdef PE_VW
-/* The 2 PE_VW values of a block of dtype dt at p as two vectors: for bf16 the even and the
- * odd channels (pair order), else the first and the second PE_VW channels. */
-PE_INLINE void vx_load_block(const char *p, pe_dtype dt, pe_vf *v0, pe_vf *v1) {
-    if (dt == PE_BFLOAT16) {
-        const pe_vi u = vi_load(p);
-        *v0 = bf16_even(u);
-        *v1 = bf16_odd(u);
-    } else {
-        const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
-        *v0 = vx_load(p, dt);
-        *v1 = vx_load(p + PE_VW * es, dt);
-    }
-}
-
-/* The inverse of vx_load_block's order for fp32 values: 2 PE_VW floats at dst, in channel
- * order. */
-PE_INLINE void vf_store_block(float *dst, pe_vf v0, pe_vf v1, pe_dtype dt) {
-    if (dt == PE_BFLOAT16) { /* interleave the even (v0) and the odd (v1) channels */
+/* The inverse of load_block for fp32 values: 2 PE_VW floats at dst, in channel order, from
+ * two vectors in pair order or in channel order. */
+PE_INLINE void store_block(float *dst, pe_vf v0, pe_vf v1, int pairs) {
+    if (pairs) { /* interleave the even (v0) and the odd (v1) channels */
 #if PE_VW == 16
         const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
         const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
@@ -815,6 +801,7 @@ PE_INLINE void accumulate_blocks(const pe_rope_args *a, const pe_rope_plan *p, i
                                  int64_t b1, int64_t t, pe_dtype dt, float *restrict acc_c,
                                  float *restrict acc_s) {
     const int64_t h = a->rot_dim / 2, es = dt == PE_FLOAT32 ? 4 : 2;
+    const int pairs = dt == PE_BFLOAT16;
     const pe_rope_tensor *xs[2] = {&a->q, &a->k};
     const void *gs[2] = {p->grad_q, p->grad_k};
     const int64_t *gst[2] = {p->grad_q_stride, p->grad_k_stride};
@@ -827,10 +814,10 @@ PE_INLINE void accumulate_blocks(const pe_rope_args *a, const pe_rope_plan *p, i
                     const char *xr = pe_row(xs[w]->in, xs[w]->in_stride, es, b, t, hd) + e * es;
                     const char *gr = pe_row(gs[w], gst[w], es, b, t, hd) + e * es;
                     pe_vf x0a, x0b, x1a, x1b, g0a, g0b, g1a, g1b;
-                    vx_load_block(xr, dt, &x0a, &x0b);
-                    vx_load_block(xr + h * es, dt, &x1a, &x1b);
-                    vx_load_block(gr, dt, &g0a, &g0b);
-                    vx_load_block(gr + h * es, dt, &g1a, &g1b);
+                    load_block(xr, dt, pairs, &x0a, &x0b);
+                    load_block(xr + h * es, dt, pairs, &x1a, &x1b);
+                    load_block(gr, dt, pairs, &g0a, &g0b);
+                    load_block(gr + h * es, dt, pairs, &g1a, &g1b);
                     c0a = vf_add(c0a, vf_mul(g0a, x0a));
                     c0b = vf_add(c0b, vf_mul(g0b, x0b));
                     c1a = vf_add(c1a, vf_mul(g1a, x1a));
@@ -840,10 +827,10 @@ PE_INLINE void accumulate_blocks(const pe_rope_args *a, const pe_rope_plan *p, i
                     s1a = vf_add(s1a, vf_mul(g1a, x0a));
                     s1b = vf_add(s1b, vf_mul(g1b, x0b));
                 }
-        vf_store_block(acc_c + e, c0a, c0b, dt);
-        vf_store_block(acc_c + h + e, c1a, c1b, dt);
-        vf_store_block(acc_s + e, s0a, s0b, dt);
-        vf_store_block(acc_s + h + e, s1a, s1b, dt);
+        store_block(acc_c + e, c0a, c0b, pairs);
+        store_block(acc_c + h + e, c1a, c1b, pairs);
+        store_block(acc_s + e, s0a, s0b, pairs);
+        store_block(acc_s + h + e, s1a, s1b, pairs);
     }
 }
 #endif
