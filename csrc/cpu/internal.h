@@ -16,6 +16,11 @@
  * other threads by far longer than the whole call. */
 #define PE_SERIAL_ELEMENTS ((int64_t)1 << 17)
 
+/* Outputs of this many bytes and more (q's and k's together), already in memory, are
+ * written with streaming stores, which skip reading each line before overwriting it: they
+ * are larger than what stays in a last-level cache anyway (rope.c). */
+#define PE_STREAM_BYTES ((uintptr_t)16 << 20)
+
 /* Outputs of this many bytes and more are asked to be backed by huge pages (rope.c). */
 #define PE_HUGE_PAGE_HINT_BYTES ((uintptr_t)32 << 20)
 
@@ -23,6 +28,10 @@
  * while the tile's rows are rotated.  The table passes (gradients, tables from positions)
  * take their rows this many at a time too. */
 #define PE_TOKEN_TILE 16
+
+/* Tokens per tile of the fused path with the heads inner: its tables are arithmetic, not
+ * loads, and small tiles keep that work between the rows' memory traffic. */
+#define PE_FUSED_TILE 4
 
 static inline size_t pe_dtype_size(pe_dtype t) {
     switch (t) {
@@ -60,6 +69,7 @@ typedef struct pe_rope_plan {
     uint8_t *block_axes;   /* R / block: the axes block k's channels read (bit a: axis a) */
     int64_t tile;          /* tokens per rotation tile */
     int heads_outer;       /* the rotation's rows: heads outer in memory (B, H, T, D) */
+    int stream_out[2];     /* q's, k's rows are stored with streaming stores (rope.c) */
     /* pe_rope_table_grad: the gradients of the forward output */
     const void *grad_q, *grad_k;
     int64_t grad_q_stride[3], grad_k_stride[3];

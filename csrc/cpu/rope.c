@@ -4,10 +4,11 @@
  * over threads (both precisions), and the small fp64 core.  The fp32 core is rope_f32.h,
  * compiled per instruction set into rope_<isa>.c.
  */
-#define _DEFAULT_SOURCE /* madvise */
+#define _DEFAULT_SOURCE /* madvise, mincore */
 #include <stdlib.h>
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 #include "internal.h"
@@ -411,6 +412,39 @@ static void huge_page_hint(span s) {
 #endif
 }
 
+/* 1 when the pages of s that a few samples look at are all in memory (Linux; elsewhere 0,
+ * so that nothing streams). */
+static int resident(span s) {
+#if defined(__linux__)
+    const long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0 || s.hi <= s.lo) return 0;
+    for (int i = 0; i < 8; ++i) {
+        const uintptr_t at = s.lo + (s.hi - 1 - s.lo) / 7 * (uintptr_t)i;
+        unsigned char in = 0;
+        if (mincore((void *)(at & ~((uintptr_t)page - 1)), 1, &in) || !(in & 1)) return 0;
+    }
+    return 1;
+#else
+    (void)s;
+    return 0;
+#endif
+}
+
+/* Whether x's rotated rows are written with streaming stores (pe_rope_plan.stream_out): the
+ * outputs together are at least PE_STREAM_BYTES and x's already in memory (a fresh output
+ * faults each page in, zeroed into the cache, where streaming stores cost more), every row
+ * starts on 64 bytes and is rotated whole (no pass-through channels). */
+static int stream_rows(const pe_rope_args *a, const pe_rope_tensor *x, span out,
+                       uintptr_t total) {
+    const int64_t es = (int64_t)pe_dtype_size(x->out_dtype), n[3] = {a->batch, a->seq, x->heads};
+    if (!x->heads || total < PE_STREAM_BYTES || a->rot_dim != a->head_dim || es > 4 ||
+        (uintptr_t)x->out % 64 || a->rot_dim / 2 * es % 64)
+        return 0;
+    for (int i = 0; i < 3; ++i)
+        if (n[i] > 1 && x->out_stride[i] * es % 64) return 0;
+    return resident(out);
+}
+
 /* ---- entry points -------------------------------------------------------------------- */
 
 int pe_rope_check_apply(const pe_rope_args *a) {
@@ -433,16 +467,20 @@ int pe_rope_check_apply(const pe_rope_args *a) {
 int pe_rope_apply(const pe_rope_args *a) {
     int rc = pe_rope_check_apply(a);
     if (rc != PE_CHECK_RUN || (!a->q.heads && !a->k.heads)) return rc < 0 ? rc : PE_OK;
-    span unused, out;
-    if (tensor_spans(a, &a->q, a->head_dim, &unused, &out)) huge_page_hint(out);
-    if (tensor_spans(a, &a->k, a->head_dim, &unused, &out)) huge_page_hint(out);
+    span unused, out[2] = {{0, 0}, {0, 0}};
+    const pe_rope_tensor *xs[2] = {&a->q, &a->k};
+    for (int w = 0; w < 2; ++w)
+        if (xs[w]->heads && tensor_spans(a, xs[w], a->head_dim, &unused, &out[w]))
+            huge_page_hint(out[w]);
     const f32_kernels *k32 = f32_current();
     pe_rope_plan plan;
     if ((rc = plan_make(a, &plan, k32->block))) return rc;
+    const uintptr_t total = (out[0].hi - out[0].lo) + (out[1].hi - out[1].lo);
+    for (int w = 0; w < 2; ++w) plan.stream_out[w] = stream_rows(a, xs[w], out[w], total);
     /* heads outer in memory: the tiles are rotated head by head (rows stay adjacent) */
     const pe_rope_tensor *lead = a->q.heads ? &a->q : &a->k;
-    plan.tile = PE_TOKEN_TILE;
     plan.heads_outer = lead->heads > 1 && lead->in_stride[2] > lead->in_stride[1];
+    plan.tile = a->src.pos && !plan.heads_outer ? PE_FUSED_TILE : PE_TOKEN_TILE;
     /* q and k in one pass, or one pass each when they run in different precisions */
     const int q64 = runs_f64(a, &a->q), k64 = runs_f64(a, &a->k);
     const int split = a->q.heads && a->k.heads && q64 != k64;

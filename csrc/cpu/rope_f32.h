@@ -69,6 +69,15 @@ PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
 typedef __m512i pe_vi;
 PE_INLINE pe_vi vi_load(const char *p) { return _mm512_loadu_si512((const void *)p); }
 PE_INLINE void vi_store(char *p, pe_vi v) { _mm512_storeu_si512((void *)p, v); }
+/* Streaming (cache-bypassing) stores to 64-byte aligned rows; bf16 rows of channel order
+ * (only row tails, which rope.c never streams) store as usual. */
+PE_INLINE void vi_stream(char *p, pe_vi v) { _mm512_stream_si512((void *)p, v); }
+PE_INLINE void vx_stream(char *p, pe_vf v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) _mm512_stream_ps((float *)p, v);
+    else if (dt == PE_FLOAT16)
+        _mm256_stream_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    else vx_store(p, v, dt);
+}
 PE_INLINE pe_vf bf16_even(pe_vi u) { return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)); }
 PE_INLINE pe_vf bf16_odd(pe_vi u) {
     return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
@@ -84,9 +93,13 @@ PE_INLINE pe_vi bf16_round_hi(pe_vf v) {
     return _mm512_mask_or_epi32(bf16_round_num(v), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
                                 _mm512_castps_si512(v), _mm512_set1_epi32(0x400000));
 }
-PE_INLINE int vf_any_nan4(pe_vf a, pe_vf b, pe_vf c, pe_vf d) {
-    return (_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, d, _CMP_UNORD_Q)) != 0;
+/* acc with all-ones lanes where a or b, or c or d, is NaN; whether any lane of m is set */
+PE_INLINE pe_vf vf_nan_lanes(pe_vf acc, pe_vf a, pe_vf b, pe_vf c, pe_vf d) {
+    const __mmask16 m = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, d, _CMP_UNORD_Q);
+    return _mm512_castsi512_ps(
+        _mm512_mask_mov_epi32(_mm512_castps_si512(acc), m, _mm512_set1_epi32(-1)));
 }
+PE_INLINE int vf_any(pe_vf m) { return _mm512_movepi32_mask(_mm512_castps_si512(m)) != 0; }
 /* the bf16 of even channels (high halves of `even`) and odd ones, interleaved again */
 PE_INLINE pe_vi bf16_join(pe_vi even, pe_vi odd) {
     return _mm512_mask_blend_epi16((__mmask32)0xaaaaaaaau, _mm512_srli_epi32(even, 16), odd);
@@ -152,6 +165,13 @@ PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
 typedef __m256i pe_vi;
 PE_INLINE pe_vi vi_load(const char *p) { return _mm256_loadu_si256((const __m256i *)p); }
 PE_INLINE void vi_store(char *p, pe_vi v) { _mm256_storeu_si256((__m256i *)p, v); }
+PE_INLINE void vi_stream(char *p, pe_vi v) { _mm256_stream_si256((__m256i *)p, v); }
+PE_INLINE void vx_stream(char *p, pe_vf v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) _mm256_stream_ps((float *)p, v);
+    else if (dt == PE_FLOAT16)
+        _mm_stream_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    else vx_store(p, v, dt);
+}
 PE_INLINE pe_vf bf16_even(pe_vi u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
 PE_INLINE pe_vf bf16_odd(pe_vi u) {
     return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
@@ -166,10 +186,11 @@ PE_INLINE pe_vi bf16_round_hi(pe_vf v) {
     return _mm256_blendv_epi8(bf16_round_num(v), _mm256_or_si256(u, _mm256_set1_epi32(0x400000)),
                               _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
-PE_INLINE int vf_any_nan4(pe_vf a, pe_vf b, pe_vf c, pe_vf d) {
-    const __m256 m = _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q));
-    return !_mm256_testz_ps(m, m);
+PE_INLINE pe_vf vf_nan_lanes(pe_vf acc, pe_vf a, pe_vf b, pe_vf c, pe_vf d) {
+    return _mm256_or_ps(acc, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q),
+                                          _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
 }
+PE_INLINE int vf_any(pe_vf m) { return !_mm256_testz_ps(m, m); }
 PE_INLINE pe_vi bf16_join(pe_vi even, pe_vi odd) {
     return _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xaa);
 }
@@ -207,17 +228,27 @@ PE_INLINE void sx_store(char *p, float v, pe_dtype dt) {
 }
 
 /* out[e] = x[e] c[e] + x[e+h] ss[e],  out[e+h] = x[e+h] c[e+h] + x[e] ss[e+h], channels e
- * from e0 on (those before e0 are done). */
+ * from e0 on (those before e0 are done); whole vectors with streaming stores if `stream`. */
 PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const float *restrict c,
-                            const float *restrict ss, int64_t h, pe_dtype dt, int64_t e0) {
+                            const float *restrict ss, int64_t h, pe_dtype dt, int64_t e0,
+                            int stream) {
     const int64_t es = dt == PE_FLOAT32 ? 4 : 2, hb = h * es;
     int64_t e = e0;
 #ifdef PE_VW
     for (; e + PE_VW <= h; e += PE_VW) {
         const pe_vf x0 = vx_load(x + e * es, dt), x1 = vx_load(x + e * es + hb, dt);
-        vx_store(o + e * es, vf_rot(x0, vf_load(c + e), x1, vf_load(ss + e)), dt);
-        vx_store(o + e * es + hb, vf_rot(x1, vf_load(c + e + h), x0, vf_load(ss + e + h)), dt);
+        const pe_vf o0 = vf_rot(x0, vf_load(c + e), x1, vf_load(ss + e));
+        const pe_vf o1 = vf_rot(x1, vf_load(c + e + h), x0, vf_load(ss + e + h));
+        if (stream) {
+            vx_stream(o + e * es, o0, dt);
+            vx_stream(o + e * es + hb, o1, dt);
+        } else {
+            vx_store(o + e * es, o0, dt);
+            vx_store(o + e * es + hb, o1, dt);
+        }
     }
+#else
+    (void)stream;
 #endif
 #ifdef PE_VTAIL
     if (e < h) {
@@ -243,44 +274,67 @@ PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const floa
  * Qwen2-VL-7B at T = 8192: 48 ms with streaming stores against 33 ms without).
  */
 PE_INLINE void rot_half_rows(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
-                             const float *c, const float *ss, int64_t h, pe_dtype dt) {
+                             const float *c, const float *ss, int64_t h, pe_dtype dt,
+                             int stream) {
     const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
     for (int64_t hd = 0; hd < nh; ++hd)
-        rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt, 0);
+        rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt, 0, stream);
 }
 
 #ifdef PE_BF16_BLOCK
 /* rot_half_row for bf16 with the tables in pair order: whole blocks as pairs, then the tail
  * (natural order) as before. */
+/* The four rotated vectors of the block at channel e of both halves: the even and the odd
+ * channels of the first half (o[0], o[1]), then of the second (o[2], o[3]). */
+PE_INLINE void rot_pair_block(const char *restrict x, const float *restrict c,
+                              const float *restrict ss, int64_t h, int64_t e, pe_vf o[4]) {
+    const pe_vi u0 = vi_load(x + 2 * e), u1 = vi_load(x + 2 * (h + e));
+    const pe_vf x0e = bf16_even(u0), x0o = bf16_odd(u0);
+    const pe_vf x1e = bf16_even(u1), x1o = bf16_odd(u1);
+    const float *c0 = c + e, *s0 = ss + e, *c1 = c + h + e, *s1 = ss + h + e;
+    o[0] = vf_rot(x0e, vf_load(c0), x1e, vf_load(s0));
+    o[1] = vf_rot(x0o, vf_load(c0 + PE_VW), x1o, vf_load(s0 + PE_VW));
+    o[2] = vf_rot(x1e, vf_load(c1), x0e, vf_load(s1));
+    o[3] = vf_rot(x1o, vf_load(c1 + PE_VW), x0o, vf_load(s1 + PE_VW));
+}
+
+/* rot_half_row for bf16 with the tables in pair order: whole blocks as pairs, then the tail
+ * (natural order) as before.  The blocks round as numbers; a row with a NaN (rare: one check
+ * per row, not a branch per block) is done again with the NaN rounding. */
 PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
                                   const float *restrict c, const float *restrict ss,
-                                  int64_t h) {
-    const int64_t hb = 2 * h;
+                                  int64_t h, int stream) {
     int64_t e = 0;
+    pe_vf nan = vf_zero();
     for (; e + PE_BF16_BLOCK <= h; e += PE_BF16_BLOCK) {
-        const pe_vi u0 = vi_load(x + 2 * e), u1 = vi_load(x + 2 * e + hb);
-        const pe_vf x0e = bf16_even(u0), x0o = bf16_odd(u0);
-        const pe_vf x1e = bf16_even(u1), x1o = bf16_odd(u1);
-        const float *c0 = c + e, *s0 = ss + e, *c1 = c + h + e, *s1 = ss + h + e;
-        const pe_vf o0e = vf_rot(x0e, vf_load(c0), x1e, vf_load(s0));
-        const pe_vf o0o = vf_rot(x0o, vf_load(c0 + PE_VW), x1o, vf_load(s0 + PE_VW));
-        const pe_vf o1e = vf_rot(x1e, vf_load(c1), x0e, vf_load(s1));
-        const pe_vf o1o = vf_rot(x1o, vf_load(c1 + PE_VW), x0o, vf_load(s1 + PE_VW));
-        if (__builtin_expect(!vf_any_nan4(o0e, o0o, o1e, o1o), 1)) {
-            vi_store(o + 2 * e, bf16_join(bf16_round_num(o0e), bf16_round_num(o0o)));
-            vi_store(o + 2 * e + hb, bf16_join(bf16_round_num(o1e), bf16_round_num(o1o)));
+        pe_vf v[4];
+        rot_pair_block(x, c, ss, h, e, v);
+        nan = vf_nan_lanes(nan, v[0], v[1], v[2], v[3]);
+        const pe_vi r0 = bf16_join(bf16_round_num(v[0]), bf16_round_num(v[1]));
+        const pe_vi r1 = bf16_join(bf16_round_num(v[2]), bf16_round_num(v[3]));
+        if (stream) {
+            vi_stream(o + 2 * e, r0);
+            vi_stream(o + 2 * (h + e), r1);
         } else {
-            vi_store(o + 2 * e, bf16_join(bf16_round_hi(o0e), bf16_round_hi(o0o)));
-            vi_store(o + 2 * e + hb, bf16_join(bf16_round_hi(o1e), bf16_round_hi(o1o)));
+            vi_store(o + 2 * e, r0);
+            vi_store(o + 2 * (h + e), r1);
         }
     }
-    if (e < h) rot_half_row(x, o, c, ss, h, PE_BFLOAT16, e);
+    if (__builtin_expect(vf_any(nan), 0)) {
+        for (int64_t f = 0; f < e; f += PE_BF16_BLOCK) {
+            pe_vf v[4];
+            rot_pair_block(x, c, ss, h, f, v);
+            vi_store(o + 2 * f, bf16_join(bf16_round_hi(v[0]), bf16_round_hi(v[1])));
+            vi_store(o + 2 * (h + f), bf16_join(bf16_round_hi(v[2]), bf16_round_hi(v[3])));
+        }
+    }
+    if (e < h) rot_half_row(x, o, c, ss, h, PE_BFLOAT16, e, 0);
 }
 
 PE_INLINE void rot_half_rows_pairs(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
-                                   const float *c, const float *ss, int64_t h) {
+                                   const float *c, const float *ss, int64_t h, int stream) {
     for (int64_t hd = 0; hd < nh; ++hd)
-        rot_half_row_pairs(x + hd * xs * 2, o + hd * os * 2, c, ss, h);
+        rot_half_row_pairs(x + hd * xs * 2, o + hd * os * 2, c, ss, h, stream);
 }
 
 /* The even and the odd lanes of the 2 PE_VW values in a, b (a first). */
@@ -347,34 +401,34 @@ PE_INLINE void to_f32_row(float *restrict dst, const char *restrict src, int64_t
  * cover the dtype; returns 1 if so.  head_dim 128 (h = 64) gets a fully unrolled copy.  bf16
  * rows of at least a block per half read the tables in pair order (pairs_rows). */
 PE_INLINE int rot_half_heads(const void *in, int64_t xs, void *out, int64_t os, int64_t nh,
-                             pe_dtype dt, const float *c, const float *ss, int64_t R) {
+                             pe_dtype dt, const float *c, const float *ss, int64_t R,
+                             int stream) {
     const char *x = (const char *)in;
     char *o = (char *)out;
     const int64_t h = R / 2;
     switch (dt) {
     case PE_FLOAT32:
-        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT32);
-        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT32);
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT32, stream);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT32, stream);
         return 1;
     case PE_BFLOAT16:
 #ifdef PE_BF16_BLOCK
-        if (h == 64) rot_half_rows_pairs(x, xs, o, os, nh, c, ss, 64);
-        else if (h >= PE_BF16_BLOCK) rot_half_rows_pairs(x, xs, o, os, nh, c, ss, h);
-        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16);
+        if (h == 64) rot_half_rows_pairs(x, xs, o, os, nh, c, ss, 64, stream);
+        else if (h >= PE_BF16_BLOCK) rot_half_rows_pairs(x, xs, o, os, nh, c, ss, h, stream);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16, 0);
 #else
-        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_BFLOAT16);
-        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16);
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_BFLOAT16, 0);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16, 0);
 #endif
         return 1;
     case PE_FLOAT16:
-        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT16);
-        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT16);
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT16, stream);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT16, stream);
         return 1;
     default:
         return 0;
     }
 }
-
 
 /* ---- fp32 core ---------------------------------------------------------------------- */
 
@@ -530,7 +584,8 @@ PE_INLINE void rotate_general(const pe_rope_tensor *x, const void *in, void *out
 /* Rotate heads h0 .. h1-1 of one tensor for token (b, t). */
 PE_INLINE void token_heads(const pe_rope_args *a, const pe_rope_tensor *x, int64_t b, int64_t t,
                            int64_t h0, int64_t h1, const float *restrict c,
-                           const float *restrict ss, float *restrict xbuf, float *restrict obuf) {
+                           const float *restrict ss, float *restrict xbuf, float *restrict obuf,
+                           int stream) {
     if (h1 <= h0) return;
     const int64_t R = a->rot_dim, D = a->head_dim;
     const size_t ies = pe_dtype_size(x->in_dtype), oes = pe_dtype_size(x->out_dtype);
@@ -539,7 +594,7 @@ PE_INLINE void token_heads(const pe_rope_args *a, const pe_rope_tensor *x, int64
     char *ob = (char *)pe_row(x->out, x->out_stride, oes, b, t, h0);
     const int done = same && a->pairing == PE_PAIR_HALF &&
                      rot_half_heads(ib, x->in_stride[2], ob, x->out_stride[2], h1 - h0,
-                                    x->in_dtype, c, ss, R);
+                                    x->in_dtype, c, ss, R, stream);
     if (done && D == R) return;
     for (int64_t h = 0; h < h1 - h0; ++h) {
         const void *in = ib + h * x->in_stride[2] * (int64_t)ies;
@@ -741,10 +796,13 @@ PE_INLINE void rope_f32_rotate(const pe_rope_args *a, const pe_rope_plan *p, int
             for (int64_t j = 0; j < n; ++j) {
                 if (fetch && h == 0) prefetch_tables(a, p, i0 + p->tile + j);
                 token_heads(a, xs[w], (i0 + j) / T, (i0 + j) % T, h, h + step, c + j * R,
-                            ss + j * R, xb, ob);
+                            ss + j * R, xb, ob, p->stream_out[w]);
             }
         fetch = 0;
     }
+#ifdef PE_VW
+    if (p->stream_out[0] || p->stream_out[1]) _mm_sfence(); /* before the pass is done */
+#endif
 }
 
 /* Accumulate g[e] x[e] and g[e] sign(e) x[p(e)] of every head of one tensor at (b, t). */
