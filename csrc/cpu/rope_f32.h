@@ -36,6 +36,9 @@ PE_INLINE pe_vf vf_add(pe_vf a, pe_vf b) { return _mm512_add_ps(a, b); }
 PE_INLINE pe_vf vf_sub(pe_vf a, pe_vf b) { return _mm512_sub_ps(a, b); }
 PE_INLINE pe_vf vf_mul(pe_vf a, pe_vf b) { return _mm512_mul_ps(a, b); }
 PE_INLINE pe_vf vf_neg(pe_vf a) { return _mm512_xor_ps(a, _mm512_set1_ps(-0.0f)); }
+PE_INLINE pe_vf vf_and(pe_vf m, pe_vf a) { return _mm512_and_ps(m, a); }
+PE_INLINE pe_vf vf_or(pe_vf a, pe_vf b) { return _mm512_or_ps(a, b); }
+PE_INLINE pe_vf vf_andnot(pe_vf m, pe_vf a) { return _mm512_andnot_ps(m, a); } /* ~m & a */
 /* b in the lanes where the sign bit of m is set, else a */
 PE_INLINE pe_vf vf_select(pe_vf a, pe_vf b, pe_vf m) {
     return _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(m)), a, b);
@@ -135,6 +138,9 @@ PE_INLINE pe_vf vf_add(pe_vf a, pe_vf b) { return _mm256_add_ps(a, b); }
 PE_INLINE pe_vf vf_sub(pe_vf a, pe_vf b) { return _mm256_sub_ps(a, b); }
 PE_INLINE pe_vf vf_mul(pe_vf a, pe_vf b) { return _mm256_mul_ps(a, b); }
 PE_INLINE pe_vf vf_neg(pe_vf a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+PE_INLINE pe_vf vf_and(pe_vf m, pe_vf a) { return _mm256_and_ps(m, a); }
+PE_INLINE pe_vf vf_or(pe_vf a, pe_vf b) { return _mm256_or_ps(a, b); }
+PE_INLINE pe_vf vf_andnot(pe_vf m, pe_vf a) { return _mm256_andnot_ps(m, a); }
 PE_INLINE pe_vf vf_select(pe_vf a, pe_vf b, pe_vf m) { return _mm256_blendv_ps(a, b, m); }
 PE_INLINE pe_vf vf_rot(pe_vf a, pe_vf ca, pe_vf b, pe_vf sb) {
     return _mm256_add_ps(_mm256_mul_ps(a, ca), _mm256_mul_ps(b, sb));
@@ -871,6 +877,11 @@ PE_INLINE void accumulate_blocks(const pe_rope_args *a, const pe_rope_plan *p, i
                 for (int64_t hd = 0; hd < xs[w]->heads; ++hd) {
                     const char *xr = pe_row(xs[w]->in, xs[w]->in_stride, es, b, t, hd) + e * es;
                     const char *gr = pe_row(gs[w], gst[w], es, b, t, hd) + e * es;
+                    if (e == 0 && t + 1 < a->seq) /* the next row's, while this one is summed */
+                        for (int64_t o = 0; o < 2 * h * es; o += 64) {
+                            __builtin_prefetch(xr + xs[w]->in_stride[1] * es + o);
+                            __builtin_prefetch(gr + gst[w][1] * es + o);
+                        }
                     pe_vf x0a, x0b, x1a, x1b, g0a, g0b, g1a, g1b;
                     load_block(xr, dt, pairs, &x0a, &x0b);
                     load_block(xr + h * es, dt, pairs, &x1a, &x1b);
@@ -943,8 +954,22 @@ PE_INLINE void rope_f32_grad_rows(const pe_rope_args *a, const pe_rope_plan *p, 
                     store_row(dst, acc, p->out_dtype, R);
                     continue;
                 }
-                for (int64_t e = 0; e < R; ++e) ob[e] = p->chan_axis[e] == ax ? acc[e] : 0.0f;
-                store_row(dst, ob, p->out_dtype, R);
+                int64_t e = 0;
+#ifdef PE_VW
+                if (p->out_dtype != PE_FLOAT64) /* acc where the channel reads axis ax, else 0 */
+                    for (const uint32_t *m = p->axis_sel; e + PE_VW <= R; e += PE_VW) {
+                        const pe_vf m1 = vf_load((const float *)m + e);
+                        const pe_vf m2 = vf_load((const float *)m + R + e);
+                        const pe_vf v = vf_load(acc + e);
+                        vx_store(dst + e * (int64_t)oes,
+                                 ax == 0   ? vf_andnot(vf_or(m1, m2), v)
+                                 : ax == 1 ? vf_and(m1, v)
+                                           : vf_and(m2, v),
+                                 p->out_dtype);
+                    }
+#endif
+                for (int64_t f = e; f < R; ++f) ob[f - e] = p->chan_axis[f] == ax ? acc[f] : 0.0f;
+                store_row(dst + e * (int64_t)oes, ob, p->out_dtype, R - e);
             }
         }
     }
