@@ -655,6 +655,34 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+#: Environment variable through which run.py's ``--isa`` reaches its workers.
+ISA_ENV = "POSENC_BENCH_ISA"
+HOST_KIND = {"avx512": "AVX-512", "avx2": "AVX2-only", "baseline": "no AVX2"}
+
+
+def apply_isa(isa: str | None = None) -> None:
+    """Force posenc_torch's SIMD variant ``isa`` (default: from ISA_ENV; "best" or unset:
+    the best the CPU has).  A variant the CPU lacks is a ValueError from set_kernel_isa."""
+    isa = isa if isa is not None else os.environ.get(ISA_ENV, "best")
+    import posenc_torch
+    posenc_torch.set_kernel_isa(None if isa in ("", "best") else isa)
+
+
+def kernel_info() -> dict:
+    """Which kernel variant runs (``posenc_isa``), the best this CPU has, and so the kind of
+    host: "AVX-512" (the AVX2 variant can still be forced there), "AVX2-only" or "no AVX2"."""
+    try:
+        import posenc_torch
+        current = posenc_torch.kernel_isa()
+        posenc_torch.set_kernel_isa(None)
+        best = posenc_torch.kernel_isa()
+        posenc_torch.set_kernel_isa(current)
+    except Exception as exc:  # noqa: BLE001
+        return {"posenc_isa": f"unavailable ({exc})"}
+    return {"posenc_isa": current, "posenc_best_isa": best,
+            "host_kind": HOST_KIND.get(best, best), "isa_forced": current != best}
+
+
 def machine_info(device: str = "cpu") -> dict:
     info = {
         "cpu": cpu_model(),
@@ -667,11 +695,7 @@ def machine_info(device: str = "cpu") -> dict:
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "device": device,
     }
-    try:
-        import posenc_torch
-        info["posenc_isa"] = posenc_torch.kernel_isa()
-    except Exception as exc:  # noqa: BLE001
-        info["posenc_isa"] = f"unavailable ({exc})"
+    info.update(kernel_info())
     if device == "cuda" and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -769,6 +793,7 @@ def worker_main(topic_module, argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
+    apply_isa()
     configure_dynamo()
     seqs = tuple(int(t) for t in args.seq.split(",")) if args.seq else None
     opts = Options(args.part, args.suite, threads, args.device, args.results_json, seqs)
@@ -776,7 +801,7 @@ def worker_main(topic_module, argv: Sequence[str] | None = None) -> int:
     reporter = Reporter(sum(len(ms) for _, ms in plan), to_driver=args.results_json is not None)
     topic_module.run(opts, reporter)
     reporter.close()
-    payload = {"results": [r.to_dict() for r in reporter.results],
+    payload = {"results": [r.to_dict() for r in reporter.results], **kernel_info(),
                "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     if args.results_json:
         with open(args.results_json, "w") as f:

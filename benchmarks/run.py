@@ -277,6 +277,66 @@ def format_targets(targets: list[dict], threads: int, cores: int) -> str:
     return "\n".join(lines)
 
 
+# The memory-floor check: every posenc kernel variant at <= 1.3x a preallocated copy_ of
+# the same bytes, fp32 and bf16, forward and backward, long sequences; printed per thread
+# count with the kernel variant that ran and the kind of host.
+FLOOR_BOUND = 1.3
+FLOOR_OPS = {"mrope": ("posenc", "apply", True), "mrope_fused": ("posenc_fused", "fused", False)}
+FLOOR_NEEDED = [(dt, mode) for dt in ("fp32", "bf16") for mode in ("fwd", "bwd")]
+_QWEN_ANY_BATCH = {k: v for k, v in _QWEN.items() if k != "batch"}
+
+
+def floor_check(results: list[H.Result], threads: Sequence[int]) -> list[dict]:
+    """Per thread count: each Qwen2-VL-7B MRoPE row (apply: the target; fused apply_rope:
+    for information) at T >= 4096, forward or backward, with its ratios to both floors, and
+    the verdict: PASS when every fp32 and bf16 forward and backward apply row is at most
+    FLOOR_BOUND x copy_, NOT RUN when one of them was not measured."""
+    out = []
+    for n in threads:
+        rows, missing = [], set(FLOOR_NEEDED)
+        for op, (method, kind, required) in FLOOR_OPS.items():
+            for r in _ok(results, threads=n, op=op, method=method, mode=_FWD_OR_BWD,
+                         **_QWEN_ANY_BATCH):
+                ratio = r.ratio_to_copy_into
+                good = ratio is not None and ratio <= FLOOR_BOUND
+                rows.append({"label": f"B={r.batch} T={r.seq} {r.dtype} {r.mode} {kind}",
+                             "x_copy_": ratio, "x_clone": r.ratio_to_copy, "required": required,
+                             "status": "PASS" if good else "MISS"})
+                if required:
+                    missing.discard((r.dtype, r.mode))
+        misses = [row["label"] for row in rows if row["required"] and row["status"] != "PASS"]
+        status = "NOT RUN" if missing else "MISS" if misses else "PASS"
+        out.append({"threads": n, "status": status, "rows": rows, "misses": misses,
+                    "not_run": [f"{dt} {mode}" for dt, mode in sorted(missing)]})
+    return out
+
+
+def _fmt_ratio(v: float | None) -> str:
+    return f"{v:5.2f}" if v is not None else "    -"
+
+
+def format_floor_check(checks: list[dict], machine: dict) -> str:
+    isa, kind = machine.get("posenc_isa"), machine.get("host_kind", "unknown")
+    forced = " (forced with --isa)" if machine.get("isa_forced") else ""
+    lines = ["", f"Floor check: kernel variant {isa}{forced} on an {kind} host; target <= "
+                 f"{FLOOR_BOUND}x copy_ for fp32 and bf16, forward and backward, T >= 4096 "
+                 "(Qwen2-VL-7B MRoPE apply; the fused apply_rope rows are for information):"]
+    for c in checks:
+        for row in c["rows"]:
+            tag = row["status"] if row["required"] else "info"
+            lines.append(f"  thr={c['threads']} [{tag:>4}] {row['label']:<28} "
+                         f"{_fmt_ratio(row['x_copy_'])} x copy_ {_fmt_ratio(row['x_clone'])} "
+                         "x clone")
+        if c["not_run"]:
+            why = "not measured: " + ", ".join(c["not_run"])
+        elif c["misses"]:
+            why = "above the bound: " + "; ".join(c["misses"])
+        else:
+            why = "every fp32 and bf16 forward and backward row is within the bound"
+        lines.append(f"  thr={c['threads']} => {c['status']} ({isa} on an {kind} host): {why}")
+    return "\n".join(lines)
+
+
 def format_summary(results: list[H.Result]) -> str:
     """One line per case: our time, ratio to copy and speed-up over each peer."""
     lines = ["", "Summary (paired medians; 'x clone' / 'x copy_' = posenc time / the clone or "
@@ -348,6 +408,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="cpu (default), or cuda (posenc_torch's CUDA kernels when the build "
                         "has them, else its rows are skipped with that reason)")
     p.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")
+    p.add_argument("--isa", default="best", choices=("best", "avx512", "avx2", "baseline"),
+                   help="posenc_torch's SIMD kernel variant in every worker (set_kernel_isa): "
+                        "the best this CPU has (default), or one it also has, e.g. avx2 on "
+                        "an AVX-512 host")
     p.add_argument("--seq", default=None,
                    help="comma-separated sequence lengths replacing the suite's (decode steps "
                         "and position-id cases stay); results go to <suite>-T<seqs>.json")
@@ -379,6 +443,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 opts = H.Options(part, args.suite, n, args.device, None, seqs)
                 units.append(Unit(module, part, major, n, module.plan(opts)))
 
+    try:  # the driver records the variant the workers will run (they force it the same way)
+        H.apply_isa(args.isa)
+    except ValueError as exc:
+        p.error(f"--isa {args.isa}: {exc}")
+    os.environ[H.ISA_ENV] = args.isa
     started = H.now_iso()
     machine = H.machine_info(args.device)
     t0 = time.perf_counter()
@@ -388,6 +457,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     versions = H.versions()
     versions["transformers_4_overlay"] = _overlay_version(overlay)
     json_path = out_dir / f"{run_name}.json"
+
+    floor: list[dict] = []
 
     def write(results: list[H.Result], targets: list[dict] | None) -> None:
         """The results file; written after every case (``complete`` false until the end),
@@ -407,6 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
             "models": {name: dataclasses.asdict(m) for name, m in H.MODELS.items()},
             "targets": targets or [],
+            "floor_check": floor,
             "results": [r.to_dict() for r in results],
         }
         tmp = json_path.with_suffix(".json.tmp")
@@ -428,6 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     top = max(threads)
     targets = evaluate_targets(results, top)
+    floor.extend(floor_check(results, threads))
     machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     write(results, targets)
     write_csv(out_dir / f"{run_name}.csv", results)
@@ -435,10 +508,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(H.format_table(results))
     print(format_summary(results))
     print(format_targets(targets, top, machine["usable_cores"]))
+    print(format_floor_check(floor, machine))
     load = machine.get("load_average"), machine.get("load_average_end")
-    print(f"\nMachine: {machine['cpu']}, {machine['usable_cores']} cores, posenc ISA "
-          f"{machine['posenc_isa']}; load average at start/end {load[0]} / {load[1]} "
-          "(a load above the core count means other work shared the CPU: expect noise).")
+    forced = " (forced with --isa)" if machine.get("isa_forced") else ""
+    print(f"\nMachine: {machine['cpu']}, {machine['usable_cores']} cores, "
+          f"{machine.get('host_kind')} host, posenc kernel variant {machine['posenc_isa']}"
+          f"{forced}; load average at start/end {load[0]} / {load[1]} (a load above the core "
+          "count means other work shared the CPU: expect noise).")
     print(f"Results: {json_path} and {json_path.with_suffix('.csv')}")
 
     if not args.no_plots:

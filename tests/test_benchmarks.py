@@ -187,8 +187,11 @@ def test_driver_writes_results_and_plots(tmp_path):
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     payload = json.loads((tmp_path / "smoke.json").read_text())
-    for key in ("cpu", "cores", "posenc_isa", "load_average"):
+    for key in ("cpu", "cores", "posenc_isa", "posenc_best_isa", "host_kind", "load_average"):
         assert key in payload["machine"]
+    assert [c["threads"] for c in payload["floor_check"]] == [1]  # smoke sizes: NOT RUN
+    assert payload["floor_check"][0]["status"] == "NOT RUN"
+    assert "Floor check: kernel variant" in proc.stdout
     assert "hostname" not in json.dumps(payload["machine"]).lower()
     assert {"torch", "transformers", "posenc_torch"} <= set(payload["versions"])
     rows = payload["results"]
@@ -229,6 +232,34 @@ def test_targets_are_data_and_read_the_rows_they_name():
     assert run.evaluate_targets(rows, threads=2)[0]["status"] == "MISS"
     assert by_id["2a"]["status"] == "NOT RUN"
     assert all(isinstance(t, run.Target) for t in run.TARGETS)
+
+
+def test_floor_check_reads_the_copy_floor_rows_of_each_thread_count():
+    """run.floor_check: per thread count, the Qwen2-VL-7B apply rows at T >= 4096 against
+    the copy_ floor; PASS needs fp32 and bf16, forward and backward, each <= 1.3x; the fused
+    rows are listed for information only."""
+    import run
+
+    def row(dtype, mode, ratio, op="mrope", method="posenc", threads=2, seq=4096):
+        case = H.Case("mrope", op, "Qwen2-VL-7B", 1, seq, dtype, mode, threads)
+        return H.Result.for_case(case, method, "ok", ratio_to_copy_into=ratio, ratio_to_copy=2.0)
+
+    rows = [row(dt, m, 1.2) for dt in ("fp32", "bf16") for m in ("fwd", "bwd")]
+    rows += [row("bf16", "fwd", 9.0, op="mrope_fused", method="posenc_fused"),
+             row("bf16", "fwd", 9.0, seq=1024), row("bf16", "fwd", 9.0, threads=1),
+             row("bf16", "fwdbwd", 9.0)]
+    (check,) = run.floor_check(rows, [2])
+    assert check["status"] == "PASS" and len(check["rows"]) == 5
+    assert [r["required"] for r in check["rows"]] == [True] * 4 + [False]
+    rows[1].ratio_to_copy_into = 1.31
+    (check,) = run.floor_check(rows, [2])
+    assert check["status"] == "MISS" and check["misses"] == ["B=1 T=4096 fp32 bwd apply"]
+    one, two = run.floor_check(rows, [1, 2])
+    assert one["status"] == "NOT RUN" and "fp32 fwd" in one["not_run"]
+    text = run.format_floor_check([one, two], {"posenc_isa": "avx2", "host_kind": "AVX-512",
+                                               "isa_forced": True})
+    assert "kernel variant avx2 (forced with --isa) on an AVX-512 host" in text
+    assert "thr=2 => MISS" in text and "thr=1 => NOT RUN" in text
 
 
 def test_driver_keeps_the_results_of_a_worker_that_dies(tmp_path, monkeypatch):

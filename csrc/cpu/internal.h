@@ -16,13 +16,22 @@
  * other threads by far longer than the whole call. */
 #define PE_SERIAL_ELEMENTS ((int64_t)1 << 17)
 
+/* Outputs of this many bytes and more (q's and k's together), already in memory, are
+ * written with streaming stores, which skip reading each line before overwriting it: they
+ * are larger than what stays in a last-level cache anyway (rope.c). */
+#define PE_STREAM_BYTES ((uintptr_t)16 << 20)
+
 /* Outputs of this many bytes and more are asked to be backed by huge pages (rope.c). */
 #define PE_HUGE_PAGE_HINT_BYTES ((uintptr_t)32 << 20)
 
-/* Tokens per tile when the heads are the outer dimension in memory: the tile's cos/sin
- * rows (fp32) stay in L1 while each head's rows of the tile are rotated.  The table passes
- * (gradients, tables from positions) take their rows this many at a time too. */
+/* Tokens per tile: the tile's cos/sin rows (fp32) are prepared together, then stay in L1
+ * while the tile's rows are rotated.  The table passes (gradients, tables from positions)
+ * take their rows this many at a time too. */
 #define PE_TOKEN_TILE 16
+
+/* Tokens per tile of the fused path with the heads inner: its tables are arithmetic, not
+ * loads, and small tiles keep that work between the rows' memory traffic. */
+#define PE_FUSED_TILE 4
 
 static inline int pe_dtype_valid(pe_dtype t) { return pe_dtype_size(t) != 0; }
 
@@ -45,7 +54,12 @@ typedef struct pe_rope_plan {
     int64_t nruns;         /* channels as runs of one axis: [run_start[i], run_start[i+1]) */
     int64_t *run_start;    /* nruns + 1 entries */
     int64_t *slot_pos_off; /* R/2: position offset of slot i's axis */
-    int64_t tile;          /* tokens per rotation tile: PE_TOKEN_TILE with the heads outer */
+    uint32_t *axis_sel;    /* 2 R: all ones where channel e reads axis 1, then axis 2 */
+    int64_t block;         /* channels per block of block_axes (0: none) */
+    uint8_t *block_axes;   /* R / block: the axes block k's channels read (bit a: axis a) */
+    int64_t tile;          /* tokens per rotation tile */
+    int heads_outer;       /* the rotation's rows: heads outer in memory (B, H, T, D) */
+    int stream_out[2];     /* q's, k's rows are stored with streaming stores (rope.c) */
     /* pe_rope_table_grad: the gradients of the forward output */
     const void *grad_q, *grad_k;
     int64_t grad_q_stride[3], grad_k_stride[3];
@@ -65,7 +79,8 @@ typedef void (*pe_tile_fn)(const pe_rope_args *a, const pe_rope_plan *p, int64_t
 
 /* Scratch of any tile function, in elements of the compute type (at most a double): cos and
  * signed sine rows of a tile, a sine row, the three MRoPE axis rows, an input and an output
- * row; then the R/2 slots' fp32 cos and sin. */
+ * row; then the R/2 slots' fp32 cos and sin.  (The fp32 core fits two more rows, of cos and
+ * sine in channel order, in the room the doubles leave.) */
 static inline size_t pe_scratch_bytes(int64_t R, int64_t D, int64_t tile) {
     return (size_t)(2 * tile * R + 4 * R + 2 * D) * sizeof(double) +
            (size_t)(R + 2) * sizeof(float);

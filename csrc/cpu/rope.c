@@ -4,10 +4,11 @@
  * over threads (both precisions), and the small fp64 core.  The fp32 core is rope_f32.h,
  * compiled per instruction set into rope_<isa>.c.
  */
-#define _DEFAULT_SOURCE /* madvise */
+#define _DEFAULT_SOURCE /* madvise, mincore */
 #include <stdlib.h>
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 #include "internal.h"
@@ -141,22 +142,32 @@ static int source_spans(const pe_rope_args *a, int tables, span in[3]) {
 
 static void plan_free(pe_rope_plan *p) { free(p->slot_pos_off); }
 
-static int plan_make(const pe_rope_args *a, pe_rope_plan *p) {
-    const int64_t R = a->rot_dim, nslot = R / 2;
+/* `block`: channels per block of the rotation's vector table pass (f32_kernels), 0 for
+ * none. */
+static int plan_make(const pe_rope_args *a, pe_rope_plan *p, int64_t block) {
+    const int64_t R = a->rot_dim, nslot = R / 2, nblock = block ? R / block : 0;
     const uint8_t *axis = a->src.axis_of_slot;
     memset(p, 0, sizeof *p);
     p->axes = axis ? 3 : 1;
     p->tile = 1;
-    /* one block: slot_pos_off[nslot + 1], run_start[R + 1], chan_axis[R + 1] */
-    const size_t words = (size_t)(nslot + R + 2);
-    p->slot_pos_off = (int64_t *)calloc(1, words * sizeof(int64_t) + (size_t)R + 1);
+    /* one block: slot_pos_off[nslot + 1], run_start[R + 1] (int64); axis_sel[2 R] (uint32);
+     * chan_axis[R + 1], block_axes[nblock + 1] (bytes) */
+    const size_t words = (size_t)(nslot + R + 2), sels = (size_t)(2 * R);
+    p->slot_pos_off = (int64_t *)calloc(1, words * sizeof(int64_t) + sels * sizeof(uint32_t) +
+                                               (size_t)(R + nblock + 2));
     if (!p->slot_pos_off) return PE_ERR_NOMEM;
     p->run_start = p->slot_pos_off + nslot + 1;
-    p->chan_axis = (uint8_t *)(p->run_start + R + 1);
+    p->axis_sel = (uint32_t *)(p->run_start + R + 1);
+    p->chan_axis = (uint8_t *)(p->axis_sel + sels);
+    p->block_axes = p->chan_axis + R + 1;
+    p->block = block;
     p->nruns = 0;
     for (int64_t e = 0; e < R; ++e) {
         p->chan_axis[e] = axis ? axis[pe_slot(a->pairing, e, R)] : 0;
         if (e == 0 || p->chan_axis[e] != p->chan_axis[e - 1]) p->run_start[p->nruns++] = e;
+        for (int ax = 1; ax < 3; ++ax)
+            p->axis_sel[(ax - 1) * R + e] = p->chan_axis[e] == ax ? 0xffffffffu : 0u;
+        if (block) p->block_axes[e / block] |= (uint8_t)(1u << p->chan_axis[e]);
     }
     p->run_start[p->nruns] = R;
     for (int64_t i = 0; i < nslot; ++i)
@@ -300,7 +311,7 @@ static void rope_f64_rotate(const pe_rope_args *a, const pe_rope_plan *p, int64_
         token_tables_f64(a, p, (i0 + j) / T, (i0 + j) % T, c + j * R, ss + j * R, s, slots);
     const pe_rope_tensor *xs[2] = {&a->q, &a->k};
     for (int w = 0; w < 2; ++w) {
-        const int64_t H = xs[w]->heads, step = p->tile > 1 ? 1 : H;
+        const int64_t H = xs[w]->heads, step = p->heads_outer ? 1 : H;
         for (int64_t h = 0; h < H; h += step)
             for (int64_t j = 0; j < n; ++j)
                 rotate_heads_f64(a, xs[w], (i0 + j) / T, (i0 + j) % T, h, h + step, c + j * R,
@@ -360,18 +371,19 @@ static void rope_f64_grad_rows(const pe_rope_args *a, const pe_rope_plan *p, int
 
 typedef struct f32_kernels {
     pe_tile_fn rotate, grad_rows, table_rows;
+    int64_t block; /* channels per block of the rotation's vector table pass (rope_f32.h) */
 } f32_kernels;
 
 /* Indexed by pe_isa; only variants that were built are listed (pe_isa_best never returns
  * the others). */
 static const f32_kernels f32_variants[] = {
     [PE_ISA_BASELINE] = {pe_rope_rotate_f32_baseline, pe_rope_grad_rows_f32_baseline,
-                         pe_rope_table_rows_f32_baseline},
+                         pe_rope_table_rows_f32_baseline, 0},
 #ifdef PE_HAVE_X86_VARIANTS
     [PE_ISA_AVX2] = {pe_rope_rotate_f32_avx2, pe_rope_grad_rows_f32_avx2,
-                     pe_rope_table_rows_f32_avx2},
+                     pe_rope_table_rows_f32_avx2, 16},
     [PE_ISA_AVX512] = {pe_rope_rotate_f32_avx512, pe_rope_grad_rows_f32_avx512,
-                       pe_rope_table_rows_f32_avx512},
+                       pe_rope_table_rows_f32_avx512, 32},
 #endif
 };
 
@@ -400,6 +412,39 @@ static void huge_page_hint(span s) {
 #endif
 }
 
+/* 1 when the pages of s that a few samples look at are all in memory (Linux; elsewhere 0,
+ * so that nothing streams). */
+static int resident(span s) {
+#if defined(__linux__)
+    const long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0 || s.hi <= s.lo) return 0;
+    for (int i = 0; i < 8; ++i) {
+        const uintptr_t at = s.lo + (s.hi - 1 - s.lo) / 7 * (uintptr_t)i;
+        unsigned char in = 0;
+        if (mincore((void *)(at & ~((uintptr_t)page - 1)), 1, &in) || !(in & 1)) return 0;
+    }
+    return 1;
+#else
+    (void)s;
+    return 0;
+#endif
+}
+
+/* Whether x's rotated rows are written with streaming stores (pe_rope_plan.stream_out): the
+ * outputs together are at least PE_STREAM_BYTES and x's already in memory (a fresh output
+ * faults each page in, zeroed into the cache, where streaming stores cost more), every row
+ * starts on 64 bytes and is rotated whole (no pass-through channels). */
+static int stream_rows(const pe_rope_args *a, const pe_rope_tensor *x, span out,
+                       uintptr_t total) {
+    const int64_t es = (int64_t)pe_dtype_size(x->out_dtype), n[3] = {a->batch, a->seq, x->heads};
+    if (!x->heads || total < PE_STREAM_BYTES || a->rot_dim != a->head_dim || es > 4 ||
+        (uintptr_t)x->out % 64 || a->rot_dim / 2 * es % 64)
+        return 0;
+    for (int i = 0; i < 3; ++i)
+        if (n[i] > 1 && x->out_stride[i] * es % 64) return 0;
+    return resident(out);
+}
+
 /* ---- entry points -------------------------------------------------------------------- */
 
 int pe_rope_check_apply(const pe_rope_args *a) {
@@ -422,14 +467,20 @@ int pe_rope_check_apply(const pe_rope_args *a) {
 int pe_rope_apply(const pe_rope_args *a) {
     int rc = pe_rope_check_apply(a);
     if (rc != PE_CHECK_RUN || (!a->q.heads && !a->k.heads)) return rc < 0 ? rc : PE_OK;
-    span unused, out;
-    if (tensor_spans(a, &a->q, a->head_dim, &unused, &out)) huge_page_hint(out);
-    if (tensor_spans(a, &a->k, a->head_dim, &unused, &out)) huge_page_hint(out);
+    span unused, out[2] = {{0, 0}, {0, 0}};
+    const pe_rope_tensor *xs[2] = {&a->q, &a->k};
+    for (int w = 0; w < 2; ++w)
+        if (xs[w]->heads && tensor_spans(a, xs[w], a->head_dim, &unused, &out[w]))
+            huge_page_hint(out[w]);
+    const f32_kernels *k32 = f32_current();
     pe_rope_plan plan;
-    if ((rc = plan_make(a, &plan))) return rc;
-    /* heads outer in memory: tiles of tokens, rotated head by head (rows stay adjacent) */
+    if ((rc = plan_make(a, &plan, k32->block))) return rc;
+    const uintptr_t total = (out[0].hi - out[0].lo) + (out[1].hi - out[1].lo);
+    for (int w = 0; w < 2; ++w) plan.stream_out[w] = stream_rows(a, xs[w], out[w], total);
+    /* heads outer in memory: the tiles are rotated head by head (rows stay adjacent) */
     const pe_rope_tensor *lead = a->q.heads ? &a->q : &a->k;
-    if (lead->heads > 1 && lead->in_stride[2] > lead->in_stride[1]) plan.tile = PE_TOKEN_TILE;
+    plan.heads_outer = lead->heads > 1 && lead->in_stride[2] > lead->in_stride[1];
+    plan.tile = a->src.pos && !plan.heads_outer ? PE_FUSED_TILE : PE_TOKEN_TILE;
     /* q and k in one pass, or one pass each when they run in different precisions */
     const int q64 = runs_f64(a, &a->q), k64 = runs_f64(a, &a->k);
     const int split = a->q.heads && a->k.heads && q64 != k64;
@@ -438,7 +489,7 @@ int pe_rope_apply(const pe_rope_args *a) {
         if (split) *(pass ? &one.q.heads : &one.k.heads) = 0;
         const int64_t ntok = a->batch * a->seq;
         const int f64 = split ? (pass ? k64 : q64) : q64 || k64;
-        rc = run_tiles(&one, &plan, f64 ? rope_f64_rotate : f32_current()->rotate, ntok, plan.tile,
+        rc = run_tiles(&one, &plan, f64 ? rope_f64_rotate : k32->rotate, ntok, plan.tile,
                        ntok * (one.q.heads + one.k.heads) * a->head_dim);
     }
     plan_free(&plan);
@@ -484,7 +535,7 @@ int pe_rope_table_grad(const pe_rope_args *a, const void *grad_q, const int64_t 
                                       grad_dtype, dcos, dsin);
     if (rc != PE_CHECK_RUN) return rc < 0 ? rc : PE_OK;
     pe_rope_plan plan;
-    if ((rc = plan_make(a, &plan))) return rc;
+    if ((rc = plan_make(a, &plan, 0))) return rc;
     plan.grad_q = grad_q;
     plan.grad_k = grad_k;
     if (grad_q_stride) memcpy(plan.grad_q_stride, grad_q_stride, sizeof plan.grad_q_stride);
@@ -523,7 +574,7 @@ int pe_rope_tables(const pe_rope_args *a, pe_dtype out_dtype, void *cos, void *s
     int rc = pe_rope_check_tables(a, out_dtype, cos, sin);
     if (rc != PE_CHECK_RUN) return rc < 0 ? rc : PE_OK;
     pe_rope_plan plan;
-    if ((rc = plan_make(a, &plan))) return rc;
+    if ((rc = plan_make(a, &plan, 0))) return rc;
     plan.cos_out = cos;
     plan.sin_out = sin;
     plan.out_dtype = out_dtype;

@@ -31,6 +31,18 @@
 #define PE_VW 16
 typedef __m512 pe_vf;
 PE_INLINE pe_vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+PE_INLINE pe_vf vf_zero(void) { return _mm512_setzero_ps(); }
+PE_INLINE pe_vf vf_add(pe_vf a, pe_vf b) { return _mm512_add_ps(a, b); }
+PE_INLINE pe_vf vf_sub(pe_vf a, pe_vf b) { return _mm512_sub_ps(a, b); }
+PE_INLINE pe_vf vf_mul(pe_vf a, pe_vf b) { return _mm512_mul_ps(a, b); }
+PE_INLINE pe_vf vf_neg(pe_vf a) { return _mm512_xor_ps(a, _mm512_set1_ps(-0.0f)); }
+PE_INLINE pe_vf vf_and(pe_vf m, pe_vf a) { return _mm512_and_ps(m, a); }
+PE_INLINE pe_vf vf_or(pe_vf a, pe_vf b) { return _mm512_or_ps(a, b); }
+PE_INLINE pe_vf vf_andnot(pe_vf m, pe_vf a) { return _mm512_andnot_ps(m, a); } /* ~m & a */
+/* b in the lanes where the sign bit of m is set, else a */
+PE_INLINE pe_vf vf_select(pe_vf a, pe_vf b, pe_vf m) {
+    return _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(m)), a, b);
+}
 PE_INLINE pe_vf vf_rot(pe_vf a, pe_vf ca, pe_vf b, pe_vf sb) {
     return _mm512_add_ps(_mm512_mul_ps(a, ca), _mm512_mul_ps(b, sb));
 }
@@ -55,6 +67,45 @@ PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
                                   _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
         vx_store16(p, _mm512_cvtepi32_epi16(r));
     }
+}
+/* bf16 as channel pairs (PE_BF16_BLOCK below): each 32-bit word holds channels 2i, 2i+1. */
+typedef __m512i pe_vi;
+PE_INLINE pe_vi vi_load(const char *p) { return _mm512_loadu_si512((const void *)p); }
+PE_INLINE void vi_store(char *p, pe_vi v) { _mm512_storeu_si512((void *)p, v); }
+/* Streaming (cache-bypassing) stores to 64-byte aligned rows; bf16 rows of channel order
+ * (only row tails, which rope.c never streams) store as usual. */
+PE_INLINE void vi_stream(char *p, pe_vi v) { _mm512_stream_si512((void *)p, v); }
+PE_INLINE void vx_stream(char *p, pe_vf v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) _mm512_stream_ps((float *)p, v);
+    else if (dt == PE_FLOAT16)
+        _mm256_stream_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    else vx_store(p, v, dt);
+}
+PE_INLINE pe_vf bf16_even(pe_vi u) { return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)); }
+PE_INLINE pe_vf bf16_odd(pe_vi u) {
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+}
+/* v rounded to bf16 in the high half of each word (the low half is left over): for numbers
+ * (bf16_round_num) and for any value, NaN included (bf16_round_hi) */
+PE_INLINE pe_vi bf16_round_num(pe_vf v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+}
+PE_INLINE pe_vi bf16_round_hi(pe_vf v) {
+    return _mm512_mask_or_epi32(bf16_round_num(v), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                _mm512_castps_si512(v), _mm512_set1_epi32(0x400000));
+}
+/* acc with all-ones lanes where a or b, or c or d, is NaN; whether any lane of m is set */
+PE_INLINE pe_vf vf_nan_lanes(pe_vf acc, pe_vf a, pe_vf b, pe_vf c, pe_vf d) {
+    const __mmask16 m = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, d, _CMP_UNORD_Q);
+    return _mm512_castsi512_ps(
+        _mm512_mask_mov_epi32(_mm512_castps_si512(acc), m, _mm512_set1_epi32(-1)));
+}
+PE_INLINE int vf_any(pe_vf m) { return _mm512_movepi32_mask(_mm512_castps_si512(m)) != 0; }
+/* the bf16 of even channels (high halves of `even`) and odd ones, interleaved again */
+PE_INLINE pe_vi bf16_join(pe_vi even, pe_vi odd) {
+    return _mm512_mask_blend_epi16((__mmask32)0xaaaaaaaau, _mm512_srli_epi32(even, 16), odd);
 }
 /* The first n < 16 lanes, for row tails (head_dim 80: 40 = 2 x 16 + 8). */
 #define PE_VTAIL 1
@@ -82,6 +133,15 @@ PE_INLINE void vx_store_n(char *p, pe_vf v, pe_dtype dt, int64_t n) {
 #define PE_VW 8
 typedef __m256 pe_vf;
 PE_INLINE pe_vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+PE_INLINE pe_vf vf_zero(void) { return _mm256_setzero_ps(); }
+PE_INLINE pe_vf vf_add(pe_vf a, pe_vf b) { return _mm256_add_ps(a, b); }
+PE_INLINE pe_vf vf_sub(pe_vf a, pe_vf b) { return _mm256_sub_ps(a, b); }
+PE_INLINE pe_vf vf_mul(pe_vf a, pe_vf b) { return _mm256_mul_ps(a, b); }
+PE_INLINE pe_vf vf_neg(pe_vf a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+PE_INLINE pe_vf vf_and(pe_vf m, pe_vf a) { return _mm256_and_ps(m, a); }
+PE_INLINE pe_vf vf_or(pe_vf a, pe_vf b) { return _mm256_or_ps(a, b); }
+PE_INLINE pe_vf vf_andnot(pe_vf m, pe_vf a) { return _mm256_andnot_ps(m, a); }
+PE_INLINE pe_vf vf_select(pe_vf a, pe_vf b, pe_vf m) { return _mm256_blendv_ps(a, b, m); }
 PE_INLINE pe_vf vf_rot(pe_vf a, pe_vf ca, pe_vf b, pe_vf sb) {
     return _mm256_add_ps(_mm256_mul_ps(a, ca), _mm256_mul_ps(b, sb));
 }
@@ -108,6 +168,49 @@ PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
         vx_store16(p, _mm256_castsi256_si128(r));
     }
 }
+typedef __m256i pe_vi;
+PE_INLINE pe_vi vi_load(const char *p) { return _mm256_loadu_si256((const __m256i *)p); }
+PE_INLINE void vi_store(char *p, pe_vi v) { _mm256_storeu_si256((__m256i *)p, v); }
+PE_INLINE void vi_stream(char *p, pe_vi v) { _mm256_stream_si256((__m256i *)p, v); }
+PE_INLINE void vx_stream(char *p, pe_vf v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) _mm256_stream_ps((float *)p, v);
+    else if (dt == PE_FLOAT16)
+        _mm_stream_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    else vx_store(p, v, dt);
+}
+PE_INLINE pe_vf bf16_even(pe_vi u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
+PE_INLINE pe_vf bf16_odd(pe_vi u) {
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+}
+PE_INLINE pe_vi bf16_round_num(pe_vf v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+}
+PE_INLINE pe_vi bf16_round_hi(pe_vf v) {
+    const __m256i u = _mm256_castps_si256(v);
+    return _mm256_blendv_epi8(bf16_round_num(v), _mm256_or_si256(u, _mm256_set1_epi32(0x400000)),
+                              _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+PE_INLINE pe_vf vf_nan_lanes(pe_vf acc, pe_vf a, pe_vf b, pe_vf c, pe_vf d) {
+    return _mm256_or_ps(acc, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q),
+                                          _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
+}
+PE_INLINE int vf_any(pe_vf m) { return !_mm256_testz_ps(m, m); }
+PE_INLINE pe_vi bf16_join(pe_vi even, pe_vi odd) {
+    return _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xaa);
+}
+#endif
+
+#ifdef PE_VW
+/*
+ * bf16 rows a block of PE_BF16_BLOCK channels at a time, without widening or narrowing
+ * shuffles: the block's 32-bit words are channel pairs, a shift gives the even channels as
+ * fp32 and a mask the odd ones, and after rounding a 16-bit blend puts the pairs back.  The
+ * tables of such rows are in "pair order" (pair_order below): per block, the values of its
+ * even channels, then those of its odd channels.
+ */
+#define PE_BF16_BLOCK (2 * PE_VW)
 #endif
 
 PE_INLINE float sx_load(const char *p, pe_dtype dt) {
@@ -130,17 +233,28 @@ PE_INLINE void sx_store(char *p, float v, pe_dtype dt) {
     memcpy(p, &h, 2);
 }
 
-/* out[e] = x[e] c[e] + x[e+h] ss[e],  out[e+h] = x[e+h] c[e+h] + x[e] ss[e+h] */
+/* out[e] = x[e] c[e] + x[e+h] ss[e],  out[e+h] = x[e+h] c[e+h] + x[e] ss[e+h], channels e
+ * from e0 on (those before e0 are done); whole vectors with streaming stores if `stream`. */
 PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const float *restrict c,
-                            const float *restrict ss, int64_t h, pe_dtype dt) {
+                            const float *restrict ss, int64_t h, pe_dtype dt, int64_t e0,
+                            int stream) {
     const int64_t es = dt == PE_FLOAT32 ? 4 : 2, hb = h * es;
-    int64_t e = 0;
+    int64_t e = e0;
 #ifdef PE_VW
     for (; e + PE_VW <= h; e += PE_VW) {
         const pe_vf x0 = vx_load(x + e * es, dt), x1 = vx_load(x + e * es + hb, dt);
-        vx_store(o + e * es, vf_rot(x0, vf_load(c + e), x1, vf_load(ss + e)), dt);
-        vx_store(o + e * es + hb, vf_rot(x1, vf_load(c + e + h), x0, vf_load(ss + e + h)), dt);
+        const pe_vf o0 = vf_rot(x0, vf_load(c + e), x1, vf_load(ss + e));
+        const pe_vf o1 = vf_rot(x1, vf_load(c + e + h), x0, vf_load(ss + e + h));
+        if (stream) {
+            vx_stream(o + e * es, o0, dt);
+            vx_stream(o + e * es + hb, o1, dt);
+        } else {
+            vx_store(o + e * es, o0, dt);
+            vx_store(o + e * es + hb, o1, dt);
+        }
     }
+#else
+    (void)stream;
 #endif
 #ifdef PE_VTAIL
     if (e < h) {
@@ -166,11 +280,117 @@ PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const floa
  * Qwen2-VL-7B at T = 8192: 48 ms with streaming stores against 33 ms without).
  */
 PE_INLINE void rot_half_rows(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
-                             const float *c, const float *ss, int64_t h, pe_dtype dt) {
+                             const float *c, const float *ss, int64_t h, pe_dtype dt,
+                             int stream) {
     const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
     for (int64_t hd = 0; hd < nh; ++hd)
-        rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt);
+        rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt, 0, stream);
 }
+
+#ifdef PE_BF16_BLOCK
+/* rot_half_row for bf16 with the tables in pair order: whole blocks as pairs, then the tail
+ * (natural order) as before. */
+/* The four rotated vectors of the block at channel e of both halves: the even and the odd
+ * channels of the first half (o[0], o[1]), then of the second (o[2], o[3]). */
+PE_INLINE void rot_pair_block(const char *restrict x, const float *restrict c,
+                              const float *restrict ss, int64_t h, int64_t e, pe_vf o[4]) {
+    const pe_vi u0 = vi_load(x + 2 * e), u1 = vi_load(x + 2 * (h + e));
+    const pe_vf x0e = bf16_even(u0), x0o = bf16_odd(u0);
+    const pe_vf x1e = bf16_even(u1), x1o = bf16_odd(u1);
+    const float *c0 = c + e, *s0 = ss + e, *c1 = c + h + e, *s1 = ss + h + e;
+    o[0] = vf_rot(x0e, vf_load(c0), x1e, vf_load(s0));
+    o[1] = vf_rot(x0o, vf_load(c0 + PE_VW), x1o, vf_load(s0 + PE_VW));
+    o[2] = vf_rot(x1e, vf_load(c1), x0e, vf_load(s1));
+    o[3] = vf_rot(x1o, vf_load(c1 + PE_VW), x0o, vf_load(s1 + PE_VW));
+}
+
+/* rot_half_row for bf16 with the tables in pair order: whole blocks as pairs, then the tail
+ * (natural order) as before.  The blocks round as numbers; a row with a NaN (rare: one check
+ * per row, not a branch per block) is done again with the NaN rounding. */
+PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
+                                  const float *restrict c, const float *restrict ss,
+                                  int64_t h, int stream) {
+    int64_t e = 0;
+    pe_vf nan = vf_zero();
+    for (; e + PE_BF16_BLOCK <= h; e += PE_BF16_BLOCK) {
+        pe_vf v[4];
+        rot_pair_block(x, c, ss, h, e, v);
+        nan = vf_nan_lanes(nan, v[0], v[1], v[2], v[3]);
+        const pe_vi r0 = bf16_join(bf16_round_num(v[0]), bf16_round_num(v[1]));
+        const pe_vi r1 = bf16_join(bf16_round_num(v[2]), bf16_round_num(v[3]));
+        if (stream) {
+            vi_stream(o + 2 * e, r0);
+            vi_stream(o + 2 * (h + e), r1);
+        } else {
+            vi_store(o + 2 * e, r0);
+            vi_store(o + 2 * (h + e), r1);
+        }
+    }
+    if (__builtin_expect(vf_any(nan), 0)) {
+        for (int64_t f = 0; f < e; f += PE_BF16_BLOCK) {
+            pe_vf v[4];
+            rot_pair_block(x, c, ss, h, f, v);
+            vi_store(o + 2 * f, bf16_join(bf16_round_hi(v[0]), bf16_round_hi(v[1])));
+            vi_store(o + 2 * (h + f), bf16_join(bf16_round_hi(v[2]), bf16_round_hi(v[3])));
+        }
+    }
+    if (e < h) rot_half_row(x, o, c, ss, h, PE_BFLOAT16, e, 0);
+}
+
+PE_INLINE void rot_half_rows_pairs(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
+                                   const float *c, const float *ss, int64_t h, int stream) {
+    for (int64_t hd = 0; hd < nh; ++hd)
+        rot_half_row_pairs(x + hd * xs * 2, o + hd * os * 2, c, ss, h, stream);
+}
+
+/* The even and the odd lanes of the 2 PE_VW values in a, b (a first). */
+PE_INLINE void vf_deinterleave(pe_vf a, pe_vf b, pe_vf *even, pe_vf *odd) {
+#if PE_VW == 16
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    *even = _mm512_permutex2var_ps(a, ie, b);
+    *odd = _mm512_permutex2var_ps(a, io, b);
+#else
+    *even = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
+    *odd = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
+#endif
+}
+
+/* A row of R = 2h table values from channel order into pair order. */
+PE_INLINE void pair_order(float *restrict dst, const float *restrict src, int64_t h) {
+    for (int64_t base = 0; base < 2 * h; base += h) {
+        int64_t b = 0;
+        for (; b + PE_BF16_BLOCK <= h; b += PE_BF16_BLOCK) {
+            pe_vf even, odd;
+            vf_deinterleave(vf_load(src + base + b), vf_load(src + base + b + PE_VW), &even, &odd);
+            vx_store((char *)(dst + base + b), even, PE_FLOAT32);
+            vx_store((char *)(dst + base + b + PE_VW), odd, PE_FLOAT32);
+        }
+        for (; b < h; ++b) dst[base + b] = src[base + b];
+    }
+}
+
+/* The 2 PE_VW values of dtype dt at p as two fp32 vectors, in pair order or in channel
+ * order. */
+PE_INLINE void load_block(const char *p, pe_dtype dt, int pairs, pe_vf *v0, pe_vf *v1) {
+    if (dt == PE_BFLOAT16 && pairs) {
+        const pe_vi u = vi_load(p);
+        *v0 = bf16_even(u);
+        *v1 = bf16_odd(u);
+        return;
+    }
+    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
+    const pe_vf a = vx_load(p, dt), b = vx_load(p + PE_VW * es, dt);
+    if (pairs) {
+        vf_deinterleave(a, b, v0, v1);
+    } else {
+        *v0 = a;
+        *v1 = b;
+    }
+}
+#endif
 
 /* n values of a 16-bit or fp32 dtype as fp32, a vector at a time (short MRoPE runs too). */
 PE_INLINE void to_f32_row(float *restrict dst, const char *restrict src, int64_t n, pe_dtype dt) {
@@ -184,32 +404,50 @@ PE_INLINE void to_f32_row(float *restrict dst, const char *restrict src, int64_t
 }
 
 /* Rotates the nh heads of one token (head strides xs, os in elements) if the fast rows
- * cover the dtype; returns 1 if so.  head_dim 128 (h = 64) gets a fully unrolled copy. */
+ * cover the dtype; returns 1 if so.  head_dim 128 (h = 64) gets a fully unrolled copy.  bf16
+ * rows of at least a block per half read the tables in pair order (pairs_rows). */
 PE_INLINE int rot_half_heads(const void *in, int64_t xs, void *out, int64_t os, int64_t nh,
-                             pe_dtype dt, const float *c, const float *ss, int64_t R) {
+                             pe_dtype dt, const float *c, const float *ss, int64_t R,
+                             int stream) {
     const char *x = (const char *)in;
     char *o = (char *)out;
     const int64_t h = R / 2;
     switch (dt) {
     case PE_FLOAT32:
-        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT32);
-        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT32);
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT32, stream);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT32, stream);
         return 1;
     case PE_BFLOAT16:
-        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_BFLOAT16);
-        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16);
+#ifdef PE_BF16_BLOCK
+        if (h == 64) rot_half_rows_pairs(x, xs, o, os, nh, c, ss, 64, stream);
+        else if (h >= PE_BF16_BLOCK) rot_half_rows_pairs(x, xs, o, os, nh, c, ss, h, stream);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16, 0);
+#else
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_BFLOAT16, 0);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16, 0);
+#endif
         return 1;
     case PE_FLOAT16:
-        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT16);
-        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT16);
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT16, stream);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT16, stream);
         return 1;
     default:
         return 0;
     }
 }
 
-
 /* ---- fp32 core ---------------------------------------------------------------------- */
+
+/* n fp32 values stored as a 16-bit or fp32 dtype, a vector at a time. */
+PE_INLINE void from_f32_row(char *restrict dst, const float *restrict src, int64_t n,
+                            pe_dtype dt) {
+    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
+    int64_t i = 0;
+#ifdef PE_VW
+    for (; i + PE_VW <= n; i += PE_VW) vx_store(dst + i * es, vf_load(src + i), dt);
+#endif
+    for (; i < n; ++i) sx_store(dst + i * es, src[i], dt);
+}
 
 /* n values of dtype dt (fp32 or 16-bit) as fp32. */
 PE_INLINE void load_row(float *restrict dst, const void *restrict src, pe_dtype dt, int64_t n) {
@@ -224,7 +462,6 @@ PE_INLINE void load_row(float *restrict dst, const void *restrict src, pe_dtype 
 /* n fp32 values stored as dtype dt, one rounding each (fp64: the tables from positions). */
 PE_INLINE void store_row(void *restrict dst, const float *restrict src, pe_dtype dt, int64_t n) {
     char *d = (char *)dst;
-    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
     switch (dt) {
     case PE_FLOAT64:
         for (int64_t i = 0; i < n; ++i) {
@@ -232,9 +469,9 @@ PE_INLINE void store_row(void *restrict dst, const float *restrict src, pe_dtype
             memcpy(d + i * 8, &v, 8);
         }
         break;
-    case PE_FLOAT32: for (int64_t i = 0; i < n; ++i) sx_store(d + i * es, src[i], PE_FLOAT32); break;
-    case PE_BFLOAT16: for (int64_t i = 0; i < n; ++i) sx_store(d + i * es, src[i], PE_BFLOAT16); break;
-    default: for (int64_t i = 0; i < n; ++i) sx_store(d + i * es, src[i], PE_FLOAT16); break;
+    case PE_FLOAT32: from_f32_row(d, src, n, PE_FLOAT32); break;
+    case PE_BFLOAT16: from_f32_row(d, src, n, PE_BFLOAT16); break;
+    default: from_f32_row(d, src, n, PE_FLOAT16); break;
     }
 }
 
@@ -353,7 +590,8 @@ PE_INLINE void rotate_general(const pe_rope_tensor *x, const void *in, void *out
 /* Rotate heads h0 .. h1-1 of one tensor for token (b, t). */
 PE_INLINE void token_heads(const pe_rope_args *a, const pe_rope_tensor *x, int64_t b, int64_t t,
                            int64_t h0, int64_t h1, const float *restrict c,
-                           const float *restrict ss, float *restrict xbuf, float *restrict obuf) {
+                           const float *restrict ss, float *restrict xbuf, float *restrict obuf,
+                           int stream) {
     if (h1 <= h0) return;
     const int64_t R = a->rot_dim, D = a->head_dim;
     const size_t ies = pe_dtype_size(x->in_dtype), oes = pe_dtype_size(x->out_dtype);
@@ -362,7 +600,7 @@ PE_INLINE void token_heads(const pe_rope_args *a, const pe_rope_tensor *x, int64
     char *ob = (char *)pe_row(x->out, x->out_stride, oes, b, t, h0);
     const int done = same && a->pairing == PE_PAIR_HALF &&
                      rot_half_heads(ib, x->in_stride[2], ob, x->out_stride[2], h1 - h0,
-                                    x->in_dtype, c, ss, R);
+                                    x->in_dtype, c, ss, R, stream);
     if (done && D == R) return;
     for (int64_t h = 0; h < h1 - h0; ++h) {
         const void *in = ib + h * x->in_stride[2] * (int64_t)ies;
@@ -380,30 +618,197 @@ PE_INLINE void token_heads(const pe_rope_args *a, const pe_rope_tensor *x, int64
     }
 }
 
+/* 1 when x's rows are the bf16 fast rows that read the tables in pair order
+ * (rot_half_heads). */
+PE_INLINE int pairs_rows(const pe_rope_args *a, const pe_rope_tensor *x) {
+#ifdef PE_BF16_BLOCK
+    return a->pairing == PE_PAIR_HALF && x->in_dtype == PE_BFLOAT16 &&
+           x->out_dtype == PE_BFLOAT16 && a->rot_dim / 2 >= PE_BF16_BLOCK;
+#else
+    (void)a;
+    (void)x;
+    return 0;
+#endif
+}
+
+/* cos and signed sine of the n tokens of a tile from flat index i0, in channel order or
+ * (pairs) in pair order; cn, sn are two scratch rows. */
+PE_INLINE void tile_tables(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0, int64_t n,
+                           float *restrict c, float *restrict ss, float *restrict s,
+                           float *restrict rows, float *restrict slots, float *restrict cn,
+                           float *restrict sn, int pairs) {
+    const int64_t T = a->seq, R = a->rot_dim;
+    for (int64_t j = 0; j < n; ++j) {
+        float *cj = c + j * R, *ssj = ss + j * R;
+        token_tables(a, p, (i0 + j) / T, (i0 + j) % T, pairs ? cn : cj, s, rows, slots);
+        sign_sine(s, pairs ? sn : ssj, R, a->pairing, a->transpose);
+#ifdef PE_BF16_BLOCK
+        if (pairs) {
+            pair_order(cj, cn, R / 2);
+            pair_order(ssj, sn, R / 2);
+        }
+#endif
+    }
+}
+
+/* Asks for the table values of token i (flat index) ahead of their use.  The rotation of
+ * a tile fetches the next tile's this way: the hardware prefetchers do not follow the
+ * short runs read from 3 axes, and a table load that misses would hold up the tile. */
+PE_INLINE void prefetch_tables(const pe_rope_args *a, const pe_rope_plan *p, int64_t i) {
+    const pe_rope_source *src = &a->src;
+    if (src->pos || i >= a->batch * a->seq) return;
+    const int64_t T = a->seq, es = (int64_t)pe_dtype_size(src->table_dtype);
+    const int64_t off = ((src->table_batch == 1 ? 0 : i / T) * src->table_stride[1] +
+                         i % T * src->table_stride[2]) * es;
+    const char *cb = (const char *)src->cos + off, *sb = (const char *)src->sin + off;
+    const int runs = p->axes > 1 && p->nruns <= 8;
+    for (int64_t r = 0; r < (runs ? p->nruns : p->axes); ++r) {
+        const int64_t e0 = runs ? p->run_start[r] : 0;
+        const int64_t e1 = runs ? p->run_start[r + 1] : a->rot_dim;
+        const int64_t o = (runs ? p->chan_axis[e0] : r) * src->table_stride[0] * es;
+        for (int64_t x = e0 * es; x < e1 * es; x += 64) {
+            __builtin_prefetch(cb + o + x);
+            __builtin_prefetch(sb + o + x);
+        }
+        __builtin_prefetch(cb + o + e1 * es - 1);
+        __builtin_prefetch(sb + o + e1 * es - 1);
+    }
+}
+
+#ifdef PE_BF16_BLOCK
+/* Block k of a table row (axis rows ax * axis_bytes apart) as two vectors: the block of
+ * the lowest axis it reads, then the channels of the others blended in. */
+PE_INLINE void table_block(const char *row, int64_t axis_bytes, pe_dtype dt, int pairs,
+                           const pe_rope_plan *p, int64_t R, int64_t k, pe_vf *v0, pe_vf *v1) {
+    const int64_t es = (int64_t)pe_dtype_size(dt), e = k * PE_BF16_BLOCK;
+    const unsigned used = p->block_axes[k];
+    const int lo = used & 1u ? 0 : used & 2u ? 1 : 2;
+    load_block(row + lo * axis_bytes + e * es, dt, pairs, v0, v1);
+    for (int ax = lo + 1; ax < 3; ++ax) {
+        if (!(used & (1u << ax))) continue;
+        pe_vf b0, b1, m0, m1;
+        load_block(row + ax * axis_bytes + e * es, dt, pairs, &b0, &b1);
+        load_block((const char *)(p->axis_sel + (ax - 1) * R + e), PE_FLOAT32, pairs,
+                         &m0, &m1);
+        *v0 = vf_select(*v0, b0, m0);
+        *v1 = vf_select(*v1, b1, m1);
+    }
+}
+
+/* cos and signed sine of one token's block pair (k in the first half, k + nb in the
+ * second): c0, c1, s0, s1 are the cos and sine of the first and the second block. */
+PE_INLINE void store_block_pair(float *restrict c, float *restrict ss, int64_t h, int64_t e,
+                                const pe_vf c0[2], const pe_vf c1[2], const pe_vf s0[2],
+                                const pe_vf s1[2], int transpose) {
+    for (int i = 0; i < 2; ++i) {
+        vx_store((char *)(c + e + i * PE_VW), c0[i], PE_FLOAT32);
+        vx_store((char *)(c + h + e + i * PE_VW), c1[i], PE_FLOAT32);
+        /* forward ss = -s, s by half; transpose ss[e] = s[e + h], ss[e + h] = -s[e] */
+        vx_store((char *)(ss + e + i * PE_VW), transpose ? s1[i] : vf_neg(s0[i]), PE_FLOAT32);
+        vx_store((char *)(ss + h + e + i * PE_VW), transpose ? vf_neg(s0[i]) : s1[i],
+                 PE_FLOAT32);
+    }
+}
+
+/*
+ * tile_tables for half pairing with h a multiple of 2 PE_VW and tables of a dtype the
+ * vector loads read: each block of channels goes from the tables (or the slots' sine and
+ * cosine) straight into the rotation's order and signs, with no row in between.
+ */
+PE_INLINE void tile_tables_blocks(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                  int64_t n, float *restrict c, float *restrict ss,
+                                  float *restrict slots, int pairs) {
+    const pe_rope_source *src = &a->src;
+    const int64_t T = a->seq, R = a->rot_dim, h = R / 2, nb = h / PE_BF16_BLOCK;
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t b = (i0 + j) / T, t = (i0 + j) % T;
+        float *cj = c + j * R, *ssj = ss + j * R;
+        if (src->pos) {
+            float *cs = slots, *sn = slots + h;
+            pe_rope_slot_sincos(a, p, b, t, cs, sn);
+            for (int64_t k = 0; k < nb; ++k) {
+                const int64_t e = k * PE_BF16_BLOCK;
+                pe_vf cv[2], sv[2];
+                load_block((const char *)(cs + e), PE_FLOAT32, pairs, &cv[0], &cv[1]);
+                load_block((const char *)(sn + e), PE_FLOAT32, pairs, &sv[0], &sv[1]);
+                store_block_pair(cj, ssj, h, e, cv, cv, sv, sv, a->transpose);
+            }
+            continue;
+        }
+        const pe_dtype dt = src->table_dtype;
+        const int64_t es = (int64_t)pe_dtype_size(dt), axis_bytes = src->table_stride[0] * es;
+        const int64_t off = ((src->table_batch == 1 ? 0 : b) * src->table_stride[1] +
+                             t * src->table_stride[2]) * es;
+        const char *cb = (const char *)src->cos + off, *sb = (const char *)src->sin + off;
+        for (int64_t k = 0; k < nb; ++k) {
+            pe_vf c0[2], c1[2], s0[2], s1[2];
+            table_block(cb, axis_bytes, dt, pairs, p, R, k, &c0[0], &c0[1]);
+            table_block(cb, axis_bytes, dt, pairs, p, R, k + nb, &c1[0], &c1[1]);
+            table_block(sb, axis_bytes, dt, pairs, p, R, k, &s0[0], &s0[1]);
+            table_block(sb, axis_bytes, dt, pairs, p, R, k + nb, &s1[0], &s1[1]);
+            store_block_pair(cj, ssj, h, k * PE_BF16_BLOCK, c0, c1, s0, s1, a->transpose);
+        }
+    }
+}
+#endif
+
+/* 1 when tile_tables_blocks can prepare the tables (the plan's blocks are this build's). */
+PE_INLINE int table_blocks(const pe_rope_args *a, const pe_rope_plan *p) {
+#ifdef PE_BF16_BLOCK
+    const pe_dtype dt = a->src.table_dtype;
+    return a->pairing == PE_PAIR_HALF && p->block == PE_BF16_BLOCK &&
+           (a->rot_dim / 2) % PE_BF16_BLOCK == 0 &&
+           (a->src.pos || dt == PE_FLOAT32 || dt == PE_BFLOAT16 || dt == PE_FLOAT16);
+#else
+    (void)a;
+    (void)p;
+    return 0;
+#endif
+}
+
 /*
  * Tile of n consecutive tokens (flat index i0 = b*T + t; p->tile tokens at most): the
- * tokens' tables are prepared once, then the rows are rotated.  With the heads inner in
- * memory a tile is one token and all its heads go at once; with the heads outer ((B, H, T,
- * D) tensors, e.g. gradients coming back from attention) the tile is rotated head by head,
- * so the rows of each head, adjacent in memory, are visited in order.
+ * tokens' tables are prepared first, all together (their loads overlap one another instead
+ * of each waiting in front of its token's rows), then the rows are rotated.  With the heads
+ * inner in memory the tokens go in order, all heads of a token at once; with the heads
+ * outer ((B, H, T, D) tensors, e.g. gradients coming back from attention) the tile is
+ * rotated head by head, so the rows of each head, adjacent in memory, are visited in order.
  */
 PE_INLINE void rope_f32_rotate(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
                                int64_t n, void *scratch) {
     const int64_t T = a->seq, R = a->rot_dim, D = a->head_dim;
     float *c = (float *)scratch, *ss = c + p->tile * R, *s = ss + p->tile * R;
     float *xb = s + R, *ob = xb + D, *rows = ob + D, *slots = rows + 3 * R;
-    for (int64_t j = 0; j < n; ++j) {
-        token_tables(a, p, (i0 + j) / T, (i0 + j) % T, c + j * R, s, rows, slots);
-        sign_sine(s, ss + j * R, R, a->pairing, a->transpose);
-    }
+    float *cn = slots + R, *sn = cn + R;
     const pe_rope_tensor *xs[2] = {&a->q, &a->k};
+    const int blocks = table_blocks(a, p);
+    (void)blocks;
+    int order = -1; /* the order the tile's tables are in: none yet */
+    int fetch = 1;  /* the next tile's tables are still to be asked for */
     for (int w = 0; w < 2; ++w) {
-        const int64_t H = xs[w]->heads, step = p->tile > 1 ? 1 : H;
+        const int64_t H = xs[w]->heads, step = p->heads_outer ? 1 : H;
+        if (!H) continue;
+        const int pairs = pairs_rows(a, xs[w]);
+        if (pairs != order) {
+#ifdef PE_BF16_BLOCK
+            if (blocks)
+                tile_tables_blocks(a, p, i0, n, c, ss, slots, pairs);
+            else
+#endif
+                tile_tables(a, p, i0, n, c, ss, s, rows, slots, cn, sn, pairs);
+        }
+        order = pairs;
         for (int64_t h = 0; h < H; h += step)
-            for (int64_t j = 0; j < n; ++j)
+            for (int64_t j = 0; j < n; ++j) {
+                if (fetch && h == 0) prefetch_tables(a, p, i0 + p->tile + j);
                 token_heads(a, xs[w], (i0 + j) / T, (i0 + j) % T, h, h + step, c + j * R,
-                            ss + j * R, xb, ob);
+                            ss + j * R, xb, ob, p->stream_out[w]);
+            }
+        fetch = 0;
     }
+#ifdef PE_VW
+    if (p->stream_out[0] || p->stream_out[1]) _mm_sfence(); /* before the pass is done */
+#endif
 }
 
 /* Accumulate g[e] x[e] and g[e] sign(e) x[p(e)] of every head of one tensor at (b, t). */
@@ -429,6 +834,90 @@ PE_INLINE void accumulate_heads(const pe_rope_args *a, const pe_rope_tensor *x, 
     }
 }
 
+#ifdef PE_VW
+/* The inverse of load_block for fp32 values: 2 PE_VW floats at dst, in channel order, from
+ * two vectors in pair order or in channel order. */
+PE_INLINE void store_block(float *dst, pe_vf v0, pe_vf v1, int pairs) {
+    if (pairs) { /* interleave the even (v0) and the odd (v1) channels */
+#if PE_VW == 16
+        const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                             15, 31);
+        const pe_vf a = _mm512_permutex2var_ps(v0, lo, v1), b = _mm512_permutex2var_ps(v0, hi, v1);
+#else
+        const __m256 l = _mm256_unpacklo_ps(v0, v1), h = _mm256_unpackhi_ps(v0, v1);
+        const pe_vf a = _mm256_permute2f128_ps(l, h, 0x20), b = _mm256_permute2f128_ps(l, h, 0x31);
+#endif
+        v0 = a;
+        v1 = b;
+    }
+    vx_store((char *)dst, v0, PE_FLOAT32);
+    vx_store((char *)(dst + PE_VW), v1, PE_FLOAT32);
+}
+
+/*
+ * acc_c, acc_s of one table row (rows of batch b0 .. b1-1 at t), half pairing, q, k and the
+ * gradients all of dtype dt, h a multiple of 2 PE_VW: a block of channels of both halves
+ * at a time, summed over every head in registers (the same sums, in the same order, as
+ * accumulate_heads), with no conversion through scratch rows.
+ */
+PE_INLINE void accumulate_blocks(const pe_rope_args *a, const pe_rope_plan *p, int64_t b0,
+                                 int64_t b1, int64_t t, pe_dtype dt, float *restrict acc_c,
+                                 float *restrict acc_s) {
+    const int64_t h = a->rot_dim / 2, es = dt == PE_FLOAT32 ? 4 : 2;
+    const int pairs = dt == PE_BFLOAT16;
+    const pe_rope_tensor *xs[2] = {&a->q, &a->k};
+    const void *gs[2] = {p->grad_q, p->grad_k};
+    const int64_t *gst[2] = {p->grad_q_stride, p->grad_k_stride};
+    for (int64_t e = 0; e < h; e += 2 * PE_VW) {
+        const pe_vf z = vf_zero();
+        pe_vf c0a = z, c0b = z, c1a = z, c1b = z, s0a = z, s0b = z, s1a = z, s1b = z;
+        for (int64_t b = b0; b < b1; ++b)
+            for (int w = 0; w < 2; ++w)
+                for (int64_t hd = 0; hd < xs[w]->heads; ++hd) {
+                    const char *xr = pe_row(xs[w]->in, xs[w]->in_stride, es, b, t, hd) + e * es;
+                    const char *gr = pe_row(gs[w], gst[w], es, b, t, hd) + e * es;
+                    if (e == 0 && t + 1 < a->seq) /* the next row's, while this one is summed */
+                        for (int64_t o = 0; o < 2 * h * es; o += 64) {
+                            __builtin_prefetch(xr + xs[w]->in_stride[1] * es + o);
+                            __builtin_prefetch(gr + gst[w][1] * es + o);
+                        }
+                    pe_vf x0a, x0b, x1a, x1b, g0a, g0b, g1a, g1b;
+                    load_block(xr, dt, pairs, &x0a, &x0b);
+                    load_block(xr + h * es, dt, pairs, &x1a, &x1b);
+                    load_block(gr, dt, pairs, &g0a, &g0b);
+                    load_block(gr + h * es, dt, pairs, &g1a, &g1b);
+                    c0a = vf_add(c0a, vf_mul(g0a, x0a));
+                    c0b = vf_add(c0b, vf_mul(g0b, x0b));
+                    c1a = vf_add(c1a, vf_mul(g1a, x1a));
+                    c1b = vf_add(c1b, vf_mul(g1b, x1b));
+                    s0a = vf_sub(s0a, vf_mul(g0a, x1a));
+                    s0b = vf_sub(s0b, vf_mul(g0b, x1b));
+                    s1a = vf_add(s1a, vf_mul(g1a, x0a));
+                    s1b = vf_add(s1b, vf_mul(g1b, x0b));
+                }
+        store_block(acc_c + e, c0a, c0b, pairs);
+        store_block(acc_c + h + e, c1a, c1b, pairs);
+        store_block(acc_s + e, s0a, s0b, pairs);
+        store_block(acc_s + h + e, s1a, s1b, pairs);
+    }
+}
+#endif
+
+/* 1 when a table-gradient row can run accumulate_blocks. */
+PE_INLINE int grad_blocks(const pe_rope_args *a, const pe_rope_plan *p) {
+#ifdef PE_VW
+    const pe_dtype dt = p->grad_dtype;
+    return a->pairing == PE_PAIR_HALF && (a->rot_dim / 2) % (2 * PE_VW) == 0 &&
+           (dt == PE_FLOAT32 || dt == PE_BFLOAT16 || dt == PE_FLOAT16) &&
+           (!a->q.heads || a->q.in_dtype == dt) && (!a->k.heads || a->k.in_dtype == dt);
+#else
+    (void)a;
+    (void)p;
+    return 0;
+#endif
+}
+
 /* Table-gradient rows i0 .. i0+n-1 (row i = bc*T + t of the (Bc, T) tables). */
 PE_INLINE void rope_f32_grad_rows(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
                                   int64_t n, void *scratch) {
@@ -436,23 +925,51 @@ PE_INLINE void rope_f32_grad_rows(const pe_rope_args *a, const pe_rope_plan *p, 
     const size_t oes = pe_dtype_size(p->out_dtype);
     float *acc_c = (float *)scratch, *acc_s = acc_c + R, *xb = acc_s + R, *gb = xb + R;
     float *ob = gb + R;
+#ifdef PE_VW
+    const int blocks = grad_blocks(a, p);
+#endif
     for (int64_t i = i0; i < i0 + n; ++i) {
         const int64_t bc = i / T, t = i % T;
-        for (int64_t e = 0; e < R; ++e) acc_c[e] = acc_s[e] = 0;
         const int64_t b0 = Bc == 1 ? 0 : bc, b1 = Bc == 1 ? B : bc + 1;
-        for (int64_t b = b0; b < b1; ++b) {
-            accumulate_heads(a, &a->q, p->grad_q, p->grad_q_stride, p->grad_dtype, b, t, acc_c,
-                             acc_s, xb, gb);
-            accumulate_heads(a, &a->k, p->grad_k, p->grad_k_stride, p->grad_dtype, b, t, acc_c,
-                             acc_s, xb, gb);
+#ifdef PE_VW
+        if (blocks) {
+            accumulate_blocks(a, p, b0, b1, t, p->grad_dtype, acc_c, acc_s);
+        } else
+#endif
+        {
+            for (int64_t e = 0; e < R; ++e) acc_c[e] = acc_s[e] = 0;
+            for (int64_t b = b0; b < b1; ++b) {
+                accumulate_heads(a, &a->q, p->grad_q, p->grad_q_stride, p->grad_dtype, b, t,
+                                 acc_c, acc_s, xb, gb);
+                accumulate_heads(a, &a->k, p->grad_k, p->grad_k_stride, p->grad_dtype, b, t,
+                                 acc_c, acc_s, xb, gb);
+            }
         }
         for (int64_t ax = 0; ax < p->axes; ++ax) {
             const int64_t off = ((ax * Bc + bc) * T + t) * R * (int64_t)oes;
             for (int pass = 0; pass < 2; ++pass) {
                 const float *acc = pass ? acc_s : acc_c;
-                for (int64_t e = 0; e < R; ++e)
-                    ob[e] = (p->axes == 1 || p->chan_axis[e] == ax) ? acc[e] : 0.0f;
-                store_row((char *)(pass ? p->sin_out : p->cos_out) + off, ob, p->out_dtype, R);
+                char *dst = (char *)(pass ? p->sin_out : p->cos_out) + off;
+                if (p->axes == 1) {
+                    store_row(dst, acc, p->out_dtype, R);
+                    continue;
+                }
+                int64_t e = 0;
+#ifdef PE_VW
+                if (p->out_dtype != PE_FLOAT64) /* acc where the channel reads axis ax, else 0 */
+                    for (const uint32_t *m = p->axis_sel; e + PE_VW <= R; e += PE_VW) {
+                        const pe_vf m1 = vf_load((const float *)m + e);
+                        const pe_vf m2 = vf_load((const float *)m + R + e);
+                        const pe_vf v = vf_load(acc + e);
+                        vx_store(dst + e * (int64_t)oes,
+                                 ax == 0   ? vf_andnot(vf_or(m1, m2), v)
+                                 : ax == 1 ? vf_and(m1, v)
+                                           : vf_and(m2, v),
+                                 p->out_dtype);
+                    }
+#endif
+                for (int64_t f = e; f < R; ++f) ob[f - e] = p->chan_axis[f] == ax ? acc[f] : 0.0f;
+                store_row(dst + e * (int64_t)oes, ob, p->out_dtype, R - e);
             }
         }
     }

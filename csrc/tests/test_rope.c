@@ -101,7 +101,9 @@ static void run_case(const rope_case *c, const char *isa) {
         ost[j][2] = c->D;
         const int64_t nin = c->B * c->T * st, nout = c->B * c->T * heads[j] * c->D;
         ins[j] = calloc((size_t)nin + 1, pe_dtype_size(din[j]));
-        outs[j] = calloc((size_t)nout + 1, pe_dtype_size(dout[j]));
+        /* 64-byte aligned and untouched: large outputs are fresh pages (see big below) */
+        const size_t obytes = ((size_t)nout + 1) * pe_dtype_size(dout[j]);
+        outs[j] = aligned_alloc(64, (obytes + 63) / 64 * 64);
         for (int64_t i = 0; i < nin; ++i) put(ins[j], din[j], i, urand());
     }
     const int64_t ntab = A * c->Bc * c->T * c->R;
@@ -584,6 +586,12 @@ int main(void) {
         rope_case big = {.B = 1, .T = 300, .Hq = 8, .Hk = 2, .D = 128, .R = 128, .Bc = 1,
                          .pairing = PE_PAIR_HALF, .dt = PE_BFLOAT16, .tdt = PE_BFLOAT16,
                          .mrope = 1, .dk = PE_BFLOAT16, .out = -1};
+        run_case(&big, name);
+        /* Outputs past PE_STREAM_BYTES: the forward writes fresh (untouched) pages, the
+         * transpose the same pages again, now in memory, with streaming stores. */
+        big.T = 2100; big.Hq = 28; big.Hk = 4;
+        run_case(&big, name);
+        big.T = 1100; big.dt = big.tdt = big.dk = PE_FLOAT32; big.mrope = 0;
         run_case(&big, name);
         isolation_case(PE_FLOAT32);
         isolation_case(PE_BFLOAT16);
