@@ -653,25 +653,35 @@ PE_INLINE void tile_tables(const pe_rope_args *a, const pe_rope_plan *p, int64_t
 
 /* Asks for the table values of token i (flat index) ahead of their use.  The rotation of
  * a tile fetches the next tile's this way: the hardware prefetchers do not follow the
- * short runs read from 3 axes, and a table load that misses would hold up the tile. */
+ * short runs read from 3 axes, and a table load that misses would hold up the tile.  The
+ * lines asked for are those the table pass reads: each block of the plan from every axis
+ * it reads (tile_tables_blocks), or else each run of channels from its axis. */
+PE_INLINE void prefetch_span(const char *p, int64_t bytes) {
+    for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(p + x);
+    __builtin_prefetch(p + bytes - 1);
+}
+
 PE_INLINE void prefetch_tables(const pe_rope_args *a, const pe_rope_plan *p, int64_t i) {
     const pe_rope_source *src = &a->src;
     if (src->pos || i >= a->batch * a->seq) return;
-    const int64_t T = a->seq, es = (int64_t)pe_dtype_size(src->table_dtype);
+    const int64_t T = a->seq, R = a->rot_dim, es = (int64_t)pe_dtype_size(src->table_dtype);
+    const int64_t axis_bytes = src->table_stride[0] * es;
     const int64_t off = ((src->table_batch == 1 ? 0 : i / T) * src->table_stride[1] +
                          i % T * src->table_stride[2]) * es;
-    const char *cb = (const char *)src->cos + off, *sb = (const char *)src->sin + off;
-    const int runs = p->axes > 1 && p->nruns <= 8;
-    for (int64_t r = 0; r < (runs ? p->nruns : p->axes); ++r) {
-        const int64_t e0 = runs ? p->run_start[r] : 0;
-        const int64_t e1 = runs ? p->run_start[r + 1] : a->rot_dim;
-        const int64_t o = (runs ? p->chan_axis[e0] : r) * src->table_stride[0] * es;
-        for (int64_t x = e0 * es; x < e1 * es; x += 64) {
-            __builtin_prefetch(cb + o + x);
-            __builtin_prefetch(sb + o + x);
+    const char *tab[2] = {(const char *)src->cos + off, (const char *)src->sin + off};
+    for (int w = 0; w < 2; ++w) {
+        if (p->block && R % p->block == 0) {
+            for (int64_t k = 0; k < R / p->block; ++k)
+                for (int ax = 0; ax < 3; ++ax)
+                    if (p->block_axes[k] & (1u << ax))
+                        prefetch_span(tab[w] + ax * axis_bytes + k * p->block * es,
+                                      p->block * es);
+        } else {
+            for (int64_t r = 0; r < p->nruns; ++r) {
+                const int64_t e0 = p->run_start[r], e1 = p->run_start[r + 1];
+                prefetch_span(tab[w] + p->chan_axis[e0] * axis_bytes + e0 * es, (e1 - e0) * es);
+            }
         }
-        __builtin_prefetch(cb + o + e1 * es - 1);
-        __builtin_prefetch(sb + o + e1 * es - 1);
     }
 }
 
