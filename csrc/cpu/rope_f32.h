@@ -274,8 +274,9 @@ PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const floa
 }
 
 /*
- * Ordinary stores, never streaming (non-temporal) ones: an output of tens of MiB is fresh
- * pages from the allocator, which the kernel zeroes into the cache on first touch; a
+ * Streaming (non-temporal) stores only where rope.c asks for them (`stream`): large outputs
+ * whose pages are already in memory, where they spare reading each line before it is
+ * overwritten.  A fresh output is pages the kernel zeroes into the cache on first touch; a
  * streaming store then evicts each of those lines and writes it again (AVX-512, bf16,
  * Qwen2-VL-7B at T = 8192: 48 ms with streaming stores against 33 ms without).
  */
