@@ -273,6 +273,29 @@ def _read_example(i: int, example: object, settings: _ModelSettings) -> _Example
     return _Example(ids, labels, rows.get("mm_token_type_ids"), grids, pixels, seconds)
 
 
+def _read_examples(examples: object, settings: _ModelSettings) -> list[_Example]:
+    if isinstance(examples, Mapping) or not isinstance(examples, Sequence):
+        raise TypeError(f"examples must be a list of examples (mappings), got "
+                        f"{type(examples).__name__}")
+    if not examples:
+        raise ValueError("examples is empty")
+    return [_read_example(i, ex, settings) for i, ex in enumerate(examples)]
+
+
+def _token_types(ex: _Example, settings: _ModelSettings) -> torch.Tensor:
+    """The example's mm_token_type_ids, or 1 on image and 2 on video tokens."""
+    if ex.mm_token_type_ids is not None:
+        return ex.mm_token_type_ids
+    return ((ex.input_ids == settings.image_token_id).long()
+            + 2 * (ex.input_ids == settings.video_token_id).long())
+
+
+def _check_side(padding_side: object) -> str:
+    if check_str("padding_side", padding_side) not in ("right", "left"):
+        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+    return padding_side
+
+
 def _packed_position_ids(examples: list[_Example], rows: list[list[int]], input_ids: torch.Tensor,
                          types: torch.Tensor | None, seconds: torch.Tensor | None,
                          settings: _ModelSettings, convention: str) -> torch.Tensor:
@@ -402,12 +425,7 @@ def pack_multimodal_examples(
     if return_flash_attn_kwargs is not None:
         check_bool("return_flash_attn_kwargs", return_flash_attn_kwargs)
     check_bool("precompute_vision", precompute_vision)
-    if isinstance(examples, Mapping) or not isinstance(examples, Sequence):
-        raise TypeError(f"examples must be a list of examples (mappings), got "
-                        f"{type(examples).__name__}")
-    if not examples:
-        raise ValueError("examples is empty")
-    exs = [_read_example(i, ex, settings) for i, ex in enumerate(examples)]
+    exs = _read_examples(examples, settings)
     lengths = [ex.input_ids.numel() for ex in exs]
     rows = first_fit(lengths, max_tokens)
     order = [k for row in rows for k in row]
@@ -425,9 +443,7 @@ def pack_multimodal_examples(
             input_ids[r, at:at + n] = ex.input_ids
             labels[r, at:at + n] = ex.labels
             if types is not None:
-                types[r, at:at + n] = ex.mm_token_type_ids if ex.mm_token_type_ids is not None \
-                    else ((ex.input_ids == settings.image_token_id).long()
-                          + 2 * (ex.input_ids == settings.video_token_id).long())
+                types[r, at:at + n] = _token_types(ex, settings)
             at += n
 
     seconds = _seconds(exs, order) if MROPE_MODELS[settings.model_type].reads_seconds else None
@@ -509,15 +525,9 @@ def pad_multimodal_examples(
     """
     settings = _settings(config)
     multiple = _check_count("pad_to_multiple_of", pad_to_multiple_of) or 1
-    if check_str("padding_side", padding_side) not in ("right", "left"):
-        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+    _check_side(padding_side)
     check_bool("precompute_vision", precompute_vision)
-    if isinstance(examples, Mapping) or not isinstance(examples, Sequence):
-        raise TypeError(f"examples must be a list of examples (mappings), got "
-                        f"{type(examples).__name__}")
-    if not examples:
-        raise ValueError("examples is empty")
-    exs = [_read_example(i, ex, settings) for i, ex in enumerate(examples)]
+    exs = _read_examples(examples, settings)
     lengths = [ex.input_ids.numel() for ex in exs]
     length = math.ceil(max(lengths) / multiple) * multiple
     shape = (len(exs), length)
@@ -530,9 +540,7 @@ def pad_multimodal_examples(
         at = slice(0, n) if padding_side == "right" else slice(length - n, length)
         input_ids[r, at], labels[r, at], mask[r, at] = ex.input_ids, ex.labels, 1
         if types is not None:
-            types[r, at] = ex.mm_token_type_ids if ex.mm_token_type_ids is not None else (
-                (ex.input_ids == settings.image_token_id).long()
-                + 2 * (ex.input_ids == settings.video_token_id).long())
+            types[r, at] = _token_types(ex, settings)
     batch: dict[str, object] = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
     order = list(range(len(exs)))
     batch.update(_vision_inputs(exs, order))
@@ -557,9 +565,7 @@ class MultimodalPaddingCollator:
         self.config = getattr(config, "config", config) if not hasattr(config, "model_type") \
             else config  # the config, not the model: a collator travels to loader workers
         self.pad_to_multiple_of = _check_count("pad_to_multiple_of", pad_to_multiple_of)
-        if check_str("padding_side", padding_side) not in ("right", "left"):
-            raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
-        self.padding_side = padding_side
+        self.padding_side = _check_side(padding_side)
         self.precompute_vision = check_bool("precompute_vision", precompute_vision)
 
     def __call__(self, examples: Sequence[Mapping[str, object]]) -> dict[str, object]:
