@@ -21,6 +21,12 @@
  * are larger than what stays in a last-level cache anyway (rope.c). */
 #define PE_STREAM_BYTES ((uintptr_t)16 << 20)
 
+/* How far ahead of each row the rotation asks for its input, in bytes, where the input is
+ * one dense stream (rope.c): the hardware prefetchers alone do not run far enough ahead of
+ * rows that take as long to compute as to move (bf16 with AVX2 instructions), and each
+ * row's first load then waits on memory.  About a token of Qwen2-VL-7B's 28 q heads. */
+#define PE_PREFETCH_AHEAD ((int64_t)8 << 10)
+
 /* Outputs of this many bytes and more are asked to be backed by huge pages (rope.c). */
 #define PE_HUGE_PAGE_HINT_BYTES ((uintptr_t)32 << 20)
 
@@ -57,9 +63,12 @@ typedef struct pe_rope_plan {
     uint32_t *axis_sel;    /* 2 R: all ones where channel e reads axis 1, then axis 2 */
     int64_t block;         /* channels per block of block_axes (0: none) */
     uint8_t *block_axes;   /* R / block: the axes block k's channels read (bit a: axis a) */
+    int64_t nfetch;        /* the table bytes a token's rotation reads, as spans from the */
+    int64_t *fetch;        /* token's cos (or sin) row: offset, bytes (2 nfetch entries) */
     int64_t tile;          /* tokens per rotation tile */
     int heads_outer;       /* the rotation's rows: heads outer in memory (B, H, T, D) */
     int stream_out[2];     /* q's, k's rows are stored with streaming stores (rope.c) */
+    int64_t ahead[2];      /* q's, k's input is prefetched this many bytes ahead (0: not) */
     /* pe_rope_table_grad: the gradients of the forward output */
     const void *grad_q, *grad_k;
     int64_t grad_q_stride[3], grad_k_stride[3];
@@ -93,10 +102,19 @@ static inline void pe_rope_slot_sincos(const pe_rope_args *a, const pe_rope_plan
     const int64_t nslot = a->rot_dim / 2;
     const int64_t *pos = src->pos + (src->pos_batch == 1 ? 0 : b) * src->pos_stride[1] +
                          t * src->pos_stride[2];
-    /* The angles first (a gather of int64 positions, which does not vectorize), held in
-     * sn; then the sine and cosine over them, branch-free, which does. */
-    for (int64_t i = 0; i < nslot; ++i)
-        sn[i] = pe_rope_angle(src->inv_freq[i], pos[plan->slot_pos_off[i]]);
+    /* The angles first, held in sn: the token's one to three positions as floats, each
+     * slot taking its axis' (a select, not a gather, so that the loop vectorizes); then the
+     * sine and cosine over them, branch-free, which vectorizes too. */
+    const uint8_t *axis = src->axis_of_slot;
+    if (!axis) {
+        const float p = (float)pos[0];
+        for (int64_t i = 0; i < nslot; ++i) sn[i] = PE_FMUL(src->inv_freq[i], p);
+    } else {
+        const float p0 = (float)pos[0], p1 = (float)pos[src->pos_stride[0]],
+                    p2 = (float)pos[2 * src->pos_stride[0]];
+        for (int64_t i = 0; i < nslot; ++i)
+            sn[i] = PE_FMUL(src->inv_freq[i], axis[i] == 0 ? p0 : axis[i] == 1 ? p1 : p2);
+    }
     int any_large = 0;
     for (int64_t i = 0; i < nslot; ++i) {
         const float ang = sn[i];

@@ -142,6 +142,31 @@ static int source_spans(const pe_rope_args *a, int tables, span in[3]) {
 
 static void plan_free(pe_rope_plan *p) { free(p->slot_pos_off); }
 
+/* The spans of a token's table row (cos or sin, all axes) that the rotation reads: from
+ * every axis, the channels that read it (whole blocks of the vector table pass where it has
+ * blocks), spans closer than a cache line merged.  rope_f32.h asks for them a tile ahead. */
+static void plan_fetch(const pe_rope_args *a, pe_rope_plan *p) {
+    const int64_t R = a->rot_dim, es = (int64_t)pe_dtype_size(a->src.table_dtype);
+    const int blocks = p->block && R % p->block == 0;
+    p->nfetch = 0;
+    for (int64_t ax = 0; ax < p->axes; ++ax) {
+        int64_t open = -1; /* index of the span being extended, or -1 */
+        for (int64_t e = 0; e < R; ++e) {
+            const int reads = blocks ? (p->block_axes[e / p->block] >> ax) & 1u
+                                     : p->chan_axis[e] == ax;
+            if (!reads) continue;
+            const int64_t at = ax * a->src.table_stride[0] * es + e * es;
+            if (open >= 0 && at - (p->fetch[2 * open] + p->fetch[2 * open + 1]) < 64) {
+                p->fetch[2 * open + 1] = at + es - p->fetch[2 * open];
+            } else {
+                open = p->nfetch++;
+                p->fetch[2 * open] = at;
+                p->fetch[2 * open + 1] = es;
+            }
+        }
+    }
+}
+
 /* `block`: channels per block of the rotation's vector table pass (f32_kernels), 0 for
  * none. */
 static int plan_make(const pe_rope_args *a, pe_rope_plan *p, int64_t block) {
@@ -150,14 +175,15 @@ static int plan_make(const pe_rope_args *a, pe_rope_plan *p, int64_t block) {
     memset(p, 0, sizeof *p);
     p->axes = axis ? 3 : 1;
     p->tile = 1;
-    /* one block: slot_pos_off[nslot + 1], run_start[R + 1] (int64); axis_sel[2 R] (uint32);
-     * chan_axis[R + 1], block_axes[nblock + 1] (bytes) */
-    const size_t words = (size_t)(nslot + R + 2), sels = (size_t)(2 * R);
+    /* one block: slot_pos_off[nslot + 1], run_start[R + 1], fetch[6 R] (int64); axis_sel[2 R]
+     * (uint32); chan_axis[R + 1], block_axes[nblock + 1] (bytes) */
+    const size_t words = (size_t)(nslot + 7 * R + 2), sels = (size_t)(2 * R);
     p->slot_pos_off = (int64_t *)calloc(1, words * sizeof(int64_t) + sels * sizeof(uint32_t) +
                                                (size_t)(R + nblock + 2));
     if (!p->slot_pos_off) return PE_ERR_NOMEM;
     p->run_start = p->slot_pos_off + nslot + 1;
-    p->axis_sel = (uint32_t *)(p->run_start + R + 1);
+    p->fetch = p->run_start + R + 1;
+    p->axis_sel = (uint32_t *)(p->fetch + 6 * R);
     p->chan_axis = (uint8_t *)(p->axis_sel + sels);
     p->block_axes = p->chan_axis + R + 1;
     p->block = block;
@@ -172,6 +198,7 @@ static int plan_make(const pe_rope_args *a, pe_rope_plan *p, int64_t block) {
     p->run_start[p->nruns] = R;
     for (int64_t i = 0; i < nslot; ++i)
         p->slot_pos_off[i] = (axis ? axis[i] : 0) * a->src.pos_stride[0];
+    if (!a->src.pos) plan_fetch(a, p);
     return PE_OK;
 }
 
@@ -445,6 +472,16 @@ static int stream_rows(const pe_rope_args *a, const pe_rope_tensor *x, span out,
     return resident(out);
 }
 
+/* 1 when x's input rows fill one span without gaps, whatever the order of its dimensions:
+ * then the bytes PE_PREFETCH_AHEAD past a row are rows the pass reads later (or past the
+ * end, where a prefetch does nothing). */
+static int dense_input(const pe_rope_args *a, const pe_rope_tensor *x) {
+    span in, unused;
+    const int64_t es = (int64_t)pe_dtype_size(x->in_dtype);
+    if (!x->heads || !tensor_spans(a, x, a->head_dim, &in, &unused)) return 0;
+    return (int64_t)(in.hi - in.lo) == a->batch * a->seq * x->heads * a->head_dim * es;
+}
+
 /* ---- entry points -------------------------------------------------------------------- */
 
 int pe_rope_check_apply(const pe_rope_args *a) {
@@ -476,7 +513,10 @@ int pe_rope_apply(const pe_rope_args *a) {
     pe_rope_plan plan;
     if ((rc = plan_make(a, &plan, k32->block))) return rc;
     const uintptr_t total = (out[0].hi - out[0].lo) + (out[1].hi - out[1].lo);
-    for (int w = 0; w < 2; ++w) plan.stream_out[w] = stream_rows(a, xs[w], out[w], total);
+    for (int w = 0; w < 2; ++w) {
+        plan.stream_out[w] = stream_rows(a, xs[w], out[w], total);
+        plan.ahead[w] = dense_input(a, xs[w]) ? PE_PREFETCH_AHEAD : 0;
+    }
     /* heads outer in memory: the tiles are rotated head by head (rows stay adjacent) */
     const pe_rope_tensor *lead = a->q.heads ? &a->q : &a->k;
     plan.heads_outer = lead->heads > 1 && lead->in_stride[2] > lead->in_stride[1];

@@ -233,13 +233,29 @@ PE_INLINE void sx_store(char *p, float v, pe_dtype dt) {
     memcpy(p, &h, 2);
 }
 
+/* How a tile's rows are done (rope_f32_rotate): stores, the NaN rounding of bf16 rows,
+ * prefetching. */
+typedef struct row_mode {
+    int stream;     /* whole vectors go out with streaming stores */
+    int nan_tables; /* the tile's tables hold a NaN (bf16 pair rows, rot_half_row_pairs) */
+    int64_t ahead;  /* the bytes this far past each row's input are asked for (0: none) */
+} row_mode;
+
+/* Asks for the `bytes` of input `ahead` bytes past the row at x (see PE_PREFETCH_AHEAD). */
+PE_INLINE void prefetch_ahead(const char *x, int64_t bytes, int64_t ahead) {
+    if (!ahead) return;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(x + ahead + b);
+}
+
 /* out[e] = x[e] c[e] + x[e+h] ss[e],  out[e+h] = x[e+h] c[e+h] + x[e] ss[e+h], channels e
  * from e0 on (those before e0 are done); whole vectors with streaming stores if `stream`. */
 PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const float *restrict c,
                             const float *restrict ss, int64_t h, pe_dtype dt, int64_t e0,
-                            int stream) {
+                            row_mode m) {
     const int64_t es = dt == PE_FLOAT32 ? 4 : 2, hb = h * es;
+    const int stream = m.stream;
     int64_t e = e0;
+    if (e0 == 0) prefetch_ahead(x, 2 * hb, m.ahead);
 #ifdef PE_VW
     for (; e + PE_VW <= h; e += PE_VW) {
         const pe_vf x0 = vx_load(x + e * es, dt), x1 = vx_load(x + e * es + hb, dt);
@@ -282,10 +298,10 @@ PE_INLINE void rot_half_row(const char *restrict x, char *restrict o, const floa
  */
 PE_INLINE void rot_half_rows(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
                              const float *c, const float *ss, int64_t h, pe_dtype dt,
-                             int stream) {
+                             row_mode m) {
     const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
     for (int64_t hd = 0; hd < nh; ++hd)
-        rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt, 0, stream);
+        rot_half_row(x + hd * xs * es, o + hd * os * es, c, ss, h, dt, 0, m);
 }
 
 #ifdef PE_BF16_BLOCK
@@ -306,17 +322,23 @@ PE_INLINE void rot_pair_block(const char *restrict x, const float *restrict c,
 }
 
 /* rot_half_row for bf16 with the tables in pair order: whole blocks as pairs, then the tail
- * (natural order) as before.  The blocks round as numbers; a row with a NaN (rare: one check
- * per row, not a branch per block) is done again with the NaN rounding. */
+ * (natural order) as before.  The blocks round as numbers (bf16_round_num), which is the
+ * NaN rounding too for every NaN whose low 16 bits are zero: the sum of two products is a
+ * quiet NaN carrying an operand's payload, or the default NaN, and a bf16 row has zero low
+ * bits.  So with NaN-free tables (m.nan_tables == 0, checked per tile) nothing more is
+ * needed; otherwise a row with a NaN (one check per row, not a branch per block) is done
+ * again with the NaN rounding. */
 PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
                                   const float *restrict c, const float *restrict ss,
-                                  int64_t h, int stream) {
+                                  int64_t h, row_mode m) {
+    const int stream = m.stream;
     int64_t e = 0;
     pe_vf nan = vf_zero();
+    prefetch_ahead(x, 4 * h, m.ahead);
     for (; e + PE_BF16_BLOCK <= h; e += PE_BF16_BLOCK) {
         pe_vf v[4];
         rot_pair_block(x, c, ss, h, e, v);
-        nan = vf_nan_lanes(nan, v[0], v[1], v[2], v[3]);
+        if (m.nan_tables) nan = vf_nan_lanes(nan, v[0], v[1], v[2], v[3]);
         const pe_vi r0 = bf16_join(bf16_round_num(v[0]), bf16_round_num(v[1]));
         const pe_vi r1 = bf16_join(bf16_round_num(v[2]), bf16_round_num(v[3]));
         if (stream) {
@@ -327,7 +349,7 @@ PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
             vi_store(o + 2 * (h + e), r1);
         }
     }
-    if (__builtin_expect(vf_any(nan), 0)) {
+    if (m.nan_tables && __builtin_expect(vf_any(nan), 0)) {
         for (int64_t f = 0; f < e; f += PE_BF16_BLOCK) {
             pe_vf v[4];
             rot_pair_block(x, c, ss, h, f, v);
@@ -335,13 +357,13 @@ PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
             vi_store(o + 2 * (h + f), bf16_join(bf16_round_hi(v[2]), bf16_round_hi(v[3])));
         }
     }
-    if (e < h) rot_half_row(x, o, c, ss, h, PE_BFLOAT16, e, 0);
+    if (e < h) rot_half_row(x, o, c, ss, h, PE_BFLOAT16, e, m);
 }
 
 PE_INLINE void rot_half_rows_pairs(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
-                                   const float *c, const float *ss, int64_t h, int stream) {
+                                   const float *c, const float *ss, int64_t h, row_mode m) {
     for (int64_t hd = 0; hd < nh; ++hd)
-        rot_half_row_pairs(x + hd * xs * 2, o + hd * os * 2, c, ss, h, stream);
+        rot_half_row_pairs(x + hd * xs * 2, o + hd * os * 2, c, ss, h, m);
 }
 
 /* The even and the odd lanes of the 2 PE_VW values in a, b (a first). */
@@ -409,28 +431,28 @@ PE_INLINE void to_f32_row(float *restrict dst, const char *restrict src, int64_t
  * rows of at least a block per half read the tables in pair order (pairs_rows). */
 PE_INLINE int rot_half_heads(const void *in, int64_t xs, void *out, int64_t os, int64_t nh,
                              pe_dtype dt, const float *c, const float *ss, int64_t R,
-                             int stream) {
+                             row_mode m) {
     const char *x = (const char *)in;
     char *o = (char *)out;
     const int64_t h = R / 2;
     switch (dt) {
     case PE_FLOAT32:
-        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT32, stream);
-        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT32, stream);
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT32, m);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT32, m);
         return 1;
     case PE_BFLOAT16:
 #ifdef PE_BF16_BLOCK
-        if (h == 64) rot_half_rows_pairs(x, xs, o, os, nh, c, ss, 64, stream);
-        else if (h >= PE_BF16_BLOCK) rot_half_rows_pairs(x, xs, o, os, nh, c, ss, h, stream);
-        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16, 0);
+        if (h == 64) rot_half_rows_pairs(x, xs, o, os, nh, c, ss, 64, m);
+        else if (h >= PE_BF16_BLOCK) rot_half_rows_pairs(x, xs, o, os, nh, c, ss, h, m);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16, m);
 #else
-        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_BFLOAT16, 0);
-        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16, 0);
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_BFLOAT16, m);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_BFLOAT16, m);
 #endif
         return 1;
     case PE_FLOAT16:
-        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT16, stream);
-        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT16, stream);
+        if (h == 64) rot_half_rows(x, xs, o, os, nh, c, ss, 64, PE_FLOAT16, m);
+        else rot_half_rows(x, xs, o, os, nh, c, ss, h, PE_FLOAT16, m);
         return 1;
     default:
         return 0;
@@ -592,7 +614,7 @@ PE_INLINE void rotate_general(const pe_rope_tensor *x, const void *in, void *out
 PE_INLINE void token_heads(const pe_rope_args *a, const pe_rope_tensor *x, int64_t b, int64_t t,
                            int64_t h0, int64_t h1, const float *restrict c,
                            const float *restrict ss, float *restrict xbuf, float *restrict obuf,
-                           int stream) {
+                           row_mode m) {
     if (h1 <= h0) return;
     const int64_t R = a->rot_dim, D = a->head_dim;
     const size_t ies = pe_dtype_size(x->in_dtype), oes = pe_dtype_size(x->out_dtype);
@@ -601,7 +623,7 @@ PE_INLINE void token_heads(const pe_rope_args *a, const pe_rope_tensor *x, int64
     char *ob = (char *)pe_row(x->out, x->out_stride, oes, b, t, h0);
     const int done = same && a->pairing == PE_PAIR_HALF &&
                      rot_half_heads(ib, x->in_stride[2], ob, x->out_stride[2], h1 - h0,
-                                    x->in_dtype, c, ss, R, stream);
+                                    x->in_dtype, c, ss, R, m);
     if (done && D == R) return;
     for (int64_t h = 0; h < h1 - h0; ++h) {
         const void *in = ib + h * x->in_stride[2] * (int64_t)ies;
@@ -632,6 +654,21 @@ PE_INLINE int pairs_rows(const pe_rope_args *a, const pe_rope_tensor *x) {
 #endif
 }
 
+/* Whether any of the n floats at v is a NaN. */
+PE_INLINE int any_nan(const float *v, int64_t n) {
+    int64_t i = 0;
+#ifdef PE_VW
+    pe_vf acc = vf_zero();
+    for (; i + 4 * PE_VW <= n; i += 4 * PE_VW)
+        acc = vf_nan_lanes(acc, vf_load(v + i), vf_load(v + i + PE_VW),
+                           vf_load(v + i + 2 * PE_VW), vf_load(v + i + 3 * PE_VW));
+    if (vf_any(acc)) return 1;
+#endif
+    for (; i < n; ++i)
+        if (v[i] != v[i]) return 1;
+    return 0;
+}
+
 /* cos and signed sine of the n tokens of a tile from flat index i0, in channel order or
  * (pairs) in pair order; cn, sn are two scratch rows. */
 PE_INLINE void tile_tables(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0, int64_t n,
@@ -655,8 +692,7 @@ PE_INLINE void tile_tables(const pe_rope_args *a, const pe_rope_plan *p, int64_t
 /* Asks for the table values of token i (flat index) ahead of their use.  The rotation of
  * a tile fetches the next tile's this way: the hardware prefetchers do not follow the
  * short runs read from 3 axes, and a table load that misses would hold up the tile.  The
- * lines asked for are those the table pass reads: each block of the plan from every axis
- * it reads (tile_tables_blocks), or else each run of channels from its axis. */
+ * lines asked for are the plan's spans (plan_fetch in rope.c). */
 PE_INLINE void prefetch_span(const char *p, int64_t bytes) {
     for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(p + x);
     __builtin_prefetch(p + bytes - 1);
@@ -665,24 +701,13 @@ PE_INLINE void prefetch_span(const char *p, int64_t bytes) {
 PE_INLINE void prefetch_tables(const pe_rope_args *a, const pe_rope_plan *p, int64_t i) {
     const pe_rope_source *src = &a->src;
     if (src->pos || i >= a->batch * a->seq) return;
-    const int64_t T = a->seq, R = a->rot_dim, es = (int64_t)pe_dtype_size(src->table_dtype);
-    const int64_t axis_bytes = src->table_stride[0] * es;
+    const int64_t T = a->seq, es = (int64_t)pe_dtype_size(src->table_dtype);
     const int64_t off = ((src->table_batch == 1 ? 0 : i / T) * src->table_stride[1] +
                          i % T * src->table_stride[2]) * es;
-    const char *tab[2] = {(const char *)src->cos + off, (const char *)src->sin + off};
-    for (int w = 0; w < 2; ++w) {
-        if (p->block && R % p->block == 0) {
-            for (int64_t k = 0; k < R / p->block; ++k)
-                for (int ax = 0; ax < 3; ++ax)
-                    if (p->block_axes[k] & (1u << ax))
-                        prefetch_span(tab[w] + ax * axis_bytes + k * p->block * es,
-                                      p->block * es);
-        } else {
-            for (int64_t r = 0; r < p->nruns; ++r) {
-                const int64_t e0 = p->run_start[r], e1 = p->run_start[r + 1];
-                prefetch_span(tab[w] + p->chan_axis[e0] * axis_bytes + e0 * es, (e1 - e0) * es);
-            }
-        }
+    const char *cb = (const char *)src->cos + off, *sb = (const char *)src->sin + off;
+    for (int64_t f = 0; f < p->nfetch; ++f) {
+        prefetch_span(cb + p->fetch[2 * f], p->fetch[2 * f + 1]);
+        prefetch_span(sb + p->fetch[2 * f], p->fetch[2 * f + 1]);
     }
 }
 
@@ -796,6 +821,7 @@ PE_INLINE void rope_f32_rotate(const pe_rope_args *a, const pe_rope_plan *p, int
     (void)blocks;
     int order = -1; /* the order the tile's tables are in: none yet */
     int fetch = 1;  /* the next tile's tables are still to be asked for */
+    row_mode m = {0, 1, 0};
     for (int w = 0; w < 2; ++w) {
         const int64_t H = xs[w]->heads, step = p->heads_outer ? 1 : H;
         if (!H) continue;
@@ -807,13 +833,16 @@ PE_INLINE void rope_f32_rotate(const pe_rope_args *a, const pe_rope_plan *p, int
             else
 #endif
                 tile_tables(a, p, i0, n, c, ss, s, rows, slots, cn, sn, pairs);
+            m.nan_tables = pairs && (any_nan(c, n * R) || any_nan(ss, n * R));
         }
         order = pairs;
+        m.stream = p->stream_out[w];
+        m.ahead = p->ahead[w];
         for (int64_t h = 0; h < H; h += step)
             for (int64_t j = 0; j < n; ++j) {
                 if (fetch && h == 0) prefetch_tables(a, p, i0 + p->tile + j);
                 token_heads(a, xs[w], (i0 + j) / T, (i0 + j) % T, h, h + step, c + j * R,
-                            ss + j * R, xb, ob, p->stream_out[w]);
+                            ss + j * R, xb, ob, m);
             }
         fetch = 0;
     }

@@ -549,6 +549,113 @@ static void isolation_case(pe_dtype qdt) {
     free(q); free(qo1); free(qo2); free(k); free(ko); free(kf); free(kfo);
 }
 
+/* bf16 words of the special values special_values_case mixes in: quiet, signalling and
+ * negative NaNs, infinities, the largest finite value, a subnormal, zero */
+static const uint16_t bf16_specials[] = {0x7fc1, 0x7f81, 0xffa5, 0x7f80, 0xff80, 0x7f7f, 0x0001,
+                                         0x8000};
+
+/* The bf16 bits of a rotation whose result is NaN and whose one NaN operand, as fp32, is
+ * nan_in: that NaN made quiet (the propagated payload), its top 16 bits. */
+static uint16_t nan_result_bits(float nan_in) { return (uint16_t)((pe_f32_bits(nan_in) >> 16) | 0x40u); }
+
+/*
+ * bf16 q and k holding NaNs, infinities and extreme values, with bf16 or fp32 tables (fp32
+ * ones with NaNs whose low 16 bits are set: `payload`), MRoPE or not, head_dim 64 and 128:
+ * every finite or infinite output equals the fp32 reference rounded once; an output that is
+ * NaN from one NaN operand has that operand's payload, made quiet; an output with several
+ * NaN operands, or an invalid operation (inf x 0, inf - inf), is a NaN.
+ */
+static void special_values_case(const char *isa, int64_t D, pe_dtype tdt, int payload,
+                                int mrope) {
+    const int64_t B = 1, T = 37, H[2] = {3, 1}, A = mrope ? 3 : 1, R = D;
+    uint16_t *in[2], *out[2];
+    for (int j = 0; j < 2; ++j) {
+        const int64_t n = B * T * H[j] * D;
+        in[j] = malloc((size_t)n * 2);
+        out[j] = malloc((size_t)n * 2);
+        for (int64_t i = 0; i < n; ++i) {
+            const double u = urand();
+            in[j][i] = u > 0.9 ? bf16_specials[(int)((u - 0.9) * 79.99)]
+                               : pe_f32_to_bf16((float)(4 * u));
+        }
+    }
+    const int64_t ntab = A * T * R;
+    void *cs = malloc((size_t)ntab * 4), *sn = malloc((size_t)ntab * 4);
+    for (int64_t i = 0; i < ntab; ++i) {
+        put(cs, tdt, i, urand());
+        put(sn, tdt, i, urand());
+        if (payload && urand() > 0.97) ((uint32_t *)cs)[i] = 0x7f80ffffu; /* signalling */
+        if (payload && urand() > 0.97) ((uint32_t *)sn)[i] = 0xffc0abcdu;
+    }
+    uint8_t axis[128];
+    int64_t sec[3] = {R / 2 - 2 * (R / 6), R / 6, R / 6};
+    if (mrope) CHECK(pe_mrope_axis_map(R / 2, sec, 0, axis) == PE_OK, "axis map");
+    for (int transpose = 0; transpose < 2; ++transpose) {
+        pe_rope_args a;
+        memset(&a, 0, sizeof a);
+        a.batch = B; a.seq = T; a.head_dim = D; a.rot_dim = R; a.pairing = PE_PAIR_HALF;
+        a.transpose = transpose; a.nthreads = 1;
+        a.src.cos = cs; a.src.sin = sn; a.src.table_dtype = tdt; a.src.table_batch = 1;
+        a.src.table_stride[0] = T * R; a.src.table_stride[1] = T * R; a.src.table_stride[2] = R;
+        a.src.axis_of_slot = mrope ? axis : NULL;
+        pe_rope_tensor *ts[2] = {&a.q, &a.k};
+        for (int j = 0; j < 2; ++j) {
+            ts[j]->in = in[j]; ts[j]->out = out[j]; ts[j]->heads = H[j];
+            ts[j]->in_dtype = ts[j]->out_dtype = PE_BFLOAT16;
+            ts[j]->in_stride[0] = ts[j]->out_stride[0] = T * H[j] * D;
+            ts[j]->in_stride[1] = ts[j]->out_stride[1] = H[j] * D;
+            ts[j]->in_stride[2] = ts[j]->out_stride[2] = D;
+        }
+        CHECK(pe_rope_apply(&a) == PE_OK, "apply failed");
+        int64_t wrong = 0, nans = 0;
+        for (int j = 0; j < 2; ++j)
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t h = 0; h < H[j]; ++h)
+                    for (int64_t e = 0; e < R; ++e) {
+                        const int64_t base = (t * H[j] + h) * D, p = partner(PE_PAIR_HALF, e, R);
+                        const int64_t se = transpose ? p : e;
+                        const int64_t axc = mrope ? axis[pe_slot(PE_PAIR_HALF, e, R)] : 0;
+                        const int64_t axs = mrope ? axis[pe_slot(PE_PAIR_HALF, se, R)] : 0;
+                        const float x = pe_bf16_to_f32(in[j][base + e]);
+                        const float xp = pe_bf16_to_f32(in[j][base + p]);
+                        const float c = (float)get(cs, tdt, axc * T * R + t * R + e);
+                        const float sv = (float)get(sn, tdt, axs * T * R + t * R + se);
+                        const float sg = (float)(transpose ? -sign_of(PE_PAIR_HALF, e, R)
+                                                           : sign_of(PE_PAIR_HALF, e, R));
+                        const float ref = (float)rot_ref(x, c, sg, xp, sv, 0);
+                        const uint16_t got = out[j][base + e];
+                        if (ref == ref) {
+                            wrong += got != pe_f32_to_bf16(ref);
+                            continue;
+                        }
+                        ++nans;
+                        const float ops[4] = {x, c, xp, sv};
+                        int n_nan = 0;
+                        float one = 0;
+                        for (int i = 0; i < 4; ++i)
+                            if (ops[i] != ops[i]) {
+                                ++n_nan;
+                                one = ops[i];
+                            }
+                        /* a NaN, quiet; with one NaN operand, that operand's payload */
+                        const int quiet_nan = (got & 0x7fc0u) == 0x7fc0u;
+                        /* (the sine's sign is folded into the table: a NaN sine may come
+                         * out with its sign flipped) */
+                        wrong += n_nan == 1 ? (got & 0x7fffu) != (nan_result_bits(one) & 0x7fffu)
+                                            : !quiet_nan;
+                    }
+        CHECK(wrong == 0 && nans > 0, "%s special values D=%ld tables=%d payload=%d mrope=%d "
+              "transpose=%d: %ld wrong of %ld NaN results", isa, (long)D, tdt, payload, mrope,
+              transpose, (long)wrong, (long)nans);
+    }
+    for (int j = 0; j < 2; ++j) {
+        free(in[j]);
+        free(out[j]);
+    }
+    free(cs);
+    free(sn);
+}
+
 int main(void) {
     const pe_dtype dts[4] = {PE_FLOAT32, PE_FLOAT64, PE_BFLOAT16, PE_FLOAT16};
     for (int isa = PE_ISA_BASELINE; isa <= (int)pe_isa_best(); ++isa) {
@@ -595,6 +702,12 @@ int main(void) {
         run_case(&big, name);
         isolation_case(PE_FLOAT32);
         isolation_case(PE_BFLOAT16);
+        for (int64_t D = 64; D <= 128; D += 64)
+            for (int mrope = 0; mrope < 2; ++mrope) {
+                special_values_case(name, D, PE_BFLOAT16, 0, mrope);
+                special_values_case(name, D, PE_FLOAT32, 0, mrope);
+                special_values_case(name, D, PE_FLOAT32, 1, mrope);
+            }
         adjoint_case(PE_PAIR_HALF, 16, 16);
         adjoint_case(PE_PAIR_HALF, 20, 12);
         adjoint_case(PE_PAIR_ADJACENT, 16, 10);
