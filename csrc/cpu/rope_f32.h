@@ -895,51 +895,56 @@ PE_INLINE void store_block(float *dst, pe_vf v0, pe_vf v1, int pairs) {
     vx_store((char *)(dst + PE_VW), v1, PE_FLOAT32);
 }
 
+/* One block of accumulate_blocks: c[i] += g[i] x[i], and s[i] -= g[i] x[i + 2] (first
+ * half) or += g[i] x[i - 2] (second half), four vectors each, kept in memory (L1). */
+PE_INLINE void accumulate_block(float *restrict c, float *restrict s, const pe_vf x[4],
+                                const pe_vf g[4]) {
+    for (int i = 0; i < 4; ++i)
+        vx_store((char *)(c + i * PE_VW), vf_add(vf_load(c + i * PE_VW), vf_mul(g[i], x[i])),
+                 PE_FLOAT32);
+    for (int i = 0; i < 4; ++i) {
+        const pe_vf gx = vf_mul(g[i], x[i ^ 2]), acc = vf_load(s + i * PE_VW);
+        vx_store((char *)(s + i * PE_VW), i < 2 ? vf_sub(acc, gx) : vf_add(acc, gx), PE_FLOAT32);
+    }
+}
+
 /*
  * acc_c, acc_s of one table row (rows of batch b0 .. b1-1 at t), half pairing, q, k and the
- * gradients all of dtype dt, h a multiple of 2 PE_VW: a block of channels of both halves
- * at a time, summed over every head in registers (the same sums, in the same order, as
- * accumulate_heads), with no conversion through scratch rows.
+ * gradients all of dtype dt, h a multiple of 2 PE_VW: each head's row read once, in order,
+ * a block of channels of both halves at a time, into sums kept block by block in bc, bs
+ * (R floats of scratch each); the same sums, in the same order, as accumulate_heads, with
+ * no conversion through scratch rows.  (Sums in registers, block by block over all heads,
+ * read each row in four strided passes: 1.5-2x slower from memory with AVX2.)
  */
 PE_INLINE void accumulate_blocks(const pe_rope_args *a, const pe_rope_plan *p, int64_t b0,
                                  int64_t b1, int64_t t, pe_dtype dt, float *restrict acc_c,
-                                 float *restrict acc_s) {
-    const int64_t h = a->rot_dim / 2, es = dt == PE_FLOAT32 ? 4 : 2;
+                                 float *restrict acc_s, float *restrict bc, float *restrict bs) {
+    const int64_t h = a->rot_dim / 2, es = dt == PE_FLOAT32 ? 4 : 2, bw = 2 * PE_VW;
     const int pairs = dt == PE_BFLOAT16;
     const pe_rope_tensor *xs[2] = {&a->q, &a->k};
     const void *gs[2] = {p->grad_q, p->grad_k};
     const int64_t *gst[2] = {p->grad_q_stride, p->grad_k_stride};
-    for (int64_t e = 0; e < h; e += 2 * PE_VW) {
-        const pe_vf z = vf_zero();
-        pe_vf c0a = z, c0b = z, c1a = z, c1b = z, s0a = z, s0b = z, s1a = z, s1b = z;
-        for (int64_t b = b0; b < b1; ++b)
-            for (int w = 0; w < 2; ++w)
-                for (int64_t hd = 0; hd < xs[w]->heads; ++hd) {
-                    const char *xr = pe_row(xs[w]->in, xs[w]->in_stride, es, b, t, hd) + e * es;
-                    const char *gr = pe_row(gs[w], gst[w], es, b, t, hd) + e * es;
-                    if (e == 0 && t + 1 < a->seq) /* the next row's, while this one is summed */
-                        for (int64_t o = 0; o < 2 * h * es; o += 64) {
-                            __builtin_prefetch(xr + xs[w]->in_stride[1] * es + o);
-                            __builtin_prefetch(gr + gst[w][1] * es + o);
-                        }
-                    pe_vf x0a, x0b, x1a, x1b, g0a, g0b, g1a, g1b;
-                    load_block(xr, dt, pairs, &x0a, &x0b);
-                    load_block(xr + h * es, dt, pairs, &x1a, &x1b);
-                    load_block(gr, dt, pairs, &g0a, &g0b);
-                    load_block(gr + h * es, dt, pairs, &g1a, &g1b);
-                    c0a = vf_add(c0a, vf_mul(g0a, x0a));
-                    c0b = vf_add(c0b, vf_mul(g0b, x0b));
-                    c1a = vf_add(c1a, vf_mul(g1a, x1a));
-                    c1b = vf_add(c1b, vf_mul(g1b, x1b));
-                    s0a = vf_sub(s0a, vf_mul(g0a, x1a));
-                    s0b = vf_sub(s0b, vf_mul(g0b, x1b));
-                    s1a = vf_add(s1a, vf_mul(g1a, x0a));
-                    s1b = vf_add(s1b, vf_mul(g1b, x0b));
+    for (int64_t i = 0; i < 2 * h; ++i) bc[i] = bs[i] = 0.0f;
+    for (int64_t b = b0; b < b1; ++b)
+        for (int w = 0; w < 2; ++w)
+            for (int64_t hd = 0; hd < xs[w]->heads; ++hd) {
+                const char *xr = pe_row(xs[w]->in, xs[w]->in_stride, es, b, t, hd);
+                const char *gr = pe_row(gs[w], gst[w], es, b, t, hd);
+                for (int64_t e = 0; e < h; e += bw) {
+                    pe_vf x[4], g[4];
+                    load_block(xr + e * es, dt, pairs, &x[0], &x[1]);
+                    load_block(xr + (h + e) * es, dt, pairs, &x[2], &x[3]);
+                    load_block(gr + e * es, dt, pairs, &g[0], &g[1]);
+                    load_block(gr + (h + e) * es, dt, pairs, &g[2], &g[3]);
+                    accumulate_block(bc + 2 * e, bs + 2 * e, x, g);
                 }
-        store_block(acc_c + e, c0a, c0b, pairs);
-        store_block(acc_c + h + e, c1a, c1b, pairs);
-        store_block(acc_s + e, s0a, s0b, pairs);
-        store_block(acc_s + h + e, s1a, s1b, pairs);
+            }
+    for (int64_t e = 0; e < h; e += bw) { /* block order (and pair order) to channel order */
+        const float *c = bc + 2 * e, *s = bs + 2 * e;
+        store_block(acc_c + e, vf_load(c), vf_load(c + PE_VW), pairs);
+        store_block(acc_c + h + e, vf_load(c + 2 * PE_VW), vf_load(c + 3 * PE_VW), pairs);
+        store_block(acc_s + e, vf_load(s), vf_load(s + PE_VW), pairs);
+        store_block(acc_s + h + e, vf_load(s + 2 * PE_VW), vf_load(s + 3 * PE_VW), pairs);
     }
 }
 #endif
@@ -972,8 +977,13 @@ PE_INLINE void rope_f32_grad_rows(const pe_rope_args *a, const pe_rope_plan *p, 
         const int64_t bc = i / T, t = i % T;
         const int64_t b0 = Bc == 1 ? 0 : bc, b1 = Bc == 1 ? B : bc + 1;
 #ifdef PE_VW
-        if (blocks) {
-            accumulate_blocks(a, p, b0, b1, t, p->grad_dtype, acc_c, acc_s);
+        if (blocks) { /* one loop per dtype; xb, gb hold the sums */
+            if (p->grad_dtype == PE_BFLOAT16)
+                accumulate_blocks(a, p, b0, b1, t, PE_BFLOAT16, acc_c, acc_s, xb, gb);
+            else if (p->grad_dtype == PE_FLOAT16)
+                accumulate_blocks(a, p, b0, b1, t, PE_FLOAT16, acc_c, acc_s, xb, gb);
+            else
+                accumulate_blocks(a, p, b0, b1, t, PE_FLOAT32, acc_c, acc_s, xb, gb);
         } else
 #endif
         {

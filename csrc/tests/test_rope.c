@@ -549,6 +549,57 @@ static void isolation_case(pe_dtype qdt) {
     free(q); free(qo1); free(qo2); free(k); free(ko); free(kf); free(kfo);
 }
 
+/* The table gradients of 16-bit and fp32 q, k (D = R = 64 or 128: the vector block path)
+ * equal, bit for bit, those of the scalar baseline variant, which sums in the same order. */
+static void table_grad_simd_case(pe_isa isa, pe_dtype dt, int mrope, int64_t R, int64_t Bc) {
+    const int64_t B = 2, T = 19, H[2] = {3, 2}, A = mrope ? 3 : 1;
+    const size_t es = pe_dtype_size(dt);
+    void *x[2], *g[2];
+    for (int j = 0; j < 2; ++j) {
+        const int64_t n = B * T * H[j] * R;
+        x[j] = malloc((size_t)n * es);
+        g[j] = malloc((size_t)n * es);
+        for (int64_t i = 0; i < n; ++i) {
+            put(x[j], dt, i, urand());
+            put(g[j], dt, i, 8 * urand());
+        }
+    }
+    uint8_t axis[64];
+    int64_t sec[3] = {R / 2 - 2 * (R / 6), R / 6, R / 6};
+    if (mrope) CHECK(pe_mrope_axis_map(R / 2, sec, 0, axis) == PE_OK, "axis map");
+    const size_t nt = (size_t)(A * Bc * T * R) * es;
+    void *out[2][2]; /* [variant][cos, sin] */
+    for (int v = 0; v < 2; ++v) {
+        pe_isa_set(v ? isa : PE_ISA_BASELINE);
+        pe_rope_args a;
+        memset(&a, 0, sizeof a);
+        a.batch = B; a.seq = T; a.head_dim = R; a.rot_dim = R; a.pairing = PE_PAIR_HALF;
+        a.nthreads = 2; a.src.table_dtype = dt; a.src.table_batch = Bc;
+        a.src.axis_of_slot = mrope ? axis : NULL;
+        pe_rope_tensor *ts[2] = {&a.q, &a.k};
+        for (int j = 0; j < 2; ++j) {
+            ts[j]->in = ts[j]->out = x[j]; ts[j]->in_dtype = ts[j]->out_dtype = dt;
+            ts[j]->heads = H[j];
+            ts[j]->in_stride[0] = T * H[j] * R; ts[j]->in_stride[1] = H[j] * R;
+            ts[j]->in_stride[2] = R;
+        }
+        out[v][0] = calloc(1, nt);
+        out[v][1] = calloc(1, nt);
+        CHECK(pe_rope_table_grad(&a, g[0], a.q.in_stride, g[1], a.k.in_stride, dt, out[v][0],
+                                 out[v][1]) == PE_OK, "table grad");
+    }
+    pe_isa_set(isa);
+    CHECK(!memcmp(out[0][0], out[1][0], nt) && !memcmp(out[0][1], out[1][1], nt),
+          "%s table grad dtype=%d mrope=%d R=%ld Bc=%ld differs from the baseline variant",
+          pe_isa_name(isa), dt, mrope, (long)R, (long)Bc);
+    for (int j = 0; j < 2; ++j) {
+        free(x[j]);
+        free(g[j]);
+        free(out[j][0]);
+        free(out[j][1]);
+    }
+}
+
 /* bf16 words of the special values special_values_case mixes in: quiet, signalling and
  * negative NaNs, infinities, the largest finite value, a subnormal, zero */
 static const uint16_t bf16_specials[] = {0x7fc1, 0x7f81, 0xffa5, 0x7f80, 0xff80, 0x7f7f, 0x0001,
@@ -704,6 +755,9 @@ int main(void) {
         isolation_case(PE_BFLOAT16);
         for (int64_t D = 64; D <= 128; D += 64)
             for (int mrope = 0; mrope < 2; ++mrope) {
+                for (int d = 0; d < 4; ++d)
+                    if (dts[d] != PE_FLOAT64)
+                        table_grad_simd_case((pe_isa)isa, dts[d], mrope, D, 2 - mrope);
                 special_values_case(name, D, PE_BFLOAT16, 0, mrope);
                 special_values_case(name, D, PE_FLOAT32, 0, mrope);
                 special_values_case(name, D, PE_FLOAT32, 1, mrope);
