@@ -330,7 +330,8 @@ def test_the_glm4v_method_matches_though_patch_leaves_the_type(model_type):
     cls = type(tower)
     form = _vision_methods.form_of("rot_pos_emb", vars(cls)["rot_pos_emb"])
     assert form is not None
-    assert _vision_methods._install_check(cls, "rot_pos_emb", form, vars(cls)["rot_pos_emb"]) is None
+    original = vars(cls)["rot_pos_emb"]
+    assert _vision_methods._install_check(cls, "rot_pos_emb", form, original) is None
     vc = model.config.vision_config
     # (4.57's GLM-4V tower takes videos as one grid row per frame)
     for grids in (GRIDS_4_57["image"], torch.tensor([[1, 4, 8]] * 3 + [[1, 2, 2]])):
