@@ -163,6 +163,20 @@ CASES = [(mt, "text") for mt in ORIGINAL_TYPES] + [
 VISION_UTILS = ("get_vision_position_ids", "get_vision_cu_seqlens",
                 "get_vision_attention_seqlens", "get_vision_window_index",
                 "get_vision_interpolation_indices_and_weights")
+# 4.57: the vision towers' methods, routed (see test_vision_hf.py)
+VISION_METHODS = ("rot_pos_emb", "get_window_index", "fast_pos_embed_interpolate")
+
+
+def is_vision_route(target: str) -> bool:
+    """A route of the towers' grid computations (5.x functions, 4.57 methods)."""
+    return ".get_vision_" in target or target.split(".", 1)[1] in VISION_METHODS
+
+
+def tower_methods(module) -> list[str]:
+    """The 4.57 methods that classes of ``module`` define, in the order patch() routes them."""
+    classes = [c for c in vars(module).values()
+               if isinstance(c, type) and c.__module__ == module.__name__]
+    return [name for name in VISION_METHODS if any(name in vars(c) for c in classes)]
 
 
 @pytest.mark.parametrize("model_type", ORIGINAL_TYPES)
@@ -177,6 +191,7 @@ def test_patch_replaces_what_the_attention_calls(model_type):
         expected.append(f"{model_type}.get_rope_index")
         # 5.x: the vision towers' vision_utils functions, routed (see test_vision_hf.py)
         expected += [f"{model_type}.{name}" for name in VISION_UTILS if name in vars(module)]
+        expected += [f"{model_type}.{name}" for name in tower_methods(module)]
     originals = {name: getattr(module, name) for name in names}
 
     handle = hf.patch(model_type)
@@ -231,12 +246,13 @@ def test_fp32_logits_and_gradients_match(model_type, kind):
         expected[f"{model_type}.apply_rotary_pos_emb_vision"] = n_vision
         # 3-D position ids: 5.x asks for them only with grids (see test_hf_positions.py)
         expected[f"{model_type}.get_rope_index"] = int(kind != "text" or TRANSFORMERS_MAJOR < 5)
-    routes = {t: n for t, n in handle.calls.items() if ".get_vision_" in t}
+    routes = {t: n for t, n in handle.calls.items() if is_vision_route(t)}
     assert {t: n for t, n in handle.calls.items() if t not in routes} == expected
     assert handle.fallbacks == dict.fromkeys(handle.calls, 0)
-    # 5.x: the vision tower's vision_utils calls went to the walks (once per modality)
+    # the vision tower's vision_utils calls (5.x) or methods (4.57) went to the walks (once
+    # per modality)
     assert all(n == ("image" in kind) + ("video" in kind) for n in routes.values()), routes
-    assert bool(routes) == (TRANSFORMERS_MAJOR >= 5 and model_type in VL_TYPES)
+    assert bool(routes) == (model_type in VL_TYPES)
     if kind != "text":  # the 3-D position ids of the vision tokens were used
         assert (model.model.rope_deltas != 0).all()
         assert torch.equal(model.model.rope_deltas, ref_model.model.rope_deltas)
@@ -488,7 +504,7 @@ def test_unsupported_inputs_go_to_transformers():
         vq_out, _ = module.apply_rotary_pos_emb_vision(vq, vk, vcos, vsin)
         assert vq_out.shape == vq.shape
         rotary = lambda counts: {t: n for t, n in counts.items()  # noqa: E731
-                                 if ".get_vision_" not in t}
+                                 if not is_vision_route(t)}
         assert rotary(handle.fallbacks) == {f"qwen2_vl.{text_name}": 1,
                                             "qwen2_vl.apply_rotary_pos_emb_vision": 1,
                                             "qwen2_vl.get_rope_index": 0}

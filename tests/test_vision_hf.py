@@ -23,7 +23,8 @@ from test_packing import make_examples
 
 import posenc_torch.hf as hf
 from posenc_torch import packing
-from posenc_torch.hf import _vision
+from posenc_torch.hf import _vision, _vision_methods
+from posenc_torch.hf._handle import PatchHandle
 
 pytestmark = pytest.mark.any_transformers
 QWEN = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
@@ -245,3 +246,217 @@ def test_a_route_whose_function_changed_falls_back(monkeypatch):
         # a function of another module, not vision_utils': not routed at all
         assert "qwen2_vl.get_vision_position_ids" not in handle.targets
         assert handle.calls["qwen2_vl.get_vision_attention_seqlens"] > 0
+
+
+# ---------------------------------------------------------------------------------------
+# transformers 4.57: patch() routes the towers' methods (posenc_torch/hf/_vision_methods.py)
+
+METHODS_4_57 = {
+    "qwen2_vl": {"rot_pos_emb"},
+    "qwen2_5_vl": {"rot_pos_emb", "get_window_index"},
+    "qwen3_vl": {"rot_pos_emb", "fast_pos_embed_interpolate"},
+    "qwen3_vl_moe": {"rot_pos_emb", "fast_pos_embed_interpolate"},
+}
+# images; videos of 1 to 3 frames (3: the table's gradient through the method's own repeat)
+GRIDS_4_57 = {"image": torch.tensor([[1, 8, 12], [1, 2, 2], [1, 4, 6]]),
+              "video": torch.tensor([[3, 4, 8], [1, 6, 4], [2, 4, 4]]),
+              "video of two frames": torch.tensor([[2, 8, 4], [2, 2, 2]], dtype=torch.int32)}
+
+
+def _method_targets(handle) -> set[str]:
+    return {t for t in handle.targets if t.split(".", 1)[1] in _vision_methods.FORMS}
+
+
+def _tower_step(tower, pix, grids):
+    """The tower's outputs (every tensor it returns) and its parameters' gradients after a
+    backward of a fixed weighted sum of them."""
+    tower.zero_grad(set_to_none=True)
+    out = tower(pix, grid_thw=grids)
+    flat = [out] if isinstance(out, torch.Tensor) else [out[0], *out[1]]
+    sum((o * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum() for o in flat).backward()
+    grads = {name: p.grad for name, p in tower.named_parameters() if p.grad is not None}
+    return [o.detach() for o in flat], grads
+
+
+def _tower_pixels(config, grids):
+    vc = config.vision_config
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(int(grids.prod(-1).sum()),
+                       vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2, generator=gen)
+
+
+def _assert_same_step(a, b, what):
+    (out_a, grads_a), (out_b, grads_b) = a, b
+    assert len(out_a) == len(out_b) and all(map(torch.equal, out_a, out_b)), what
+    assert grads_a.keys() == grads_b.keys() and grads_a, what
+    assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a), what
+
+
+@pytest.mark.transformers4
+@pytest.mark.parametrize("model_type", QWEN)
+def test_patch_routes_the_4_57_tower_methods(model_type):
+    """Under 4.57.6 the towers' methods are routed; the tower's fp32 outputs and every
+    parameter gradient are bit for bit the plain ones, for images and videos; every method
+    computed each call (no fallback); undo() puts the methods back."""
+    model = tiny_qwen(model_type)
+    tower = model.model.visual
+    cls = type(tower)
+    originals = {name: vars(cls)[name] for name in METHODS_4_57[model_type]}
+    plain = {kind: _tower_step(tower, _tower_pixels(model.config, g), g)
+             for kind, g in GRIDS_4_57.items()}
+    with hf.patch(model_type) as handle:
+        targets = _method_targets(handle)
+        assert targets == {f"{model_type}.{n}" for n in METHODS_4_57[model_type]}
+        assert all(vars(cls)[n] is not originals[n] for n in originals)
+        for kind, g in GRIDS_4_57.items():
+            before = dict(handle.calls)
+            routed = _tower_step(tower, _tower_pixels(model.config, g), g)
+            _assert_same_step(routed, plain[kind], f"{model_type}, {kind}")
+            assert all(handle.calls[t] == before[t] + 1 for t in targets), handle.calls
+        assert all(handle.fallbacks[t] == 0 for t in targets), handle.fallbacks
+    assert all(vars(cls)[n] is originals[n] for n in originals)
+
+
+@pytest.mark.transformers4
+@pytest.mark.parametrize("model_type", ["glm4v", "glm4v_moe"])
+def test_the_glm4v_method_matches_though_patch_leaves_the_type(model_type):
+    """patch() leaves GLM-4V to transformers under 4.57 (its decoder's multimodal rotary
+    is refused, and with it the type); its tower's rot_pos_emb is a known form and passes
+    the check, and installed alone it gives the tower's own output."""
+    model = tiny(model_type)
+    tower = model.model.visual
+    with pytest.raises(RuntimeError, match="apply_multimodal_rotary_pos_emb"):
+        hf.patch(model_type)
+    cls = type(tower)
+    form = _vision_methods.form_of("rot_pos_emb", vars(cls)["rot_pos_emb"])
+    assert form is not None
+    original = vars(cls)["rot_pos_emb"]
+    assert _vision_methods._install_check(cls, "rot_pos_emb", form, original) is None
+    vc = model.config.vision_config
+    # (4.57's GLM-4V tower takes videos as one grid row per frame)
+    for grids in (GRIDS_4_57["image"], torch.tensor([[1, 4, 8]] * 3 + [[1, 2, 2]])):
+        n = int(grids.prod(-1).sum())
+        pix = torch.randn(n, vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2,
+                          generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            plain = tower(pix, grids)
+            handle = PatchHandle((model_type,), True, True)
+            _vision_methods.install(handle, (model_type,))
+            try:
+                assert torch.equal(tower(pix, grids), plain)
+                assert handle.calls == {f"{model_type}.rot_pos_emb": 1}, handle.calls
+            finally:
+                handle.undo()
+
+
+@pytest.mark.transformers4
+def test_a_changed_4_57_method_is_left_to_transformers(monkeypatch):
+    """A method whose source is another (here: the window order reversed) keeps its own
+    code, with one warning; the type's other methods are still routed."""
+    module = importlib.import_module("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+    cls = module.Qwen2_5_VisionTransformerPretrainedModel
+    real = cls.get_window_index
+
+    def get_window_index(self, grid_thw):
+        index, cu = real(self, grid_thw)
+        return index.flip(0), cu
+
+    monkeypatch.setattr(cls, "get_window_index", get_window_index)
+    with pytest.warns(hf.UnsupportedModelWarning, match="get_window_index .*not a form"):
+        handle = hf.patch("qwen2_5_vl")
+    with handle:
+        assert cls.get_window_index is get_window_index
+        assert _method_targets(handle) == {"qwen2_5_vl.rot_pos_emb"}
+
+
+@pytest.mark.transformers4
+def test_a_replacement_that_differs_is_refused(monkeypatch):
+    """The behaviour check: a known form whose replacement gave another result (here the
+    walk's ids with rows and columns swapped) is refused, with the probe's difference."""
+    forms = dict(_vision_methods.FORMS)
+    form = forms["rot_pos_emb"][0]
+
+    def swapped(self, grid_thw):
+        return form.replacement(self, grid_thw.flip(-1)[:, [2, 0, 1]])
+
+    forms["rot_pos_emb"] = (form._replace(replacement=swapped), *forms["rot_pos_emb"][1:])
+    monkeypatch.setattr(_vision_methods, "FORMS", forms)
+    from posenc_torch.hf import _verdicts
+
+    monkeypatch.setattr(_verdicts, "_VERDICTS", {})
+    with pytest.warns(hf.UnsupportedModelWarning, match="rot_pos_emb.*another result"):
+        handle = hf.patch("qwen2_vl")
+    with handle:
+        assert not _method_targets(handle)
+
+
+@pytest.mark.transformers4
+def test_4_57_routes_fall_back(monkeypatch):
+    """Grids the walk refuses, an empty list, other call forms, compiling, and tower values
+    whose check fails go to the method: the same result or error, counted as fallbacks."""
+    same = _vision_methods._same  # dtypes, shapes, values; lists element by element
+    model = tiny_qwen("qwen2_5_vl")
+    tower = model.model.visual
+    with hf.patch("qwen2_5_vl") as handle:
+        target = "qwen2_5_vl.get_window_index"
+        original = tower.get_window_index.__func__.posenc_original
+        odd = torch.tensor([[1, 4, 3]])  # w not divisible by the merge size: floored
+        assert same(tower.get_window_index(odd), original(tower, odd))
+        empty = torch.zeros(0, 3, dtype=torch.int64)
+        with pytest.raises(Exception) as theirs:
+            original(tower, empty)
+        with pytest.raises(type(theirs.value)):
+            tower.get_window_index(empty)
+        assert handle.fallbacks[target] == 2 and handle.calls[target] == 0
+        grids = GRIDS_4_57["image"]
+        assert same(tower.get_window_index(grid_thw=grids), original(tower, grids))
+        assert handle.calls[target] == 1
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert same(tower.get_window_index(grids), original(tower, grids))
+        monkeypatch.undo()
+        assert handle.fallbacks[target] == 3
+        tower.spatial_merge_unit = 3  # not spatial_merge_size ** 2: the check fails
+        with pytest.warns(hf.UnsupportedModelWarning, match="get_window_index"):
+            got = tower.get_window_index(grids)
+        assert same(got, original(tower, grids)) and handle.fallbacks[target] == 4
+
+
+def test_patch_routes_no_tower_method_under_5():
+    """transformers 5.x towers define none of the 4.57 methods (their vision_utils
+    functions are routed instead)."""
+    if not V5:
+        pytest.skip("5.x only")
+    with hf.patch(QWEN) as handle:
+        assert not _method_targets(handle)
+
+
+@pytest.mark.transformers4
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_4_57_routes_on_fuzzed_grids(model_type):
+    """The routed methods against the methods themselves on a real tiny tower, for fuzzed
+    grid batches, merge sizes 1, 2 and 4, windows, patch sizes and table sides (fp32, bit
+    for bit; get_window_index's boundary list with its repeats, element by element)."""
+    from test_vision import batches
+
+    same = _vision_methods._same
+    tower = tiny_qwen(model_type).model.visual
+    tables = {side: torch.nn.Embedding(side * side, 8) for side in (2, 3, 7, 16, 27, 48)}
+    names = sorted(METHODS_4_57[model_type])
+    originals = {n: vars(type(tower))[n] for n in names}
+    with hf.patch(model_type) as handle, torch.no_grad():
+        for rng, grids, merge in batches(26, 150, nonempty=True):
+            tower.spatial_merge_size, tower.spatial_merge_unit = merge, merge * merge
+            if model_type == "qwen2_5_vl":
+                tower.patch_size = rng.choice((1, 2, 14))
+                tower.window_size = (merge * tower.patch_size * rng.randint(1, 6)
+                                     + rng.randrange(merge * tower.patch_size))
+            else:
+                tower.config.spatial_merge_size = merge
+                tower.num_grid_per_side = rng.choice(list(tables))
+                tower.pos_embed = tables[tower.num_grid_per_side]
+            grids = grids.int() if rng.random() < 0.3 else grids
+            for n in names:
+                what = f"{n}: {grids.tolist()}, merge {merge}"
+                assert same(getattr(tower, n)(grids), originals[n](tower, grids)), what
+    assert all(handle.calls[f"{model_type}.{n}"] == 150 for n in names), handle.calls
+    assert not any(handle.fallbacks.values()), handle.fallbacks

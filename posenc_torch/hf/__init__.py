@@ -20,7 +20,10 @@ nothing of it and no transformers, and reaches it only through ``posenc_torch._i
 * ``apply_multimodal_rotary_pos_emb`` (Qwen2-VL / Qwen2.5-VL decoder attention in 4.x) and
   ``apply_rotary_pos_emb_vision`` (the Qwen-VL vision towers);
 * the Qwen-VL ``get_rope_index`` (``_rope_index``), and a check of packed batches reaching
-  the model in a way that would let examples attend to each other (``_packing_guard``).
+  the model in a way that would let examples attend to each other (``_packing_guard``);
+* the vision towers' grid computations, routed to posenc's C walks: the 5.x
+  ``vision_utils`` functions (``_vision``) and the 4.57 towers' ``rot_pos_emb``,
+  ``get_window_index`` and ``fast_pos_embed_interpolate`` methods (``_vision_methods``).
 
 How a function is judged (the decision rule, README "Use with transformers"):
 

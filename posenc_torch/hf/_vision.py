@@ -28,7 +28,8 @@ behaviour, per model (:func:`vision_plan`):
    kept while the function and the arguments stay the same (``_verdicts``).
 
 transformers 4.57 towers compute these in methods and accept no precomputed kwargs: no
-kwargs there (one warning).  ``max_seqlen`` / ``max_window_seqlen`` are included only where
+kwargs there (one warning); ``patch()`` routes those methods to the walks instead
+(``_vision_methods``).  ``max_seqlen`` / ``max_window_seqlen`` are included only where
 transformers computes them (a flash-attention implementation), as it would compute them.
 """
 
@@ -438,7 +439,8 @@ def _make_route(name: str, original: Callable, handle, target: str) -> Callable:
 
 def install(handle, model_types: tuple[str, ...]) -> None:
     """Route the vision_utils functions the modules of ``model_types`` bind (transformers
-    5.x; a 4.57 module binds none of them)."""
+    5.x; a 4.57 module binds none of them: its towers' methods are routed by
+    ``_vision_methods.install``)."""
     for mt in model_types:
         try:
             module = _transformers.modeling_module(mt)
