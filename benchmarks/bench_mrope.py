@@ -66,7 +66,7 @@ def plan(opts: H.Options):
     raise ValueError(f"unknown part {opts.part!r}; parts: {sorted(PARTS)}")
 
 
-def _require_transformers(major: int) -> str:
+def require_transformers(major: int) -> str:
     import transformers
 
     found = int(transformers.__version__.split(".")[0])
@@ -77,14 +77,17 @@ def _require_transformers(major: int) -> str:
     return transformers.__version__
 
 
-def _run_apply(opts: H.Options, rep: H.Reporter) -> None:
-    hf_version = _require_transformers(4)
+def run_apply(opts: H.Options, rep: H.Reporter, topic: str = TOPIC, op: str = "mrope",
+              groups=None, methods=APPLY_METHODS, variant: str = "") -> None:
+    """The "apply" cases (``groups``: the suite's by default) with ``methods``, reported as
+    ``topic``/``op`` (bench_floor.py runs them too, with the floors only)."""
+    hf_version = require_transformers(4)
     from transformers.models.qwen2_vl import modeling_qwen2_vl as m4
     from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
 
     import posenc_torch
 
-    for model_name, b, t, dtype_name, modes in _apply_groups(opts):
+    for model_name, b, t, dtype_name, modes in groups or _apply_groups(opts):
         model = H.MODELS[model_name]
         dtype = H.DTYPES[dtype_name]
         section = list(model.mrope_section)
@@ -127,8 +130,8 @@ def _run_apply(opts: H.Options, rep: H.Reporter) -> None:
 
         floor = H.floor_bytes(q, k)
         for mode in modes:
-            case = step.make_case(opts, TOPIC, "mrope", model_name, b, t, dtype_name, mode)
-            results = H.run_case(case, APPLY_METHODS, build,
+            case = step.make_case(opts, topic, op, model_name, b, t, dtype_name, mode, variant)
+            results = H.run_case(case, methods, build,
                                  ref_fwd if mode == "fwd" else ref_grad, opts.policy,
                                  floor=floor * (2 if mode == "fwdbwd" else 1),
                                  transformers_version=hf_version)
@@ -138,9 +141,9 @@ def _run_apply(opts: H.Options, rep: H.Reporter) -> None:
 
 def run(opts: H.Options, rep: H.Reporter) -> None:
     if opts.part == "apply":
-        _run_apply(opts, rep)
+        run_apply(opts, rep)
     elif opts.part == "fused":
-        _require_transformers(5)
+        require_transformers(5)
         step.run_steps(opts, rep, TOPIC, "mrope_fused", _fused_groups(opts), FUSED_METHODS)
     else:
         raise ValueError(f"unknown part {opts.part!r}; parts: {sorted(PARTS)}")

@@ -43,9 +43,9 @@ def _groups(opts: H.Options):
     return [g[1:] for g in H.expand(PLAN[opts.suite], opts.seqs)]
 
 
-def make_case(opts, topic, op, model, b, t, dtype, mode) -> H.Case:
+def make_case(opts, topic, op, model, b, t, dtype, mode, variant: str = "") -> H.Case:
     return H.Case(topic, op, model, b, t, dtype, mode, opts.threads, opts.device,
-                  "decode" if t == 1 else "")
+                  variant or ("decode" if t == 1 else ""))
 
 
 def plan(opts: H.Options):
@@ -159,7 +159,8 @@ def step_builder(model: H.Model, q, k, x, pos, gq, gk, rotary, hf_apply):
     return build, hf_step
 
 
-def run_steps(opts: H.Options, rep: H.Reporter, topic: str, op: str, groups, methods) -> None:
+def run_steps(opts: H.Options, rep: H.Reporter, topic: str, op: str, groups, methods,
+              variant: str = "") -> None:
     import transformers
 
     for model_name, b, t, dtype_name, modes in groups:
@@ -177,7 +178,7 @@ def run_steps(opts: H.Options, rep: H.Reporter, topic: str, op: str, groups, met
                     if set(modes) - {"fwd"} else None)
         floor = H.floor_bytes(q, k)
         for mode in modes:
-            case = make_case(opts, topic, op, model_name, b, t, dtype_name, mode)
+            case = make_case(opts, topic, op, model_name, b, t, dtype_name, mode, variant)
             results = H.run_case(case, methods, build, ref_fwd if mode == "fwd" else ref_grad,
                                  opts.policy, floor=floor * (2 if mode == "fwdbwd" else 1),
                                  transformers_version=transformers.__version__)

@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import bench_floor  # noqa: E402
 import bench_gpu  # noqa: E402
 import bench_layer  # noqa: E402
 import bench_mrope  # noqa: E402
@@ -52,6 +53,7 @@ TOPICS = {m.TOPIC: m for m in (
     bench_layer,
     bench_packing,
     bench_vision,
+    bench_floor,
     bench_gpu,
 )}
 DEFAULT_THREADS = {"quick": "all", "full": "1,all", "smoke": "all"}
@@ -108,6 +110,7 @@ def _worker_env(unit: Unit, overlay: Path | None) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(paths)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(unit.threads)
+    env.update(getattr(unit.module, "WORKER_ENV", {}))  # e.g. the floor topic's allocator
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -277,9 +280,10 @@ def format_targets(targets: list[dict], threads: int, cores: int) -> str:
     return "\n".join(lines)
 
 
-# The memory-floor check: every posenc kernel variant at <= 1.3x a preallocated copy_ of
-# the same bytes, fp32 and bf16, forward and backward, long sequences; printed per thread
-# count with the kernel variant that ran and the kind of host.
+# The memory-floor check (the floor topic, bench_floor.py): every posenc kernel variant at
+# <= 1.3x a preallocated copy_ of the same bytes, fp32 and bf16, forward and backward, long
+# sequences, with allocation taken out; printed per variant and thread count with the kind
+# of host.
 FLOOR_BOUND = 1.3
 FLOOR_OPS = {"mrope": ("posenc", "apply", True), "mrope_fused": ("posenc_fused", "fused", False)}
 FLOOR_NEEDED = [(dt, mode) for dt in ("fp32", "bf16") for mode in ("fwd", "bwd")]
@@ -287,27 +291,35 @@ _QWEN_ANY_BATCH = {k: v for k, v in _QWEN.items() if k != "batch"}
 
 
 def floor_check(results: list[H.Result], threads: Sequence[int]) -> list[dict]:
-    """Per thread count: each Qwen2-VL-7B MRoPE row (apply: the target; fused apply_rope:
-    for information) at T >= 4096, forward or backward, with its ratios to both floors, and
-    the verdict: PASS when every fp32 and bf16 forward and backward apply row is at most
-    FLOOR_BOUND x copy_, NOT RUN when one of them was not measured."""
+    """Per kernel variant (the case's ``extra``) and thread count: each Qwen2-VL-7B row of
+    the floor topic (apply: the target; fused apply_rope: for information) at T >= 4096,
+    forward or backward, with its ratios to both floors, and the verdict: PASS when every
+    fp32 and bf16 forward and backward apply row is at most FLOOR_BOUND x copy_, NOT RUN when
+    one of them was not measured (a variant this CPU lacks: skipped, with the reason)."""
     out = []
-    for n in threads:
-        rows, missing = [], set(FLOOR_NEEDED)
-        for op, (method, kind, required) in FLOOR_OPS.items():
-            for r in _ok(results, threads=n, op=op, method=method, mode=_FWD_OR_BWD,
-                         **_QWEN_ANY_BATCH):
-                ratio = r.ratio_to_copy_into
-                good = ratio is not None and ratio <= FLOOR_BOUND
-                rows.append({"label": f"B={r.batch} T={r.seq} {r.dtype} {r.mode} {kind}",
-                             "x_copy_": ratio, "x_clone": r.ratio_to_copy, "required": required,
-                             "status": "PASS" if good else "MISS"})
-                if required:
-                    missing.discard((r.dtype, r.mode))
-        misses = [row["label"] for row in rows if row["required"] and row["status"] != "PASS"]
-        status = "NOT RUN" if missing else "MISS" if misses else "PASS"
-        out.append({"threads": n, "status": status, "rows": rows, "misses": misses,
-                    "not_run": [f"{dt} {mode}" for dt, mode in sorted(missing)]})
+    floor_rows = [r for r in results if r.topic == "floor"]
+    variants = [v for v in dict.fromkeys(r.extra for r in floor_rows)]
+    for isa in variants:
+        for n in threads:
+            rows, missing = [], set(FLOOR_NEEDED)
+            for op, (method, kind, required) in FLOOR_OPS.items():
+                for r in _ok(floor_rows, extra=isa, threads=n, op=op, method=method,
+                             mode=_FWD_OR_BWD, **_QWEN_ANY_BATCH):
+                    ratio = r.ratio_to_copy_into
+                    good = ratio is not None and ratio <= FLOOR_BOUND
+                    rows.append({"label": f"B={r.batch} T={r.seq} {r.dtype} {r.mode} {kind}",
+                                 "x_copy_": ratio, "x_clone": r.ratio_to_copy,
+                                 "ms": r.median_ms, "required": required,
+                                 "status": "PASS" if good else "MISS"})
+                    if required:
+                        missing.discard((r.dtype, r.mode))
+            skipped = sorted({r.reason for r in floor_rows
+                              if r.extra == isa and r.threads == n and r.status == "skipped"})
+            misses = [row["label"] for row in rows if row["required"] and row["status"] != "PASS"]
+            status = "NOT RUN" if missing else "MISS" if misses else "PASS"
+            out.append({"isa": isa, "threads": n, "status": status, "rows": rows,
+                        "misses": misses, "skipped": skipped,
+                        "not_run": [f"{dt} {mode}" for dt, mode in sorted(missing)]})
     return out
 
 
@@ -316,24 +328,30 @@ def _fmt_ratio(v: float | None) -> str:
 
 
 def format_floor_check(checks: list[dict], machine: dict) -> str:
-    isa, kind = machine.get("posenc_isa"), machine.get("host_kind", "unknown")
-    forced = " (forced with --isa)" if machine.get("isa_forced") else ""
-    lines = ["", f"Floor check: kernel variant {isa}{forced} on an {kind} host; target <= "
-                 f"{FLOOR_BOUND}x copy_ for fp32 and bf16, forward and backward, T >= 4096 "
-                 "(Qwen2-VL-7B MRoPE apply; the fused apply_rope rows are for information):"]
+    kind = machine.get("host_kind", "unknown")
+    lines = ["", f"Floor check (the floor topic, allocation taken out) on an {kind} host: "
+                 f"target <= {FLOOR_BOUND}x copy_ for fp32 and bf16, forward and backward, "
+                 "T >= 4096, per kernel variant (Qwen2-VL-7B MRoPE apply; the fused "
+                 "apply_rope rows are for information):"]
+    if not checks:
+        lines.append("  NOT RUN: the floor topic was not part of this run")
     for c in checks:
+        isa = c["isa"]
         for row in c["rows"]:
             tag = row["status"] if row["required"] else "info"
-            lines.append(f"  thr={c['threads']} [{tag:>4}] {row['label']:<28} "
+            lines.append(f"  {isa:>6} thr={c['threads']} [{tag:>4}] {row['label']:<28} "
                          f"{_fmt_ratio(row['x_copy_'])} x copy_ {_fmt_ratio(row['x_clone'])} "
                          "x clone")
-        if c["not_run"]:
+        if c["skipped"]:
+            why = "skipped: " + "; ".join(c["skipped"])
+        elif c["not_run"]:
             why = "not measured: " + ", ".join(c["not_run"])
         elif c["misses"]:
             why = "above the bound: " + "; ".join(c["misses"])
         else:
             why = "every fp32 and bf16 forward and backward row is within the bound"
-        lines.append(f"  thr={c['threads']} => {c['status']} ({isa} on an {kind} host): {why}")
+        lines.append(f"  {isa:>6} thr={c['threads']} => {c['status']} ({isa} kernels on an "
+                     f"{kind} host): {why}")
     return "\n".join(lines)
 
 

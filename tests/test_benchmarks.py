@@ -189,9 +189,9 @@ def test_driver_writes_results_and_plots(tmp_path):
     payload = json.loads((tmp_path / "smoke.json").read_text())
     for key in ("cpu", "cores", "posenc_isa", "posenc_best_isa", "host_kind", "load_average"):
         assert key in payload["machine"]
-    assert [c["threads"] for c in payload["floor_check"]] == [1]  # smoke sizes: NOT RUN
-    assert payload["floor_check"][0]["status"] == "NOT RUN"
-    assert "Floor check: kernel variant" in proc.stdout
+    assert payload["floor_check"] == []  # the floor topic did not run
+    assert "Floor check (the floor topic" in proc.stdout
+    assert "NOT RUN: the floor topic was not part of this run" in proc.stdout
     assert "hostname" not in json.dumps(payload["machine"]).lower()
     assert {"torch", "transformers", "posenc_torch"} <= set(payload["versions"])
     rows = payload["results"]
@@ -234,32 +234,70 @@ def test_targets_are_data_and_read_the_rows_they_name():
     assert all(isinstance(t, run.Target) for t in run.TARGETS)
 
 
-def test_floor_check_reads_the_copy_floor_rows_of_each_thread_count():
-    """run.floor_check: per thread count, the Qwen2-VL-7B apply rows at T >= 4096 against
-    the copy_ floor; PASS needs fp32 and bf16, forward and backward, each <= 1.3x; the fused
-    rows are listed for information only."""
+def test_floor_check_reads_the_floor_topic_per_variant_and_thread_count():
+    """run.floor_check: per kernel variant (the case's extra) and thread count, the floor
+    topic's Qwen2-VL-7B apply rows at T >= 4096 against the copy_ floor; PASS needs fp32 and
+    bf16, forward and backward, each <= 1.3x; the fused rows are for information only; the
+    other topics' rows and a variant's skipped rows are not read as measurements."""
     import run
 
-    def row(dtype, mode, ratio, op="mrope", method="posenc", threads=2, seq=4096):
-        case = H.Case("mrope", op, "Qwen2-VL-7B", 1, seq, dtype, mode, threads)
-        return H.Result.for_case(case, method, "ok", ratio_to_copy_into=ratio, ratio_to_copy=2.0)
+    def row(dtype, mode, ratio, op="mrope", method="posenc", threads=2, seq=4096,
+            isa="avx2", topic="floor", status="ok"):
+        case = H.Case(topic, op, "Qwen2-VL-7B", 1, seq, dtype, mode, threads, extra=isa)
+        return H.Result.for_case(case, method, status, ratio_to_copy_into=ratio,
+                                 ratio_to_copy=2.0, reason="no avx512 kernels" * (status != "ok"))
 
     rows = [row(dt, m, 1.2) for dt in ("fp32", "bf16") for m in ("fwd", "bwd")]
     rows += [row("bf16", "fwd", 9.0, op="mrope_fused", method="posenc_fused"),
              row("bf16", "fwd", 9.0, seq=1024), row("bf16", "fwd", 9.0, threads=1),
-             row("bf16", "fwdbwd", 9.0)]
+             row("bf16", "fwdbwd", 9.0), row("fp32", "fwd", 9.0, topic="mrope", isa="")]
     (check,) = run.floor_check(rows, [2])
-    assert check["status"] == "PASS" and len(check["rows"]) == 5
+    assert check["isa"] == "avx2" and check["status"] == "PASS" and len(check["rows"]) == 5
     assert [r["required"] for r in check["rows"]] == [True] * 4 + [False]
     rows[1].ratio_to_copy_into = 1.31
     (check,) = run.floor_check(rows, [2])
     assert check["status"] == "MISS" and check["misses"] == ["B=1 T=4096 fp32 bwd apply"]
     one, two = run.floor_check(rows, [1, 2])
     assert one["status"] == "NOT RUN" and "fp32 fwd" in one["not_run"]
-    text = run.format_floor_check([one, two], {"posenc_isa": "avx2", "host_kind": "AVX-512",
-                                               "isa_forced": True})
-    assert "kernel variant avx2 (forced with --isa) on an AVX-512 host" in text
-    assert "thr=2 => MISS" in text and "thr=1 => NOT RUN" in text
+    rows.append(row("fp32", "fwd", None, isa="avx512", status="skipped"))
+    checks = run.floor_check(rows, [1, 2])
+    assert [(c["isa"], c["threads"]) for c in checks] == [
+        ("avx2", 1), ("avx2", 2), ("avx512", 1), ("avx512", 2)]
+    assert checks[3]["status"] == "NOT RUN" and checks[3]["skipped"] == ["no avx512 kernels"]
+    text = run.format_floor_check(checks, {"host_kind": "AVX2-only"})
+    assert "on an AVX2-only host" in text and "avx2 thr=2 => MISS" in text
+    assert "avx2 thr=1 => NOT RUN" in text and "avx512 thr=2 => NOT RUN" in text
+    assert "skipped: no avx512 kernels" in text
+
+
+def test_floor_topic_workers_keep_freed_memory_and_force_their_variant(monkeypatch):
+    """The floor topic's workers get glibc's mmap threshold and top pad raised (allocation
+    out of its timings), the other topics' the allocator as it comes; its parts name the
+    variant each worker forces and report a variant the CPU lacks as skipped."""
+    import bench_floor
+    import bench_rope
+    import run
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TOP_PAD_", raising=False)
+    env = run._worker_env(run.Unit(bench_floor, "apply-avx2", 4, 1, []), None)
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(1 << 32)
+    assert env["MALLOC_TOP_PAD_"] == str(1 << 30)
+    other = run._worker_env(run.Unit(bench_rope, "rope", 5, 1, []), None)
+    assert "MALLOC_MMAP_THRESHOLD_" not in other and "MALLOC_TOP_PAD_" not in other
+    assert set(bench_floor.PARTS) == {"apply-avx512", "apply-avx2", "fused-avx512",
+                                      "fused-avx2"}
+    opts = H.Options("fused-avx2", "quick", 1, "cpu", None, None)
+    cases = bench_floor.plan(opts)
+    assert {c.extra for c, _ in cases} == {"avx2"}
+    assert {(c.seq, c.dtype, c.mode) for c, _ in cases} == {
+        (t, dt, m) for t in (4096, 8192) for dt in ("fp32", "bf16") for m in ("fwd", "bwd")}
+    rep = H.Reporter(sum(len(ms) for _, ms in cases), to_driver=False)
+    monkeypatch.setattr(H, "apply_isa", lambda isa=None: (_ for _ in ()).throw(
+        ValueError("the CPU has no avx2")))
+    bench_floor.run(opts, rep)
+    assert rep.results and all(r.status == "skipped" and "no avx2 kernels" in r.reason
+                               for r in rep.results)
 
 
 def test_driver_keeps_the_results_of_a_worker_that_dies(tmp_path, monkeypatch):
