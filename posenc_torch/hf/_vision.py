@@ -290,7 +290,8 @@ def vision_plan(config_or_model: object) -> VisionPlan | None:
                 found = f"{e}"
             if known is None:
                 weakref.finalize(config_or_model, _PLANS.pop, id(config_or_model), None)
-            _PLANS[id(config_or_model)] = (fingerprint, found)
+            # (building a model may set fields of its config: read them afterwards)
+            _PLANS[id(config_or_model)] = (_fingerprint(config), found)
         if not isinstance(found, str):
             _verify(found, module)  # by identity: a function changed since is seen
     except (_digests.Unverified, _transformers.Unsupported, ImportError) as e:
