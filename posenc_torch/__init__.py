@@ -12,6 +12,7 @@ import torch  # noqa: F401  (maps libtorch before the extension is loaded)
 from . import _C  # noqa: F401  (registers torch.ops.posenc)
 from . import ops  # noqa: F401  (fake kernels and autograd formulas)
 from . import vision  # noqa: F401  (the vision towers' position ids, boundaries, taps)
+from ._checks import InputError, InputTypeError, InputValueError
 from .positions import (
     compute_mrope_decode_position_ids,
     compute_packed_mrope_position_ids,
@@ -42,6 +43,9 @@ __all__ = [
     "sinusoidal_position_encoding",
     "kernel_isa",
     "set_kernel_isa",
+    "InputError",
+    "InputTypeError",
+    "InputValueError",
 ]
 
 
@@ -54,8 +58,11 @@ def set_kernel_isa(name: str | None) -> None:
     """Force a SIMD kernel variant ('baseline', 'avx2', 'avx512'); None picks the best.
 
     Meant for tests and benchmarks.  TypeError for a name that is not a str or None,
-    ValueError for an unknown name or a variant this CPU lacks.
+    ValueError for an unknown name or a variant this CPU lacks (both :class:`InputError`).
     """
     if name is not None and not isinstance(name, str):
-        raise TypeError(f"name must be a str or None, got {type(name).__name__}")
-    _C.set_isa(_C.best_isa() if name is None else name)
+        raise InputTypeError(f"name must be a str or None, got {type(name).__name__}")
+    try:
+        _C.set_isa(_C.best_isa() if name is None else name)
+    except ValueError as err:  # the extension module's own check (plain Python C API)
+        raise InputValueError(str(err)) from None

@@ -41,7 +41,15 @@ from dataclasses import dataclass
 import torch
 
 from . import _installed
-from ._checks import check_bool, check_str, check_tensor
+from ._checks import (
+    INT64_MAX,
+    InputTypeError,
+    InputValueError,
+    allocation_error,
+    check_bool,
+    check_str,
+    check_tensor,
+)
 from ._tables import MROPE_MODELS
 from .positions import MropeOptions, _Layout, _packed_for_examples, resolve_convention
 
@@ -83,24 +91,27 @@ def _settings(config: object) -> _ModelSettings:
     """Model type and token ids from a Qwen-VL model (or anything with its ``config``, such
     as a PEFT wrapper) or its config; the vision settings are read from ``vision_config``,
     the pad token from the text config where the top level has none."""
+    if config is None:
+        raise InputTypeError("config is required: the Qwen-VL model or its config, got None")
     cfg = config if hasattr(config, "model_type") else getattr(config, "config", None)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in MROPE_MODELS:
-        raise ValueError(f"config must be a Qwen-VL model or config (model_type one of "
-                         f"{sorted(MROPE_MODELS)}), got "
-                         f"{model_type if model_type is not None else type(config).__name__!r}")
+        raise InputValueError(
+            f"config must be a Qwen-VL model or config (model_type one of "
+            f"{sorted(MROPE_MODELS)}), got "
+            f"{model_type if model_type is not None else type(config).__name__!r}")
     vision = getattr(cfg, "vision_config", None)
     text = getattr(cfg, "text_config", None)
     ids = {}
     for name in ("image_token_id", "video_token_id", "vision_start_token_id"):
         value = getattr(cfg, name, None)
         if not isinstance(value, int):
-            raise ValueError(f"config has no integer {name} (got {value!r})")
+            raise InputValueError(f"config has no integer {name} (got {value!r})")
         ids[name] = value
     merge = getattr(vision, "spatial_merge_size", None)
     if not isinstance(merge, int) or merge < 1:
-        raise ValueError(f"config.vision_config.spatial_merge_size must be an int >= 1, got "
-                         f"{merge!r}")
+        raise InputValueError(f"config.vision_config.spatial_merge_size must be an int >= 1, got "
+                              f"{merge!r}")
     tokens_per_second = getattr(vision, "tokens_per_second", None) \
         if MROPE_MODELS[model_type].reads_seconds else None
     pad = getattr(cfg, "pad_token_id", None)
@@ -124,7 +135,7 @@ def first_fit(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]
     negative one, naming ``lengths[i]``); ``max_tokens``: an int >= 1 or None."""
     max_tokens = _check_count("max_tokens", max_tokens)
     if isinstance(lengths, (str, bytes, Mapping)) or not isinstance(lengths, Sequence):
-        raise TypeError(f"lengths must be a sequence of ints, got {type(lengths).__name__}")
+        raise InputTypeError(f"lengths must be a sequence of ints, got {type(lengths).__name__}")
     lengths = [_example_length(i, n) for i, n in enumerate(lengths)]
     if max_tokens is None:
         return [list(range(len(lengths)))] if lengths else []
@@ -132,7 +143,8 @@ def first_fit(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]
     used: list[int] = []
     for i, n in enumerate(lengths):
         if n > max_tokens:
-            raise ValueError(f"examples[{i}] has {n} tokens, more than max_tokens={max_tokens}")
+            raise InputValueError(
+                f"examples[{i}] has {n} tokens, more than max_tokens={max_tokens}")
         row = next((r for r, u in enumerate(used) if u + n <= max_tokens), None)
         if row is None:
             rows.append([])
@@ -145,13 +157,15 @@ def first_fit(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]
 
 def _example_length(i: int, n: object) -> int:
     if isinstance(n, bool):
-        raise TypeError(f"lengths[{i}] must be an int, got bool")
+        raise InputTypeError(f"lengths[{i}] must be an int, got bool")
     try:
         n = operator.index(n)
     except TypeError:
-        raise TypeError(f"lengths[{i}] must be an int, got {type(n).__name__}") from None
+        raise InputTypeError(f"lengths[{i}] must be an int, got {type(n).__name__}") from None
     if n < 0:
-        raise ValueError(f"lengths[{i}] must be >= 0, got {n}")
+        raise InputValueError(f"lengths[{i}] must be >= 0, got {n}")
+    if n > INT64_MAX:
+        raise InputValueError(f"lengths[{i}] must fit in int64, got {n}")
     return n
 
 
@@ -159,22 +173,27 @@ def _check_count(name: str, value: object) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+        raise InputTypeError(f"{name} must be an int or None, got {type(value).__name__}")
     if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+        raise InputValueError(f"{name} must be >= 1, got {value}")
+    if value > INT64_MAX:
+        raise InputValueError(f"{name} must fit in int64 (at most 2^63 - 1), got {value}")
     return value
 
 
 def _as_tensor(value: object, where: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
+        if value.is_meta:
+            raise InputValueError(f"{where} is a meta tensor: an example's tensors are read, "
+                                  "and a meta tensor has no values")
         return value
     if isinstance(value, (list, tuple)) or hasattr(value, "__array__"):
         try:
             return torch.as_tensor(value)
         except (TypeError, ValueError, RuntimeError) as e:
-            raise TypeError(f"{where} must be a tensor or a (nested) list of numbers: {e}") \
+            raise InputTypeError(f"{where} must be a tensor or a (nested) list of numbers: {e}") \
                 from None
-    raise TypeError(f"{where} must be a tensor or a list, got {type(value).__name__}")
+    raise InputTypeError(f"{where} must be a tensor or a list, got {type(value).__name__}")
 
 
 def _token_row(value: object, where: str) -> torch.Tensor:
@@ -183,10 +202,10 @@ def _token_row(value: object, where: str) -> torch.Tensor:
     if t.dim() == 2 and t.shape[0] == 1:
         t = t[0]
     if t.dim() != 1:
-        raise ValueError(f"{where} must be (length,) or (1, length), got shape "
-                         f"{tuple(t.shape)}")
+        raise InputValueError(f"{where} must be (length,) or (1, length), got shape "
+                              f"{tuple(t.shape)}")
     if t.numel() and (t.is_floating_point() or t.is_complex()):
-        raise TypeError(f"{where} must hold integers, got {t.dtype}")
+        raise InputTypeError(f"{where} must hold integers, got {t.dtype}")
     return t.to(torch.int64)
 
 
@@ -195,9 +214,9 @@ def _grid(value: object, where: str) -> torch.Tensor:
     if t.dim() == 3 and t.shape[0] == 1:
         t = t[0]
     if t.dim() != 2 or t.shape[1] != 3:
-        raise ValueError(f"{where} must be (n, 3) of (t, h, w), got shape {tuple(t.shape)}")
+        raise InputValueError(f"{where} must be (n, 3) of (t, h, w), got shape {tuple(t.shape)}")
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise TypeError(f"{where} must hold integers, got {t.dtype}")
+        raise InputTypeError(f"{where} must hold integers, got {t.dtype}")
     return t.to(torch.int64)
 
 
@@ -213,28 +232,28 @@ class _Example:
 
 def _read_example(i: int, example: object, settings: _ModelSettings) -> _Example:
     if not isinstance(example, Mapping):
-        raise TypeError(f"examples[{i}] must be a mapping (dict or BatchFeature), got "
-                        f"{type(example).__name__}")
+        raise InputTypeError(f"examples[{i}] must be a mapping (dict or BatchFeature), got "
+                             f"{type(example).__name__}")
     where = lambda key: f"examples[{i}][{key!r}]"  # noqa: E731
-    if example.get("input_ids") is None:
-        raise ValueError(f"examples[{i}] has no 'input_ids'")
+    if example.get("input_ids") is None:  # a missing input: a TypeError (README, "Errors")
+        raise InputTypeError(f"examples[{i}] has no 'input_ids'")
     ids = _token_row(example["input_ids"], where("input_ids"))
     rows = {"input_ids": ids}
     for key in ("attention_mask", "labels", "mm_token_type_ids"):
         if example.get(key) is not None:
             rows[key] = _token_row(example[key], where(key))
             if rows[key].shape != ids.shape:
-                raise ValueError(f"{where(key)} has {rows[key].numel()} entries, input_ids "
-                                 f"{ids.numel()}")
+                raise InputValueError(f"{where(key)} has {rows[key].numel()} entries, input_ids "
+                                      f"{ids.numel()}")
     mask = rows.pop("attention_mask", None)
     if mask is not None and not bool((mask == 1).all()):
         if not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError(f"{where('attention_mask')} must hold 0 and 1")
+            raise InputValueError(f"{where('attention_mask')} must hold 0 and 1")
         keep = mask == 1  # an example padded by its processor: drop the padding
         rows = {key: row[keep] for key, row in rows.items()}
         ids = rows["input_ids"]
     if ids.numel() == 0:
-        raise ValueError(f"examples[{i}] has no tokens")
+        raise InputValueError(f"examples[{i}] has no tokens")
     labels = rows.get("labels", ids).clone()
     labels[0] = IGNORE_INDEX
     grids, pixels = {}, {}
@@ -244,41 +263,41 @@ def _read_example(i: int, example: object, settings: _ModelSettings) -> _Example
         pix = example.get(pixel_key)
         if pix is None:
             if grids[grid_key] is not None and grids[grid_key].shape[0]:
-                raise ValueError(f"examples[{i}] has {grid_key} but no {pixel_key}")
+                raise InputValueError(f"examples[{i}] has {grid_key} but no {pixel_key}")
             pixels[pixel_key] = None
             continue
         pix = _as_tensor(pix, where(pixel_key))
         if not pix.is_floating_point():
-            raise TypeError(f"{where(pixel_key)} must be floating, got {pix.dtype}")
+            raise InputTypeError(f"{where(pixel_key)} must be floating, got {pix.dtype}")
         if pix.dim() != 2 or settings.patch_dim not in (None, pix.shape[1]):
             width = settings.patch_dim or "patch_dim"
-            raise ValueError(f"{where(pixel_key)} must be (patches, {width}) (in_channels * "
-                             f"temporal_patch_size * patch_size**2 of the config), got shape "
-                             f"{tuple(pix.shape)}")
+            raise InputValueError(f"{where(pixel_key)} must be (patches, {width}) (in_channels * "
+                                  f"temporal_patch_size * patch_size**2 of the config), got shape "
+                                  f"{tuple(pix.shape)}")
         patches = 0 if grids[grid_key] is None else int(grids[grid_key].prod(-1).sum())
         if pix.shape[0] != patches:
-            raise ValueError(f"{where(pixel_key)} has {pix.shape[0]} patches but {grid_key} "
-                             f"describes {patches}")
+            raise InputValueError(f"{where(pixel_key)} has {pix.shape[0]} patches but {grid_key} "
+                                  f"describes {patches}")
         pixels[pixel_key] = pix
     seconds = example.get("second_per_grid_ts")
     if seconds is not None and not MROPE_MODELS[settings.model_type].reads_seconds:
-        raise ValueError(f"{where('second_per_grid_ts')} applies only to qwen2_5_vl, the "
-                         f"config is {settings.model_type}")
+        raise InputValueError(f"{where('second_per_grid_ts')} applies only to qwen2_5_vl, the "
+                              f"config is {settings.model_type}")
     if seconds is not None:
         n_seconds = _as_tensor(seconds, where("second_per_grid_ts")).reshape(-1).numel()
         n_videos = 0 if grids["video_grid_thw"] is None else grids["video_grid_thw"].shape[0]
         if n_seconds != n_videos:
-            raise ValueError(f"{where('second_per_grid_ts')} has {n_seconds} values for "
-                             f"{n_videos} videos")
+            raise InputValueError(f"{where('second_per_grid_ts')} has {n_seconds} values for "
+                                  f"{n_videos} videos")
     return _Example(ids, labels, rows.get("mm_token_type_ids"), grids, pixels, seconds)
 
 
 def _read_examples(examples: object, settings: _ModelSettings) -> list[_Example]:
     if isinstance(examples, Mapping) or not isinstance(examples, Sequence):
-        raise TypeError(f"examples must be a list of examples (mappings), got "
-                        f"{type(examples).__name__}")
+        raise InputTypeError(f"examples must be a list of examples (mappings), got "
+                             f"{type(examples).__name__}")
     if not examples:
-        raise ValueError("examples is empty")
+        raise InputValueError("examples is empty")
     return [_read_example(i, ex, settings) for i, ex in enumerate(examples)]
 
 
@@ -292,7 +311,7 @@ def _token_types(ex: _Example, settings: _ModelSettings) -> torch.Tensor:
 
 def _check_side(padding_side: object) -> str:
     if check_str("padding_side", padding_side) not in ("right", "left"):
-        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+        raise InputValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
     return padding_side
 
 
@@ -331,8 +350,8 @@ def _seconds(examples: list[_Example], order: list[int]) -> torch.Tensor | None:
         return None
     if len(given) != len(with_videos):
         missing = next(k for k in with_videos if examples[k].seconds is None)
-        raise ValueError(f"examples[{missing}] has videos but no second_per_grid_ts, which "
-                         "other examples have")
+        raise InputValueError(f"examples[{missing}] has videos but no second_per_grid_ts, which "
+                              "other examples have")
     parts = [_as_tensor(examples[k].seconds, "").reshape(-1) for k in given]
     dtype = next((p.dtype for p in parts if p.is_floating_point()), torch.float32)
     return torch.cat([p.to(dtype) for p in parts])
@@ -432,10 +451,11 @@ def pack_multimodal_examples(
     used = [sum(lengths[k] for k in row) for row in rows]
     length = math.ceil(max(used) / multiple) * multiple
 
-    input_ids = torch.full((len(rows), length), settings.pad_token_id, dtype=torch.int64)
-    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.int64)
+    shape = (len(rows), length)
+    input_ids = _batch_tensor(shape, settings.pad_token_id, max(used), multiple)
+    labels = _batch_tensor(shape, IGNORE_INDEX, max(used), multiple)
     with_types = any(ex.mm_token_type_ids is not None for ex in exs)
-    types = torch.zeros(len(rows), length, dtype=torch.int64) if with_types else None
+    types = _batch_tensor(shape, 0, max(used), multiple) if with_types else None
     for r, row in enumerate(rows):
         at = 0
         for k in row:
@@ -469,6 +489,17 @@ def pack_multimodal_examples(
     return batch
 
 
+def _batch_tensor(shape: tuple[int, int], fill: int, longest: int, multiple: int) -> torch.Tensor:
+    """An int64 (rows, L) tensor of the batch filled with ``fill``; L is the ``longest`` row
+    rounded up to a multiple of ``multiple``, and a failed allocation says so."""
+    try:
+        return torch.full(shape, fill, dtype=torch.int64)
+    except RuntimeError as err:
+        raise allocation_error(
+            err, f"the (rows, L) batch of shape {shape}: L is the longest row ({longest} "
+            f"tokens) rounded up to a multiple of pad_to_multiple_of = {multiple}") from err
+
+
 def _vision_inputs(exs: list[_Example], order: list[int]) -> dict[str, torch.Tensor]:
     """The pixels and grids of the examples in ``order``, concatenated."""
     out = {}
@@ -479,12 +510,12 @@ def _vision_inputs(exs: list[_Example], order: list[int]) -> dict[str, torch.Ten
         pix = [exs[k].pixels[pixel_key] for k in present]
         for k, p in zip(present, pix, strict=True):
             if p.shape[1] != pix[0].shape[1]:
-                raise ValueError(f"examples[{k}][{pixel_key!r}] has patches of {p.shape[1]} "
-                                 f"values, examples[{present[0]}] of {pix[0].shape[1]}: the "
-                                 "patch size must agree")
+                raise InputValueError(f"examples[{k}][{pixel_key!r}] has patches of {p.shape[1]} "
+                                      f"values, examples[{present[0]}] of {pix[0].shape[1]}: the "
+                                      "patch size must agree")
             if p.dtype != pix[0].dtype:
-                raise TypeError(f"examples[{k}][{pixel_key!r}] is {p.dtype}, "
-                                f"examples[{present[0]}] {pix[0].dtype}: the dtype must agree")
+                raise InputTypeError(f"examples[{k}][{pixel_key!r}] is {p.dtype}, "
+                                     f"examples[{present[0]}] {pix[0].dtype}: the dtype must agree")
         out[pixel_key] = torch.cat(pix)
         out[grid_key] = torch.cat([exs[k].grids[grid_key] for k in present])
     return out
@@ -531,11 +562,11 @@ def pad_multimodal_examples(
     lengths = [ex.input_ids.numel() for ex in exs]
     length = math.ceil(max(lengths) / multiple) * multiple
     shape = (len(exs), length)
-    input_ids = torch.full(shape, settings.pad_token_id, dtype=torch.int64)
-    labels = torch.full(shape, IGNORE_INDEX, dtype=torch.int64)
-    mask = torch.zeros(shape, dtype=torch.int64)
+    input_ids = _batch_tensor(shape, settings.pad_token_id, max(lengths), multiple)
+    labels = _batch_tensor(shape, IGNORE_INDEX, max(lengths), multiple)
+    mask = _batch_tensor(shape, 0, max(lengths), multiple)
     with_types = any(ex.mm_token_type_ids is not None for ex in exs)
-    types = torch.zeros(shape, dtype=torch.int64) if with_types else None
+    types = _batch_tensor(shape, 0, max(lengths), multiple) if with_types else None
     for r, (ex, n) in enumerate(zip(exs, lengths, strict=True)):
         at = slice(0, n) if padding_side == "right" else slice(length - n, length)
         input_ids[r, at], labels[r, at], mask[r, at] = ex.input_ids, ex.labels, 1
@@ -683,22 +714,36 @@ def packed_attention_leaks(
     for one row).  The position ids are read (a device sync for CUDA tensors) only when one
     of these is present, so a call that keeps its examples apart costs nothing (a mask under
     flash-attention is read to see whether it holds a 0).
-    TypeError for arguments of the wrong type (``use_cache`` a bool), ValueError for
-    position ids of another rank.
+    TypeError for arguments of the wrong type (``use_cache`` not a bool, position ids or
+    ``cu_seq_lens_q`` not integer tensors, a complex mask), ValueError for position ids of
+    another shape and for a meta tensor beside tensors with values.
     """
     check_bool("use_cache", use_cache)
     if attn_implementation is not None and not isinstance(attn_implementation, str):
-        raise TypeError(f"attn_implementation must be a str or None, got "
-                        f"{type(attn_implementation).__name__}")
+        raise InputTypeError(f"attn_implementation must be a str or None, got "
+                             f"{type(attn_implementation).__name__}")
     for name, t in (("attention_mask", attention_mask), ("cu_seq_lens_q", cu_seq_lens_q)):
         if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
+            raise InputTypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
+    if attention_mask is not None and attention_mask.is_complex():
+        raise InputTypeError(f"attention_mask must be bool, integer or floating, got "
+                             f"{attention_mask.dtype}")
+    if cu_seq_lens_q is not None and not _is_integer(cu_seq_lens_q):
+        raise InputTypeError(f"cu_seq_lens_q must be an integer tensor, got {cu_seq_lens_q.dtype}")
     if position_ids is None:
         return []
     check_tensor("position_ids", position_ids, (2, 3), "(3 or 4, batch, seq) or (batch, seq)")
+    if not _is_integer(position_ids):
+        raise InputTypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
+    if position_ids.dim() == 3 and position_ids.shape[0] not in (3, 4):
+        raise InputValueError(f"position_ids must be (3 or 4, batch, seq) or (batch, seq), got "
+                              f"shape {tuple(position_ids.shape)}")
     text = position_ids[0] if position_ids.dim() == 3 else position_ids
     mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 \
         and attention_mask.shape == text.shape else None
+    if mask is not None and mask.is_meta != text.is_meta:  # a mask that would be read
+        raise InputValueError(f"attention_mask is on {mask.device} but position_ids is on "
+                              f"{text.device}; meta tensors cannot be mixed with others")
     flash = attn_implementation is not None and "flash" in attn_implementation
     if text.is_meta:
         return []
@@ -711,6 +756,10 @@ def packed_attention_leaks(
         return []
     keep = None if mask is None else mask.to(device=text.device) != 0
     return candidates if _row_restarts(text.long(), keep) else []
+
+
+def _is_integer(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 _WARNED: set[str] = set()

@@ -22,6 +22,10 @@ import torch
 from . import _installed
 from ._checks import (
     INT64_MAX,
+    INT64_MIN,
+    InputTypeError,
+    InputValueError,
+    allocation_error,
     check_int,
     check_real,
     check_str,
@@ -89,12 +93,12 @@ def convention_for_version(version: str) -> str:
     try:
         major, minor = (int(part) for part in version.split(".")[:2])
     except ValueError:
-        raise ValueError(f"cannot read the transformers version {version!r}") from None
+        raise InputValueError(f"cannot read the transformers version {version!r}") from None
     for convention in CONVENTIONS.values():
         if convention.names_release(major, minor):
             return convention.name
     checked = ", ".join(r for c in CONVENTIONS.values() for r in c.checked)
-    raise ValueError(
+    raise InputValueError(
         f"the position-id rules of transformers {version} were not checked (checked: "
         f"{checked}); pass convention= one of {MROPE_CONVENTIONS} explicitly")
 
@@ -102,7 +106,7 @@ def convention_for_version(version: str) -> str:
 @torch.compiler.assume_constant_result  # traced code gets the answer, not the check
 def _installed_convention(model: str) -> str:
     if _installed_transformers_version() is None:
-        raise ValueError(
+        raise InputValueError(
             "convention='installed' needs transformers installed; without it pass "
             f"convention= one of {MROPE_CONVENTIONS}")
     return _installed.ask("convention", model)
@@ -130,8 +134,8 @@ def _convention(convention: str, model: str | None = None) -> Convention:
         return CONVENTIONS[_installed_convention(model or "qwen2_vl")]
     record = CONVENTIONS.get(check_str("convention", convention))
     if record is None:
-        raise ValueError(f"convention must be 'installed' or one of {MROPE_CONVENTIONS}, got "
-                         f"{convention!r}")
+        raise InputValueError(f"convention must be 'installed' or one of {MROPE_CONVENTIONS}, got "
+                              f"{convention!r}")
     return record
 
 
@@ -140,7 +144,7 @@ def _model(model: object) -> ModelType:
     record = MROPE_MODELS.get(model) if isinstance(model, str) else None
     if record is None:
         check_str("model", model)
-        raise ValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")
+        raise InputValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")
     return record
 
 
@@ -200,10 +204,11 @@ def _walk_options(function: str, options: dict[str, object], input_ids: object,
     what a convention needs) and converts it for the ops; the ops check the rest."""
     unknown = options.keys() - MROPE_OPTION_DEFAULTS.keys()
     if unknown:
-        raise TypeError(f"{function}() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+        raise InputTypeError(
+            f"{function}() got an unexpected keyword argument {sorted(unknown)[0]!r}")
     missing = [name for name in required if name not in options]
     if missing:
-        raise TypeError(f"{function}() missing required keyword argument {missing[0]!r}")
+        raise InputTypeError(f"{function}() missing required keyword argument {missing[0]!r}")
     opt = {**MROPE_OPTION_DEFAULTS, **options}
     model_type = _model(opt["model"])
     convention = _convention(opt["convention"], opt["model"])
@@ -218,9 +223,10 @@ def _walk_options(function: str, options: dict[str, object], input_ids: object,
         if types is None and has_grids:
             missing = [n for n in ("image_token_id", "video_token_id") if ids[n] is None]
             if missing:
-                raise TypeError(f"convention {convention.name!r} finds vision runs from "
-                                "mm_token_type_ids (0 text, 1 image, 2 video, from the "
-                                f"processor): pass it, or {' and '.join(missing)} to derive it")
+                raise InputTypeError(
+                    f"convention {convention.name!r} finds vision runs from "
+                    "mm_token_type_ids (0 text, 1 image, 2 video, from the "
+                    f"processor): pass it, or {' and '.join(missing)} to derive it")
             if isinstance(input_ids, torch.Tensor):  # else the op names input_ids
                 # as the 5.x processors build it (create_mm_token_type_ids)
                 types = ((input_ids == ids["image_token_id"]).long()
@@ -229,8 +235,9 @@ def _walk_options(function: str, options: dict[str, object], input_ids: object,
     else:
         missing = [name for name, value in ids.items() if value is None]
         if missing:
-            raise TypeError(f"convention {convention.name!r} finds vision runs from token ids: "
-                            f"pass {', '.join(missing)}")
+            raise InputTypeError(
+                f"convention {convention.name!r} finds vision runs from token ids: "
+                f"pass {', '.join(missing)}")
         token_ids = tuple(ids.values())
 
     seconds, tps, time_rule = opt["second_per_grid_ts"], opt["tokens_per_second"], 0
@@ -240,20 +247,20 @@ def _walk_options(function: str, options: dict[str, object], input_ids: object,
         tps = check_real("tokens_per_second",
                          QWEN2_5_VL_TOKENS_PER_SECOND if tps is None else tps)
         if convention.integral_tokens_per_second and math.isfinite(tps) and tps != int(tps):
-            raise ValueError(f"tokens_per_second must be integral under convention "
-                             f"{convention.name!r} (its temporal step is tokens_per_second * "
-                             f"int(s)), got {tps}")
+            raise InputValueError(f"tokens_per_second must be integral under convention "
+                                  f"{convention.name!r} (its temporal step is tokens_per_second * "
+                                  f"int(s)), got {tps}")
         time_rule = TIME_TRUNC_SECONDS
         if convention.fractional_seconds:
             dtype = None if seconds is None else seconds.dtype
             if dtype in (torch.float16, torch.bfloat16):
-                raise TypeError("second_per_grid_ts must be float32, float64 or integer under "
-                                f"convention {convention.name!r}, got {dtype}")
+                raise InputTypeError("second_per_grid_ts must be float32, float64 or integer under "
+                                     f"convention {convention.name!r}, got {dtype}")
             time_rule = TIME_F64_INTERVAL if dtype == torch.float64 else TIME_F32
     else:
         if tps is not None:
-            raise ValueError(f"tokens_per_second applies only to model='qwen2_5_vl', "
-                             f"got model={opt['model']!r}")
+            raise InputValueError(f"tokens_per_second applies only to model='qwen2_5_vl', "
+                                  f"got model={opt['model']!r}")
         tps = 0.0
     return _Walk(seconds, (model_type.mrope, *token_ids, merge, tps, types, convention.rules,
                            time_rule), given_types)
@@ -263,8 +270,8 @@ def _seconds_tensor(seconds: object, input_ids: object, convention: Convention) 
     """A sequence of seconds as the tensor the processor gives (float32 under 5.18 and
     later), or exactly (float64) under the conventions that truncate them."""
     if isinstance(seconds, (str, bytes)) or not isinstance(seconds, Sequence):
-        raise TypeError("second_per_grid_ts must be a tensor or a sequence of real numbers, "
-                        f"got {type(seconds).__name__}")
+        raise InputTypeError("second_per_grid_ts must be a tensor or a sequence of real numbers, "
+                             f"got {type(seconds).__name__}")
     values = [check_real(f"second_per_grid_ts[{i}]", s) for i, s in enumerate(seconds)]
     device = input_ids.device if isinstance(input_ids, torch.Tensor) else None
     dtype = torch.float32 if convention.fractional_seconds else torch.float64
@@ -345,13 +352,22 @@ def compute_mrope_position_ids(
                  second_per_grid_ts=walk.second_per_grid_ts,
                  mm_token_type_ids=walk.mm_token_type_ids)
     if _is_compiling():
-        check_tensors(**named)
+        _check_walk_tensors(named)
     try:
         return torch.ops.posenc.mrope_position_ids(
             input_ids, image_grid_thw, video_grid_thw, attention_mask, walk.second_per_grid_ts,
             *walk.op_args)
     except Exception as err:
-        raise explain(err, lambda: check_tensors(**named)) from None
+        raise explain(err, _check_walk_tensors, named) from None
+
+
+def _check_walk_tensors(named: dict[str, object]) -> None:
+    """What a position walk's op cannot say in the caller's terms: ``input_ids`` (always
+    given) and the optional tensors are tensors, on one device."""
+    if not isinstance(named["input_ids"], torch.Tensor):
+        raise InputTypeError("input_ids must be a torch.Tensor, got "
+                             f"{type(named['input_ids']).__name__}")
+    check_tensors(**named)
 
 
 def compute_mrope_decode_position_ids(
@@ -407,8 +423,8 @@ def compute_mrope_decode_position_ids(
     check_tensor("mrope_position_deltas", mrope_position_deltas, (1, 2), "(batch, 1) or (batch,)")
     _check_integer("mrope_position_deltas", mrope_position_deltas)
     if mrope_position_deltas.dim() == 2 and mrope_position_deltas.shape[1] != 1:
-        raise ValueError(f"mrope_position_deltas must be (batch, 1) or (batch,), got shape "
-                         f"{tuple(mrope_position_deltas.shape)}")
+        raise InputValueError(f"mrope_position_deltas must be (batch, 1) or (batch,), got shape "
+                              f"{tuple(mrope_position_deltas.shape)}")
     check_int("num_new_tokens", num_new_tokens, 0)
     deltas = mrope_position_deltas.reshape(-1, 1).long()
     use_mask = attention_mask is not None and _convention(convention).v5
@@ -419,22 +435,22 @@ def compute_mrope_decode_position_ids(
     if batch_size is not None:
         check_int("batch_size", batch_size, 1)
         if batch_size % deltas.shape[0]:
-            raise ValueError(f"batch_size {batch_size} must be a multiple of the "
-                             f"{deltas.shape[0]} rows of mrope_position_deltas")
+            raise InputValueError(f"batch_size {batch_size} must be a multiple of the "
+                                  f"{deltas.shape[0]} rows of mrope_position_deltas")
         deltas = deltas.repeat_interleave(batch_size // deltas.shape[0], dim=0)
     if isinstance(past_length, torch.Tensor):
         if not _is_integer(past_length):
-            raise TypeError(f"past_length must be an int or an integer tensor, got "
-                            f"{past_length.dtype}")
+            raise InputTypeError(f"past_length must be an int or an integer tensor, got "
+                                 f"{past_length.dtype}")
         if past_length.dim() > 1 or past_length.numel() == 0:
-            raise ValueError("past_length as a tensor must be 0-d, or 1-D cache_position "
-                             f"with at least one entry, got shape {tuple(past_length.shape)}")
+            raise InputValueError("past_length as a tensor must be 0-d, or 1-D cache_position "
+                                  f"with at least one entry, got shape {tuple(past_length.shape)}")
         _check_movable("past_length", past_length, mrope_position_deltas)
         start = past_length.reshape(-1)[:1].to(device=deltas.device, dtype=torch.int64)
         # a sync for CUDA cache_position; meta values are unknown, as while tracing
         first = None if _is_compiling() or start.is_meta else int(start)
         if first is not None and first < 0:
-            raise ValueError(f"past_length must be >= 0, got {first}")
+            raise InputValueError(f"past_length must be >= 0, got {first}")
     else:
         start = first = check_int("past_length", past_length, 0)
     if prompt_position_ids is not None:
@@ -442,36 +458,51 @@ def compute_mrope_decode_position_ids(
         _check_integer("prompt_position_ids", prompt_position_ids)
         _check_movable("prompt_position_ids", prompt_position_ids, mrope_position_deltas)
         if prompt_position_ids.shape[0] not in (3, 4) or prompt_position_ids.shape[2] == 0:
-            raise ValueError(f"prompt_position_ids must be (3 or 4, batch, seq >= 1), got shape "
-                             f"{tuple(prompt_position_ids.shape)}")
+            raise InputValueError(
+                f"prompt_position_ids must be (3 or 4, batch, seq >= 1), got shape "
+                f"{tuple(prompt_position_ids.shape)}")
         if prompt_position_ids.shape[1] != deltas.shape[0]:
-            raise ValueError(f"prompt_position_ids has {prompt_position_ids.shape[1]} rows, "
-                             f"mrope_position_deltas {deltas.shape[0]} (after batch_size)")
+            raise InputValueError(f"prompt_position_ids has {prompt_position_ids.shape[1]} rows, "
+                                  f"mrope_position_deltas {deltas.shape[0]} (after batch_size)")
         last = prompt_position_ids[-3:, :, -1:].to(device=deltas.device, dtype=torch.int64)
         _check_no_overflow(first, num_new_tokens, last, 1 - prompt_position_ids.shape[2])
-        steps = torch.arange(num_new_tokens, device=deltas.device, dtype=torch.int64)
-        return last + 1 + (start - prompt_position_ids.shape[2]) + steps
+        try:
+            steps = torch.arange(num_new_tokens, device=deltas.device, dtype=torch.int64)
+            return last + 1 + (start - prompt_position_ids.shape[2]) + steps
+        except RuntimeError as err:
+            raise _decode_allocation_error(err, deltas.shape[0], num_new_tokens) from err
     if use_mask:
         check_tensor("attention_mask", attention_mask, 2, "2-D (batch, past_length + n)")
         if attention_mask.is_complex():
-            raise TypeError(f"attention_mask must be bool, integer or floating, got "
-                            f"{attention_mask.dtype}")
+            raise InputTypeError(f"attention_mask must be bool, integer or floating, got "
+                                 f"{attention_mask.dtype}")
         _check_movable("attention_mask", attention_mask, mrope_position_deltas)
         if attention_mask.shape[0] != deltas.shape[0]:
-            raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows, "
-                             f"mrope_position_deltas {deltas.shape[0]} (after batch_size)")
+            raise InputValueError(f"attention_mask has {attention_mask.shape[0]} rows, "
+                                  f"mrope_position_deltas {deltas.shape[0]} (after batch_size)")
         if isinstance(start, int) and attention_mask.shape[1] != start + num_new_tokens:
-            raise ValueError(f"attention_mask must cover past_length + num_new_tokens = "
-                             f"{start + num_new_tokens} tokens, got {attention_mask.shape[1]}")
+            raise InputValueError(f"attention_mask must cover past_length + num_new_tokens = "
+                                  f"{start + num_new_tokens} tokens, got {attention_mask.shape[1]}")
         mask = attention_mask.to(deltas.device)
         counted = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
         _check_no_overflow(0, counted.shape[1], deltas, 0)
         ids = counted[:, counted.shape[1] - num_new_tokens:] + deltas
     else:
-        steps = torch.arange(num_new_tokens, device=deltas.device, dtype=torch.int64)
         _check_no_overflow(first, num_new_tokens, deltas, 0)
-        ids = steps.unsqueeze(0) + start + deltas
-    return ids.unsqueeze(0).repeat(3, 1, 1)
+        try:
+            steps = torch.arange(num_new_tokens, device=deltas.device, dtype=torch.int64)
+            ids = steps.unsqueeze(0) + start + deltas
+        except RuntimeError as err:
+            raise _decode_allocation_error(err, deltas.shape[0], num_new_tokens) from err
+    try:
+        return ids.unsqueeze(0).repeat(3, 1, 1)
+    except RuntimeError as err:
+        raise _decode_allocation_error(err, deltas.shape[0], num_new_tokens) from err
+
+
+def _decode_allocation_error(err: RuntimeError, batch: int, num_new_tokens: int) -> RuntimeError:
+    return allocation_error(err, f"the (3, {batch}, num_new_tokens) position ids of "
+                                 f"num_new_tokens = {num_new_tokens}")
 
 
 def _is_integer(t: torch.Tensor) -> bool:
@@ -480,15 +511,15 @@ def _is_integer(t: torch.Tensor) -> bool:
 
 def _check_integer(name: str, t: torch.Tensor) -> None:
     if not _is_integer(t):
-        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+        raise InputTypeError(f"{name} must be an integer tensor, got {t.dtype}")
 
 
 def _check_movable(name: str, t: torch.Tensor, deltas: torch.Tensor) -> None:
     """Decoding moves its other tensors to the deltas' device; a meta tensor has no values
     to move (and no values to move into)."""
     if t.device != deltas.device and "meta" in (t.device.type, deltas.device.type):
-        raise ValueError(f"{name} is on {t.device} but mrope_position_deltas is on "
-                         f"{deltas.device}; meta tensors cannot be mixed with others")
+        raise InputValueError(f"{name} is on {t.device} but mrope_position_deltas is on "
+                              f"{deltas.device}; meta tensors cannot be mixed with others")
 
 
 def _check_no_overflow(past_length: int | None, num_new_tokens: int, offsets: torch.Tensor,
@@ -501,8 +532,9 @@ def _check_no_overflow(past_length: int | None, num_new_tokens: int, offsets: to
     largest = past_length + num_new_tokens - 1 + shift + (
         int(offsets.max()) if offsets.numel() else 0)
     if largest > INT64_MAX:
-        raise ValueError(f"past_length {past_length} + num_new_tokens {num_new_tokens} and the "
-                         f"position offsets give ids up to {largest}, past int64 (2^63 - 1)")
+        raise InputValueError(
+            f"past_length {past_length} + num_new_tokens {num_new_tokens} and the "
+            f"position offsets give ids up to {largest}, past int64 (2^63 - 1)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -512,11 +544,14 @@ def _check_no_overflow(past_length: int | None, num_new_tokens: int, offsets: to
 def _length(name: str, value: object) -> int:
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (
             value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
+        raise InputTypeError(f"{name} must be an int, got {value!r}")
     try:
-        return operator.index(value)
+        value = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+        raise InputTypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if not INT64_MIN <= value <= INT64_MAX:  # read into an int64 tensor
+        raise InputValueError(f"{name} must fit in int64, got {value}")
+    return value
 
 
 def _on_device_of(name: str, t: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -530,29 +565,31 @@ def _rows_of(name: str, value: object, batch: int) -> list[list[int]]:
     B sequences; for B = 1 also a 1-D tensor or a flat sequence."""
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
+            raise InputTypeError(f"{name} must be an integer tensor, got {value.dtype}")
         if value.dim() == 1 and batch == 1:
             return [value.tolist()]
         if value.dim() != 2 or value.shape[0] != batch:
-            raise ValueError(f"{name} as a tensor must be (batch, n) with batch = {batch} (the "
-                             f"rows of input_ids){' or 1-D' if batch == 1 else ''}, got shape "
-                             f"{tuple(value.shape)}")
+            raise InputValueError(
+                f"{name} as a tensor must be (batch, n) with batch = {batch} (the "
+                f"rows of input_ids){' or 1-D' if batch == 1 else ''}, got shape "
+                f"{tuple(value.shape)}")
         return value.tolist()
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
-        raise TypeError(f"{name} must be a tensor or a list of lists of ints (one list per row), "
-                        f"got {type(value).__name__}")
+        raise InputTypeError(
+            f"{name} must be a tensor or a list of lists of ints (one list per row), "
+            f"got {type(value).__name__}")
     if batch == 1 and all(not isinstance(v, Sequence | torch.Tensor) or
                           (isinstance(v, torch.Tensor) and v.dim() == 0) for v in value):
         value = [value]
     if len(value) != batch:
-        raise ValueError(f"{name} must have one list per row of input_ids ({batch}), got "
-                         f"{len(value)}")
+        raise InputValueError(f"{name} must have one list per row of input_ids ({batch}), got "
+                              f"{len(value)}")
     rows = []
     for b, row in enumerate(value):
         if isinstance(row, torch.Tensor):
             row = row.tolist() if row.dim() == 1 else row
         if not isinstance(row, Sequence) or isinstance(row, (str, bytes)):
-            raise TypeError(f"{name}[{b}] must be a list of ints, got {type(row).__name__}")
+            raise InputTypeError(f"{name}[{b}] must be a list of ints, got {type(row).__name__}")
         rows.append([_length(f"{name}[{b}][{k}]", v) for k, v in enumerate(row)])
     return rows
 
@@ -574,8 +611,8 @@ def _packed_layout(input_ids: torch.Tensor, seq_lens: object, cu_seqlens: object
     given = [name for name, v in (("seq_lens", seq_lens), ("cu_seqlens", cu_seqlens),
                                   ("attention_mask", attention_mask)) if v is not None]
     if len(given) != 1:
-        raise TypeError("pass exactly one of seq_lens, cu_seqlens and attention_mask, got "
-                        f"{', '.join(given) if given else 'none'}")
+        raise InputTypeError("pass exactly one of seq_lens, cu_seqlens and attention_mask, got "
+                             f"{', '.join(given) if given else 'none'}")
     check_tensor("input_ids", input_ids, 2, "2-D (batch, seq)")  # the layout reads its shape
     batch, device = input_ids.shape[0], input_ids.device
     if attention_mask is not None:
@@ -584,8 +621,8 @@ def _packed_layout(input_ids: torch.Tensor, seq_lens: object, cu_seqlens: object
     elif isinstance(seq_lens, torch.Tensor) and (seq_lens.dim() == 2 or (
             seq_lens.dim() == 1 and batch == 1)):
         if seq_lens.dim() == 2 and seq_lens.shape[0] != batch:
-            raise ValueError(f"seq_lens as a tensor must be (batch, n) with batch = {batch} "
-                             f"(the rows of input_ids), got shape {tuple(seq_lens.shape)}")
+            raise InputValueError(f"seq_lens as a tensor must be (batch, n) with batch = {batch} "
+                                  f"(the rows of input_ids), got shape {tuple(seq_lens.shape)}")
         n = seq_lens.shape[-1]
         return _Layout(seq_lens.reshape(-1),
                        torch.full((batch,), n, dtype=torch.int64, device=seq_lens.device))
@@ -600,8 +637,8 @@ def _packed_layout(input_ids: torch.Tensor, seq_lens: object, cu_seqlens: object
         lens, per_row = [], []
         for b, row in enumerate(_rows_of("cu_seqlens", cu_seqlens, batch)):
             if not row or row[0] != 0:
-                raise ValueError(f"cu_seqlens[{b}] must start with 0 (cumulative lengths "
-                                 f"[0, l0, l0 + l1, ...]), got {row[:3]}")
+                raise InputValueError(f"cu_seqlens[{b}] must start with 0 (cumulative lengths "
+                                      f"[0, l0, l0 + l1, ...]), got {row[:3]}")
             lens += [row[k] - row[k - 1] for k in range(1, len(row))]
             per_row.append(len(row) - 1)
     return _Layout(torch.tensor(lens, dtype=torch.int64, device=device),
@@ -620,22 +657,22 @@ def _explain_layout(input_ids: torch.Tensor, seq_lens: object, cu_seqlens: objec
             for k in range(1, len(row)):
                 where = f"cu_seqlens[{b}][{k}] (end of example {example + k - 1})"
                 if row[k] < row[k - 1]:
-                    raise ValueError(f"{where} is {row[k]}, below cu_seqlens[{b}][{k - 1}] = "
-                                     f"{row[k - 1]}; cumulative lengths must not decrease")
+                    raise InputValueError(f"{where} is {row[k]}, below cu_seqlens[{b}][{k - 1}] = "
+                                          f"{row[k - 1]}; cumulative lengths must not decrease")
                 if row[k] > length:
-                    raise ValueError(f"{where} is {row[k]}, past the {length} tokens of the "
-                                     "input_ids rows")
+                    raise InputValueError(f"{where} is {row[k]}, past the {length} tokens of the "
+                                          "input_ids rows")
             example += len(row) - 1
             continue
         used = 0
         for k, n in enumerate(row):
             where = f"seq_lens[{b}][{k}] (example {example})"
             if n < 0:
-                raise ValueError(f"{where} is {n}; lengths must be >= 0")
+                raise InputValueError(f"{where} is {n}; lengths must be >= 0")
             used += n
             if used > length:
-                raise ValueError(f"{where}: the examples of row {b} up to this one need "
-                                 f"{used} tokens, but input_ids rows have {length}")
+                raise InputValueError(f"{where}: the examples of row {b} up to this one need "
+                                      f"{used} tokens, but input_ids rows have {length}")
             example += 1
 
 
@@ -644,11 +681,12 @@ def _mask_layout(mask: object, input_ids: torch.Tensor) -> tuple[list[int], list
     order, 0 for padding after the last example."""
     check_tensor("attention_mask", mask, 2, "2-D (batch, seq) of example numbers")
     if mask.is_floating_point() or mask.is_complex():
-        raise TypeError(f"attention_mask must hold integer example numbers (1, 2, 3, ... per "
-                        f"row, 0 for padding), got {mask.dtype}")
+        raise InputTypeError(f"attention_mask must hold integer example numbers (1, 2, 3, ... per "
+                             f"row, 0 for padding), got {mask.dtype}")
     if mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask shape {tuple(mask.shape)} must equal input_ids shape "
-                         f"{tuple(input_ids.shape)}")
+        raise InputValueError(
+            f"attention_mask shape {tuple(mask.shape)} must equal input_ids shape "
+            f"{tuple(input_ids.shape)}")
     m = mask.long()
     if m.numel() == 0:
         return [], [0] * m.shape[0]
@@ -664,7 +702,7 @@ def _mask_layout(mask: object, input_ids: torch.Tensor) -> tuple[list[int], list
         where = (f"after example {after} of row {b} (example "
                  f"{int(m[:b].amax(dim=1).sum()) + after - 1} of the batch)" if after > 0 else
                  "after padding" if j else "at the start of the row")
-        raise ValueError(
+        raise InputValueError(
             f"attention_mask[{b}, {j}] is {int(m[b, j])} {where}: a packed mask numbers the "
             "examples of each row 1, 2, 3, ... in order, each example's tokens together, and "
             "holds 0 only for padding after the last example")

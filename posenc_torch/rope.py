@@ -15,6 +15,8 @@ import torch
 
 from . import ops
 from ._checks import (
+    InputTypeError,
+    InputValueError,
     check_bool,
     check_dtype,
     check_real,
@@ -38,7 +40,7 @@ def _check_qk(q: object, k: object, unsqueeze_dim: int) -> None:
 
 def _check_no_inv_freq_grad(inv_freq: torch.Tensor) -> None:
     if inv_freq.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
+        raise InputValueError(
             "inv_freq requires grad, but posenc_torch does not differentiate with respect to "
             "the frequencies; pass inv_freq.detach() (rotary modules keep it as a buffer)")
 
@@ -158,7 +160,7 @@ def apply_rotary_pos_emb_vision(
 def _vision_table(name: str, t: torch.Tensor) -> torch.Tensor:
     """A float table as fp32 (an integer one is a TypeError, not a silent conversion)."""
     if not t.is_floating_point():
-        raise TypeError(f"{name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
+        raise InputTypeError(f"{name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
     return t.float()
 
 
@@ -170,7 +172,7 @@ def _check_vision_call(q: object, k: object, cos: object, sin: object) -> None:
     patches = q.shape[0]  # the op sees them as a sequence: name them as the caller does
     for name, t in (("k", k), ("cos", cos), ("sin", sin)):
         if t.shape[0] != patches:
-            raise ValueError(f"{name} has {t.shape[0]} patches (dim 0) but q has {patches}")
+            raise InputValueError(f"{name} has {t.shape[0]} patches (dim 0) but q has {patches}")
     check_same_device(q=q, k=k, cos=cos, sin=sin)
 
 

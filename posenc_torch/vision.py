@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 
 from ._checks import (
+    InputTypeError,
+    InputValueError,
     check_bool,
     check_int,
     check_same_device,
@@ -52,18 +54,28 @@ _is_compiling = torch.compiler.is_compiling
 # Checks (run after an op failed, or while tracing, where no kernel runs).
 
 
+def _check_readable(name: str, t: torch.Tensor) -> None:
+    """The walks read the grids' values (their results' sizes depend on them): a meta
+    tensor has none, so it is a device these functions do not run on."""
+    if t.is_meta:
+        raise NotImplementedError(f"{name} is a meta tensor: the vision functions read its "
+                                  "values, which a meta tensor does not have")
+
+
 def _check_grids(name: str, grid_thw: object, columns: int = 3) -> None:
     layout = "(num_grids, 3) of (t, h, w)" if columns == 3 else "(num_images, 2) of (h, w)"
     t = check_tensor(name, grid_thw, 2, f"2-D {layout}")
+    _check_readable(name, t)
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor (int64 or int32), got {t.dtype}")
+        raise InputTypeError(f"{name} must be an integer tensor (int64 or int32), got {t.dtype}")
     if t.shape[1] != columns:
-        raise ValueError(f"{name} must have shape {layout}, got shape {tuple(t.shape)}")
+        raise InputValueError(f"{name} must have shape {layout}, got shape {tuple(t.shape)}")
 
 
 def _check_grid_thw(grid_thw: object) -> None:
     check_tensor("grid_thw", grid_thw, 2, "2-D (num_grids, 3) of (t, h, w)")
     check_same_device(grid_thw=grid_thw)
+    _check_readable("grid_thw", grid_thw)
 
 
 def _on_host(t: torch.Tensor) -> torch.Tensor:
@@ -80,7 +92,7 @@ def _call(op, name: str, grids: object, *args: object, columns: int = 3):
     """op(grids on the CPU, *args) with its results on the grids' device; the op's failure
     explained in terms of the public arguments."""
     if not isinstance(grids, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(grids).__name__}")
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(grids).__name__}")
     if _is_compiling():
         _check_grids(name, grids, columns)
     try:
@@ -93,7 +105,7 @@ def _call(op, name: str, grids: object, *args: object, columns: int = 3):
 def _choice(name: str, value: object, choices: dict[str, int]) -> int:
     code = choices.get(check_str(name, value))
     if code is None:
-        raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
+        raise InputValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
     return code
 
 
@@ -266,13 +278,14 @@ def get_vision_interpolation_indices_and_weights(
     check_int("num_grid_per_side", num_grid_per_side, 1)
     check_int("spatial_merge_size", spatial_merge_size, 1)
     if check_str("convention", convention) not in CONVENTIONS:
-        raise ValueError(f"convention must be one of {tuple(CONVENTIONS)}, got {convention!r}")
+        raise InputValueError(f"convention must be one of {tuple(CONVENTIONS)}, got {convention!r}")
     rule = INTERP_RULES_5
     if not CONVENTIONS[convention].v5:  # 4.57: fast_pos_embed_interpolate
         if code != INTERP_MODES["bilinear"] or not align_corners or padding != "border":
-            raise ValueError("convention='4.57' (Qwen3-VL's fast_pos_embed_interpolate) is "
-                             "bilinear with align_corners=True and padding='border' only, got "
-                             f"mode={mode!r}, align_corners={align_corners}, padding={padding!r}")
+            raise InputValueError(
+                "convention='4.57' (Qwen3-VL's fast_pos_embed_interpolate) is "
+                "bilinear with align_corners=True and padding='border' only, got "
+                f"mode={mode!r}, align_corners={align_corners}, padding={padding!r}")
         rule = _linspace_rule()
     return _call(torch.ops.posenc.vision_interpolation, "grid_thw", grid_thw, num_grid_per_side,
                  code, align_corners, spatial_merge_size, pad, rule)
@@ -329,14 +342,16 @@ def get_vision_merged_shape(target_sizes: torch.Tensor,
     _check_grids("target_sizes", target_sizes, 2)
     if (isinstance(window_kernel_size, torch.Tensor)
             or not isinstance(window_kernel_size, (tuple, list)) or len(window_kernel_size) != 2):
-        raise TypeError(f"window_kernel_size must be a (window_h, window_w) tuple of ints, got "
-                        f"{window_kernel_size!r}")
+        raise InputTypeError(
+            f"window_kernel_size must be a (window_h, window_w) tuple of ints, got "
+            f"{window_kernel_size!r}")
     window_h = check_int("window_kernel_size[0]", window_kernel_size[0], 1)
     window_w = check_int("window_kernel_size[1]", window_kernel_size[1], 1)
     if target_sizes.shape[0] == 0:
-        raise ValueError("target_sizes has no row: the merged shape is that of its first image")
+        raise InputValueError(
+            "target_sizes has no row: the merged shape is that of its first image")
     h, w = (int(v) for v in target_sizes[0].tolist())
     if h < 1 or w < 1:
-        raise ValueError(f"target_sizes[0] = ({h}, {w}) is not a valid size: h and w must be "
-                         "positive")
+        raise InputValueError(f"target_sizes[0] = ({h}, {w}) is not a valid size: h and w must be "
+                              "positive")
     return h // window_h, w // window_w

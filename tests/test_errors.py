@@ -3,8 +3,11 @@
 TypeError for a wrong type or dtype, ValueError for a wrong shape, size, section or value,
 RuntimeError only for failures of allocation, threads or a device (NotImplementedError, a
 RuntimeError, for a device without posenc kernels).  Each message names the argument.
-Raw ``torch.ops.posenc`` calls raise ValueError for every bad argument, a type failure's
-message starting with "TypeError: ".
+The bad-input errors of the core are ``InputTypeError`` / ``InputValueError`` (both
+``InputError``), on every torch (`make compat`, `compat-min` and `compat-newest` run this
+file under torch 2.14.1, 2.11.0 and the newest release).  Raw ``torch.ops.posenc`` calls
+state the class in their message, "TypeError: " or "ValueError: ", and raise the type
+torch chooses (ValueError up to torch 2.14, RuntimeError from 2.15 on: tests/op_errors.py).
 
 Also here: the checks run only when a call fails, for every device; the plain path taken
 when torch lacks a private name; the fake kernels' strides; vmap.
@@ -20,7 +23,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import posenc_torch as P
+from op_errors import raw_raises
 from posenc_torch import _checks, ops, packing, positions, rope, vision
+from posenc_torch._checks import InputError, InputTypeError, InputValueError
 
 # ----------------------------------------------------------------------- valid arguments
 
@@ -282,6 +287,15 @@ CASES = [
      TypeError, "pass image_token_id, video_token_id, vision_start_token_id"),
     ("positions/missing-5", lambda: _positions(image_grid_thw=torch.tensor([[1, 2, 2]])),
      TypeError, "pass it, or image_token_id and video_token_id"),
+    ("positions/ids-none-4.57", lambda: _positions(input_ids=None, convention="4.57",
+                                                   image_token_id=7, video_token_id=8,
+                                                   vision_start_token_id=9), TypeError,
+     "input_ids must be a torch.Tensor, got NoneType"),
+    ("positions/ids-none-5", lambda: _positions(input_ids=None), TypeError,
+     "input_ids must be a torch.Tensor, got NoneType"),
+    ("positions/ids-none-grids", lambda: _positions(input_ids=None, image_grid_thw=_GRID,
+                                                    image_token_id=7, video_token_id=8),
+     TypeError, "input_ids must be a torch.Tensor, got NoneType"),
     ("positions/mask-meta", lambda: _positions(attention_mask=torch.ones(1, 4, device="meta")),
      ValueError, "attention_mask is on meta but input_ids is on cpu"),
     ("positions/grid-meta", lambda: _positions(
@@ -317,6 +331,10 @@ CASES = [
     ("packed/mask-meta", lambda: _packed(seq_lens=None, attention_mask=torch.ones(
         1, 4, dtype=torch.long, device="meta")), ValueError,
      "attention_mask is on meta but input_ids is on cpu"),
+    ("packed/seq-lens-huge", lambda: _packed(seq_lens=[[2**64]]), ValueError,
+     r"seq_lens\[0\]\[0\] must fit in int64"),
+    ("packed/cu-huge", lambda: _packed(seq_lens=None, cu_seqlens=[0, 2**64]), ValueError,
+     r"cu_seqlens\[0\]\[1\] must fit in int64"),
     ("packed/merge-huge", lambda: _packed(spatial_merge_size=-2**63 - 1), ValueError,
      "spatial_merge_size must fit in int64"),
     # resolve_convention
@@ -349,6 +367,12 @@ CASES = [
         2, 1, dtype=torch.complex64)), TypeError, "mrope_position_deltas must be an integer"),
     ("decode/new-tokens-huge", lambda: _decode(num_new_tokens=2**70), ValueError,
      "num_new_tokens must fit in int64"),
+    ("decode/allocation", lambda: _decode(num_new_tokens=2**40), RuntimeError,
+     r"could not allocate the \(3, 2, num_new_tokens\) position ids of num_new_tokens = "
+     "1099511627776"),
+    ("decode/allocation-prompt", lambda: _decode(num_new_tokens=2**40, prompt_position_ids=(
+        torch.zeros(3, 2, 4, dtype=torch.long))), RuntimeError,
+     r"could not allocate the \(3, 2, num_new_tokens\) position ids of num_new_tokens"),
     ("decode/batch-size-type", lambda: _decode(batch_size=2.0), TypeError, "batch_size"),
     ("decode/convention-type", lambda: _decode(convention=5.17), TypeError,
      "convention must be a str"),
@@ -374,6 +398,8 @@ CASES = [
     ("vision-ids/allocation", lambda: P.vision_rotary_position_ids(
         torch.tensor([[1, 2**22, 2**22]])), RuntimeError,
      r"could not allocate the \(patches, 2\) ids of grid_thw"),
+    ("vision-ids/grid-meta", lambda: P.vision_rotary_position_ids(_GRID.to("meta")),
+     NotImplementedError, "grid_thw is a meta tensor: the vision functions read its values"),
     # posenc_torch.vision
     ("vision-pos/grid-dtype", lambda: vision.get_vision_position_ids(torch.ones(1, 3), 2),
      TypeError, "grid_thw must be an integer tensor"),
@@ -383,6 +409,8 @@ CASES = [
         torch.tensor([[1, 4, 4], [1, 4, 3]]), 2), ValueError, r"grid_thw\[1\] = \(1, 4, 3\)"),
     ("vision-pos/merge-tensor", lambda: vision.get_vision_position_ids(
         _GRID, torch.tensor([2, 2])), ValueError, "spatial_merge_size as a tensor must have one"),
+    ("vision-pos/grid-meta", lambda: vision.get_vision_position_ids(_GRID.to("meta"), 2),
+     NotImplementedError, "grid_thw is a meta tensor"),
     ("vision-cu/flag-type", lambda: vision.get_vision_cu_seqlens(_GRID, "yes"), TypeError,
      "merge_temporal must be a bool"),
     ("vision-cu/grid-shape", lambda: vision.get_vision_cu_seqlens(torch.ones(2, 2,
@@ -392,6 +420,8 @@ CASES = [
      "grid_thw must be a torch.Tensor"),
     ("vision-att/grid-value", lambda: vision.get_vision_attention_seqlens(
         torch.tensor([[0, 2, 2]])), ValueError, r"grid_thw\[0\] = \(0, 2, 2\)"),
+    ("vision-att/grid-meta", lambda: vision.get_vision_attention_seqlens(_GRID.to("meta")),
+     NotImplementedError, "grid_thw is a meta tensor"),
     ("vision-win/window-type", lambda: vision.get_vision_window_index(_GRID, 2, 112.0, 14),
      TypeError, "window_size must be an int"),
     ("vision-win/window-small", lambda: vision.get_vision_window_index(_GRID, 2, 20, 14),
@@ -414,6 +444,9 @@ CASES = [
         torch.tensor([[4, 4]]), 2), TypeError, "window_kernel_size must be"),
     ("vision-merged/sizes-value", lambda: vision.get_vision_merged_shape(
         torch.tensor([[0, 4]]), (2, 2)), ValueError, r"target_sizes\[0\] = \(0, 4\)"),
+    ("vision-merged/sizes-meta", lambda: vision.get_vision_merged_shape(
+        torch.tensor([[4, 4]], device="meta"), (2, 2)), NotImplementedError,
+     "target_sizes is a meta tensor"),
     # sinusoidal_position_encoding
     ("sinusoidal/positions-type", lambda: P.sinusoidal_position_encoding(4.0, 8), TypeError,
      "num_positions"),
@@ -453,6 +486,18 @@ CASES = [
      r"examples\[1\] has 5 tokens, more than max_tokens=4"),
     ("pack/config", lambda: _pack(config=types.SimpleNamespace()), ValueError,
      "config must be a Qwen-VL model or config"),
+    ("pack/config-none", lambda: _pack(config=None), TypeError,
+     "config is required: the Qwen-VL model or its config, got None"),
+    ("pack/no-input-ids", lambda: _pack(examples=[TEXT_EXAMPLE, {"attention_mask": torch.ones(
+        1, 3)}]), TypeError, r"examples\[1\] has no 'input_ids'"),
+    ("pack/grid-meta", lambda: _pack(examples=[TEXT_EXAMPLE, dict(
+        IMAGE_EXAMPLE, image_grid_thw=IMAGE_EXAMPLE["image_grid_thw"].to("meta"))]), ValueError,
+     r"examples\[1\]\['image_grid_thw'\] is a meta tensor"),
+    ("pack/multiple-huge", lambda: _pack(pad_to_multiple_of=2**70), ValueError,
+     "pad_to_multiple_of must fit in int64"),
+    ("pack/allocation", lambda: _pack(pad_to_multiple_of=2**40), RuntimeError,
+     r"could not allocate the \(rows, L\) batch of shape \(1, 1099511627776\): L is the "
+     r"longest row \(8 tokens\) rounded up to a multiple of pad_to_multiple_of = 1099511627776"),
     ("pack/grid-tokens", lambda: _pack(examples=[TEXT_EXAMPLE, dict(
         IMAGE_EXAMPLE, input_ids=torch.tensor([[1, 6, 7, 9, 9]]))]), ValueError,
      r"^examples\[1\]: image_grid_thw\[0\] = \(1, 2, 4\) needs 2 image_token_id tokens"),
@@ -460,6 +505,10 @@ CASES = [
      "return_flash_attn_kwargs must be a bool"),
     ("collator/multiple-value", lambda: _collator(pad_to_multiple_of=0), ValueError,
      "pad_to_multiple_of must be >= 1"),
+    ("collator/config-none", lambda: packing.MultimodalPackingCollator(None), TypeError,
+     "config is required"),
+    ("collator/max-tokens-huge", lambda: _collator(max_tokens=2**70), ValueError,
+     "max_tokens must fit in int64"),
     ("collator/precompute-str", lambda: _collator(precompute_vision="yes"), TypeError,
      "precompute_vision must be a bool"),
     ("pack/precompute-int", lambda: _pack(precompute_vision=1), TypeError,
@@ -474,11 +523,22 @@ CASES = [
      "padding_side must be 'right' or 'left'"),
     ("pad/empty", lambda: packing.pad_multimodal_examples([], CONFIG), ValueError,
      "examples is empty"),
+    ("pad/config-none", lambda: packing.pad_multimodal_examples([TEXT_EXAMPLE], None), TypeError,
+     "config is required"),
+    ("pad/multiple-huge", lambda: packing.pad_multimodal_examples(
+        [TEXT_EXAMPLE], CONFIG, pad_to_multiple_of=2**70), ValueError,
+     "pad_to_multiple_of must fit in int64"),
+    ("pad/allocation", lambda: packing.pad_multimodal_examples(
+        [TEXT_EXAMPLE], CONFIG, pad_to_multiple_of=2**40), RuntimeError,
+     r"could not allocate the \(rows, L\) batch of shape \(1, 1099511627776\): L is the "
+     r"longest row \(3 tokens\)"),
     ("pad/grid-pixels", lambda: packing.pad_multimodal_examples([dict(
         IMAGE_EXAMPLE, pixel_values=torch.ones(7, 24))], CONFIG), ValueError,
      r"^examples\[0\]\['pixel_values'\] has 7 patches but image_grid_thw describes 8"),
     ("pad-collator/precompute-str", lambda: packing.MultimodalPaddingCollator(
         CONFIG, precompute_vision="no"), TypeError, "precompute_vision must be a bool"),
+    ("pad-collator/config-none", lambda: packing.MultimodalPaddingCollator(None), TypeError,
+     "config is required"),
     ("pad-collator/multiple-value", lambda: packing.MultimodalPaddingCollator(
         CONFIG, pad_to_multiple_of=0), ValueError, "pad_to_multiple_of must be >= 1"),
     ("first-fit/length-float", lambda: packing.first_fit([3, 1.5], 4), TypeError,
@@ -487,6 +547,8 @@ CASES = [
      "lengths must be a sequence of ints"),
     ("first-fit/max-tokens-bool", lambda: packing.first_fit([1, 1], True), TypeError,
      "max_tokens must be an int"),
+    ("first-fit/length-huge", lambda: packing.first_fit([3, 2**64], None), ValueError,
+     r"lengths\[1\] must fit in int64"),
     ("first-fit/length-negative", lambda: packing.first_fit([3, -1], 4), ValueError,
      r"lengths\[1\] must be >= 0"),
     ("first-fit/too-long", lambda: packing.first_fit([3, 5], 4), ValueError,
@@ -499,6 +561,26 @@ CASES = [
      "attn_implementation must be a str"),
     ("leaks/position-rank", lambda: _leaks(position_ids=torch.arange(4)), ValueError,
      "position_ids must be"),
+    ("leaks/position-no-rows", lambda: _leaks(position_ids=torch.zeros(0, 2, 5, dtype=torch.long),
+                                              use_cache=True), ValueError,
+     r"position_ids must be \(3 or 4, batch, seq\) or \(batch, seq\), got shape \(0, 2, 5\)"),
+    ("leaks/mask-meta", lambda: _leaks(attention_mask=torch.ones(2, 5, device="meta")),
+     ValueError, "attention_mask is on meta but position_ids is on cpu"),
+    ("leaks/mask-meta-flash", lambda: _leaks(attention_mask=torch.ones(2, 5, device="meta"),
+                                             attn_implementation="flash_attention_2"),
+     ValueError, "attention_mask is on meta but position_ids is on cpu"),
+    ("leaks/position-complex", lambda: _leaks(position_ids=PACKED_POS.to(torch.complex64),
+                                              use_cache=True), TypeError,
+     "position_ids must be an integer tensor, got torch.complex64"),
+    ("leaks/position-bool", lambda: _leaks(position_ids=PACKED_POS.bool(), use_cache=True),
+     TypeError, "position_ids must be an integer tensor, got torch.bool"),
+    ("leaks/position-float", lambda: _leaks(position_ids=PACKED_POS.float(), use_cache=True),
+     TypeError, "position_ids must be an integer tensor, got torch.float32"),
+    ("leaks/mask-complex", lambda: _leaks(attention_mask=torch.ones(2, 5, dtype=torch.complex64)),
+     TypeError, "attention_mask must be bool, integer or floating"),
+    ("leaks/cu-seq-lens-float", lambda: _leaks(cu_seq_lens_q=torch.tensor([0.0, 3.0, 5.0]),
+                                               attn_implementation="flash_attention_2"),
+     TypeError, "cu_seq_lens_q must be an integer tensor"),
     ("warn-leaks/use-cache-type", lambda: _leaks(packing.warn_packed_attention_leaks,
                                                  use_cache="no"), TypeError,
      "use_cache must be a bool"),
@@ -519,14 +601,29 @@ CASES = [
 ]
 
 
+# posenc's own class for each bad-input class of the table: what "posenc refused the
+# arguments" is raised as, on every torch.
+INPUT_CLASSES = {TypeError: InputTypeError, ValueError: InputValueError}
+# The cases of the transformers integration's own argument checks (posenc_torch.hf.patch):
+# they raise the built-in classes, not InputError (the integration is not part of the core).
+INTEGRATION = ("patch",)
+
+
 @pytest.mark.parametrize("call,exc,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_error_policy(call, exc, fragment):
+def test_error_policy(request, call, exc, fragment):
     with pytest.raises(exc, match=fragment) as info:
         call()
-    # the class itself, not a subclass standing in for it (NotImplementedError is not
-    # one of these cases); and never the shim's type tag in a public message
-    assert type(info.value) is exc
-    assert not str(info.value).startswith(_checks.TYPE_ERROR_TAG)
+    # never the shim's class tag in a public message
+    assert not str(info.value).startswith((_checks.TYPE_ERROR_TAG, _checks.VALUE_ERROR_TAG))
+    if request.node.callspec.id.split("/")[0] in INTEGRATION:
+        assert type(info.value) is exc
+    elif exc in INPUT_CLASSES:
+        # bad input: posenc's InputError of the class, whatever exception torch delivered
+        assert type(info.value) is INPUT_CLASSES[exc]
+        assert isinstance(info.value, InputError)
+    else:
+        # allocation, threads, a device: the class itself, never an InputError
+        assert type(info.value) is exc and not isinstance(info.value, InputError)
 
 
 # The public functions of posenc_torch, posenc_torch.packing and posenc_torch.vision (their
@@ -557,7 +654,8 @@ def test_every_public_function_has_each_class():
     functions = {}
     for name, _, exc, _ in CASES:
         functions.setdefault(name.split("/")[0], set()).add(exc)
-    public = [n for n in (*P.__all__, *packing.__all__, *vision.__all__) if n != "kernel_isa"]
+    public = [n for n in (*P.__all__, *packing.__all__, *vision.__all__)
+              if n != "kernel_isa" and not n.startswith("Input")]  # InputError and its classes
     missing = [n for n in public if PUBLIC.get(n) not in functions]
     assert not missing, f"public functions without cases in CASES: {missing}"
     for name in public:
@@ -569,35 +667,88 @@ def test_every_public_function_has_each_class():
 # ------------------------------------------------------------------------------ raw ops
 
 
-def test_raw_ops_raise_value_error_with_a_type_tag():
+def test_raw_ops_state_the_class_in_the_message():
     q, k = _qk()
     cos, sin = _tables()
-    with pytest.raises(ValueError) as info:
+    with raw_raises(TypeError, "^q must be float32"):
         torch.ops.posenc.rope(q.long(), k, cos, sin, [], False, 0, False, None, None, True)
-    assert str(info.value).startswith(_checks.TYPE_ERROR_TAG + "q must be float32")
-    with pytest.raises(ValueError) as info:
+    with raw_raises(ValueError, "^k batch size 1 must equal q batch size 2$"):
         torch.ops.posenc.rope(q, k[:1], cos, sin, [], False, 0, False, None, None, True)
-    assert str(info.value).startswith("k batch size 1 must equal q batch size 2")
-    with pytest.raises(ValueError, match="^TypeError: dtype must be float32"):
+    with raw_raises(TypeError, "^dtype must be float32"):
         torch.ops.posenc.rope_tables(POS, INV, [], False, 1.0, 0, torch.int64)
-    with pytest.raises(ValueError, match="^TypeError: input_ids must be an integer tensor"):
+    with raw_raises(TypeError, "^input_ids must be an integer tensor"):
         torch.ops.posenc.mrope_position_ids(IDS.float(), None, None, None, None, 0, 7, 8, 9, 2,
                                             0.0)
     # a missing input: a type failure, as the public function's TypeError
-    with pytest.raises(ValueError, match="^TypeError: mm_token_type_ids is required"):
+    with raw_raises(TypeError, "^mm_token_type_ids is required"):
         torch.ops.posenc.mrope_position_ids(IDS, torch.tensor([[1, 2, 2]]), None, None, None, 0,
                                             0, 1, 2, 2, 0.0, None, 1)
-    with pytest.raises(RuntimeError, match="could not allocate"):
+    # an example's error inside the packed walk: one tag, at the start
+    with raw_raises(ValueError, r"^example 0 \(row 0, input_ids\[0, 0:4\]\): input_ids\[0, 2\]"):
+        torch.ops.posenc.mrope_packed_position_ids(
+            torch.tensor([[1, 9, 7, 4]]), torch.tensor([4]), torch.tensor([1]), None, None,
+            None, 0, 7, 8, 9, 2, 0.0, None, 0, 0)
+    # allocation: a RuntimeError under every torch, without a tag
+    with pytest.raises(RuntimeError, match="^could not allocate") as info:
         torch.ops.posenc.sinusoidal(2**40, 8, 10000.0, torch.float32)
+    assert type(info.value) is RuntimeError
 
 
-def test_op_error_translates_only_tagged_value_errors():
-    assert type(_checks.op_error(ValueError("TypeError: q must be"))) is TypeError
-    assert str(_checks.op_error(ValueError("TypeError: q must be"))) == "q must be"
-    plain = ValueError("k batch size")
-    assert _checks.op_error(plain) is plain
-    other = RuntimeError("TypeError: not from the shim's checks")
-    assert _checks.op_error(other) is other
+def test_op_error_reads_the_tag_whatever_the_exception_type():
+    """ValueError is what torch 2.11 to 2.14 deliver, RuntimeError what 2.15 delivers: the
+    tag alone decides the class."""
+    for delivered in (ValueError, RuntimeError, Exception):
+        err = _checks.op_error(delivered("TypeError: q must be float32"))
+        assert type(err) is InputTypeError and str(err) == "q must be float32"
+        err = _checks.op_error(delivered("ValueError: k batch size 1"))
+        assert type(err) is InputValueError and str(err) == "k batch size 1"
+        assert isinstance(err, ValueError) and isinstance(err, InputError)
+        untagged = delivered("could not allocate the table")
+        assert _checks.op_error(untagged) is untagged
+    found = InputValueError("ValueError: a message of Python's own")  # not the shim's
+    assert _checks.op_error(found) is found
+
+
+def test_input_classes_are_the_builtin_classes_too():
+    assert issubclass(InputTypeError, TypeError) and issubclass(InputTypeError, InputError)
+    assert issubclass(InputValueError, ValueError) and issubclass(InputValueError, InputError)
+    assert not issubclass(InputError, (TypeError, ValueError, RuntimeError))
+    assert (P.InputError, P.InputTypeError, P.InputValueError) == (
+        InputError, InputTypeError, InputValueError)
+
+
+def _delivered_as_runtime_errors(monkeypatch) -> None:
+    """Every shim failure of the ops below reaches Python as a RuntimeError with its message
+    unchanged, as torch 2.15 delivers them, whatever torch runs the test."""
+    def relabel(op):
+        def call(*args, **kwargs):
+            try:
+                return op(*args, **kwargs)
+            except (ValueError, RuntimeError) as err:
+                if isinstance(err, InputError):  # raised by Python (a fake kernel's check)
+                    raise
+                raise RuntimeError(str(err)) from None
+        return call
+
+    monkeypatch.setattr(ops, "rope", relabel(ops.rope))
+    for name in ("sinusoidal", "mrope_position_ids", "vision_position_ids"):
+        monkeypatch.setattr(torch.ops.posenc, name, relabel(getattr(torch.ops.posenc, name)))
+
+
+@pytest.mark.parametrize("case", [
+    "rot/k-batch", "rot/q-dtype", "rot/sin-dtype", "sinusoidal/positions-value",
+    "sinusoidal/dtype", "sinusoidal/allocation", "positions/mask-shape", "positions/ids-dtype",
+    "vision-ids/grid-value", "vision-ids/allocation", "vision-pos/grid-value",
+])
+def test_public_classes_do_not_depend_on_the_delivered_type(monkeypatch, case):
+    """The public functions raise the table's class from the shim's tag when the failure
+    reaches Python as a RuntimeError (torch 2.15's delivery; the table above runs under the
+    torch at hand only)."""
+    _, call, exc, fragment = next(c for c in CASES if c[0] == case)
+    _delivered_as_runtime_errors(monkeypatch)
+    with pytest.raises(exc, match=fragment) as info:
+        call()
+    assert type(info.value) is INPUT_CLASSES.get(exc, exc)
 
 
 # --------------------------------------------------- the checks run only on failure

@@ -766,7 +766,7 @@ def _bad_cases(config):
         (dict(image, second_per_grid_ts=torch.tensor([1.0])), ValueError,
          r"examples\[1\]\['second_per_grid_ts'\].*qwen2_5_vl"),
         ("not a mapping", TypeError, r"examples\[1\] must be a mapping"),
-        ({"attention_mask": image["attention_mask"]}, ValueError,
+        ({"attention_mask": image["attention_mask"]}, TypeError,  # a missing input
          r"examples\[1\] has no 'input_ids'"),
     ]
 

@@ -733,7 +733,7 @@ struct ExampleNames {
     try {
         raise_position_error(e, rc, in.images, in.videos, merge, model, in.v5, first_grid);
     } catch (const std::invalid_argument& ex) {
-        fail_value(name(e.example), ": ", ex.what());
+        fail_value(name(e.example), ": ", value_message(ex));
     }
 }
 
@@ -790,7 +790,7 @@ struct ExampleNames {
     try {
         raise_position_error(e, rc, in.images, in.videos, merge, model, in.v5);
     } catch (const std::invalid_argument& ex) {
-        fail_value(where, ex.what());
+        fail_value(where, value_message(ex));
     }
 }
 

@@ -41,15 +41,17 @@ using torch::stable::Tensor;
 using IntList = torch::headeronly::IntHeaderOnlyArrayRef;
 
 // ---- Errors.  Every check belongs to one class of the error policy (README, "Errors"):
-//   PE_CHECK_TYPE   a wrong dtype                          ValueError, message "TypeError: ..."
-//   PE_CHECK_VALUE  a wrong shape, size, section or value  ValueError
-//   PE_CHECK        allocation, threads, device failures   RuntimeError
-// std::invalid_argument reaches Python as ValueError and std::runtime_error as
-// RuntimeError.  The stable ABI has no way to raise TypeError, so a type failure is a
-// ValueError whose message starts with kTypeErrorTag; the public Python functions turn it
-// into a TypeError (posenc_torch/_checks.py, TYPE_ERROR_TAG) without checking anything again.
+//   PE_CHECK_TYPE   a wrong dtype                          message "TypeError: ..."
+//   PE_CHECK_VALUE  a wrong shape, size, section or value  message "ValueError: ..."
+//   PE_CHECK        allocation, threads, device failures   message without a tag
+// The tag at the start of the message is how the shim states the class: the exception type
+// that reaches Python is torch's to choose (std::invalid_argument, thrown for both tagged
+// kinds, was a ValueError up to torch 2.14; torch 2.15 delivers every shim failure as a
+// RuntimeError, std::runtime_error always was one).  The public Python functions raise the
+// class the tag names (posenc_torch/_checks.py, op_error) without checking anything again.
 
 inline constexpr const char* kTypeErrorTag = "TypeError: ";
+inline constexpr const char* kValueErrorTag = "ValueError: ";
 
 template <class... Args>
 std::string cat(const Args&... args) {
@@ -65,12 +67,20 @@ template <class... Args>
 
 template <class... Args>
 [[noreturn]] __attribute__((cold, noinline)) void fail_value(const Args&... args) {
-    throw std::invalid_argument(cat(args...));
+    throw std::invalid_argument(cat(kValueErrorTag, args...));
 }
 
 template <class... Args>
 [[noreturn]] __attribute__((cold, noinline)) void fail_type(const Args&... args) {
     throw std::invalid_argument(cat(kTypeErrorTag, args...));
+}
+
+// The message of a value failure (fail_value) without its tag, for a check that catches
+// one to say where it happened and throws it again with fail_value.
+inline std::string value_message(const std::invalid_argument& e) {
+    const std::string message = e.what();
+    const std::string tag = kValueErrorTag;
+    return message.compare(0, tag.size(), tag) == 0 ? message.substr(tag.size()) : message;
 }
 
 // The message arguments are evaluated only when the check fails.
