@@ -250,6 +250,32 @@ def test_a_route_whose_function_changed_falls_back(monkeypatch):
         assert handle.calls["qwen2_vl.get_vision_attention_seqlens"] > 0
 
 
+@v5
+def test_an_empty_grid_list_goes_to_transformers():
+    """Under patch() a grid list with no rows reaches transformers' function: its result or
+    its error, as without the patch."""
+    module = importlib.import_module("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+    empty = torch.zeros(0, 3, dtype=torch.int64)
+    calls = {"get_vision_position_ids": (empty, 2),
+             "get_vision_attention_seqlens": (empty, tiny_qwen("qwen2_5_vl").config),
+             "get_vision_window_index": (empty, 2, 112, 14)}
+
+    def outcome(fn, args):
+        try:
+            return fn(*args), None
+        except Exception as e:  # noqa: BLE001 -- compared by type and message
+            return None, (type(e), str(e))
+
+    expected = {name: outcome(getattr(module, name), args) for name, args in calls.items()}
+    with hf.patch("qwen2_5_vl") as handle:
+        for name, args in calls.items():
+            got, error = outcome(getattr(module, name), args)
+            want, want_error = expected[name]
+            assert error == want_error, name
+            assert error is not None or same(got, want), name
+            assert handle.fallbacks[f"qwen2_5_vl.{name}"] == 1, name
+
+
 # ---------------------------------------------------------------------------------------
 # transformers 4.57: patch() routes the towers' methods (posenc_torch/hf/_vision_methods.py)
 

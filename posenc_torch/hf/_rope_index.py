@@ -73,6 +73,13 @@ def _walk(self, arguments: dict, model: str, convention: str):
         raise Decline("input_ids")
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise Decline("input_ids dtype")
+    # transformers writes int64 positions into a tensor of input_ids' dtype where the
+    # mask (5.x) or the grids (4.57) send it down that path: it raises there
+    if input_ids.dtype != torch.int64 and (
+            arguments.get("attention_mask") is not None if CONVENTIONS[convention].v5
+            else arguments.get("image_grid_thw") is not None
+            or arguments.get("video_grid_thw") is not None):
+        raise Decline("transformers raises for these ids")
     device = input_ids.device
     cpu = torch.device("cpu")
 
