@@ -132,9 +132,16 @@ def _computation(original: Callable, model: str, convention: str) -> Callable:
     return compute
 
 
+_OWNERS: dict[str, type] = {}
+
+
 def _owner_and_original(model_type: str) -> tuple[type, Callable]:
+    """The class that defines get_rope_index (found once; checked to be still the module's)
+    and the method it holds now."""
     module = _transformers.modeling_module(model_type)
-    owner = _transformers.owner_class(module, _NAME)
+    owner = _OWNERS.get(model_type)
+    if owner is None or vars(module).get(owner.__name__) is not owner or _NAME not in vars(owner):
+        owner = _OWNERS[model_type] = _transformers.owner_class(module, _NAME)
     original = vars(owner)[_NAME]
     return owner, getattr(original, "posenc_original", original)
 
