@@ -42,6 +42,8 @@ import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 import transformers
 from test_hf_positions import (
@@ -154,17 +156,35 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
                            reduction="sum")
 
 
-def placements(examples: list[dict], max_tokens: int | None = MAX_TOKENS
-               ) -> dict[int, tuple[int, int, int]]:
-    """{example index: (row, start, length)} of the packed batch."""
-    lengths = [len(torch.as_tensor(ex["input_ids"]).reshape(-1)) for ex in examples]
-    where = {}
-    for r, row in enumerate(first_fit(lengths, max_tokens)):
+def placements(examples: list[dict], batch: dict) -> dict[int, tuple[int, int, int]]:
+    """{example index: (row, start, length)}, read off the packed batch itself: each row of
+    ``batch["input_ids"]`` must parse as whole examples laid end to end from its first
+    token (each found by its token ids, exactly one candidate at each step), then padding;
+    every example must be found once."""
+    ids = batch["input_ids"]
+    tokens = [torch.as_tensor(ex["input_ids"]).reshape(-1) for ex in examples]
+    left, where = set(range(len(examples))), {}
+    for r in range(ids.shape[0]):
         at = 0
-        for k in row:
-            where[k] = (r, at, lengths[k])
-            at += lengths[k]
+        while True:
+            fits = [k for k in sorted(left) if len(tokens[k]) and at + len(tokens[k])
+                    <= ids.shape[1] and torch.equal(ids[r, at:at + len(tokens[k])], tokens[k])]
+            if not fits:
+                break
+            assert len(fits) == 1, f"row {r} at {at}: examples {fits} all match"
+            where[fits[0]] = (r, at, len(tokens[fits[0]]))
+            left.discard(fits[0])
+            at += len(tokens[fits[0]])
+    assert not left, f"examples {sorted(left)} not found in the batch"
     return where
+
+
+def row_order(where: dict[int, tuple[int, int, int]]) -> list[list[int]]:
+    """The examples of each row, in the order they are laid out."""
+    rows: dict[int, list[int]] = {}
+    for k in sorted(where, key=lambda k: where[k][:2]):
+        rows.setdefault(where[k][0], []).append(k)
+    return [rows[r] for r in sorted(rows)]
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -195,6 +215,42 @@ def run_alone_and_packed(model, examples: list[dict], **pack_kw):
 
 
 # ---------------------------------------------------------------------------------------
+# first_fit: stated placements, and the rule's invariants on any lengths.
+
+
+@pytest.mark.parametrize("lengths,max_tokens,rows", [
+    ([5, 3, 4, 2, 6], 8, [[0, 1], [2, 3], [4]]),
+    ([6, 6, 2, 2, 1], 8, [[0, 2], [1, 3], [4]]),  # the 2s go back to the first two rows
+    ([1, 7, 1, 7], 8, [[0, 1], [2, 3]]),
+    ([4, 4, 4], 4, [[0], [1], [2]]),
+    ([3, 0, 4], 4, [[0, 1], [2]]),  # an empty example fits any row
+    ([2, 9, 2, 9, 3], 10, [[0, 2, 4], [1], [3]]),
+    ([5, 5, 5], None, [[0, 1, 2]]),
+    ([], 8, []),
+    ([], None, []),
+])
+def test_first_fit_places_as_stated(lengths, max_tokens, rows):
+    assert first_fit(lengths, max_tokens) == rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 12), max_size=30), st.integers(1, 16))
+def test_first_fit_invariants(lengths, max_tokens):
+    lengths = [min(n, max_tokens) for n in lengths]
+    rows = first_fit(lengths, max_tokens)
+    placed = [k for row in rows for k in row]
+    assert sorted(placed) == list(range(len(lengths)))  # every example placed once
+    for r, row in enumerate(rows):
+        assert row and row == sorted(row)  # no empty row; examples keep their order
+        assert sum(lengths[k] for k in row) <= max_tokens  # capacity
+        # opened by its first example, which fit in no earlier row at that point
+        assert r == 0 or row[0] > rows[r - 1][0]
+        for k in row:
+            for earlier in rows[:r]:
+                assert sum(lengths[j] for j in earlier if j < k) + lengths[k] > max_tokens
+
+
+# ---------------------------------------------------------------------------------------
 # The packed forward and backward equal the examples run alone.
 
 
@@ -208,8 +264,7 @@ def test_packed_equals_examples_alone(model_type, attn, patched, record_property
         res = run_alone_and_packed(model, examples, max_tokens=MAX_TOKENS,
                                    pad_to_multiple_of=MULTIPLE)
     batch = res["batch"]
-    rows = first_fit([len(torch.as_tensor(ex["input_ids"]).reshape(-1)) for ex in examples],
-                     MAX_TOKENS)
+    rows = row_order(placements(examples, batch))
     images = [k for row in rows for k in row if "image_grid_thw" in examples[k]]
     assert len(rows) == 2 and images != sorted(images), rows
     assert batch["input_ids"].shape[1] % MULTIPLE == 0 and batch["use_cache"] is False
@@ -219,7 +274,7 @@ def test_packed_equals_examples_alone(model_type, attn, patched, record_property
     assert batch["cu_seq_lens_q"][-1] == batch["input_ids"].numel()
 
     worst = 0.0
-    for k, (r, start, n) in placements(examples).items():
+    for k, (r, start, n) in placements(examples, batch).items():
         err = rel_err(res["logits"][r, start:start + n], res["alone_logits"][k])
         worst = max(worst, err)
         assert err <= TOL, f"examples[{k}]: packed logits differ from alone by {err:.2e}"
@@ -303,7 +358,7 @@ def test_position_ids_are_get_rope_index_of_each_example(model_type):
                                      pad_to_multiple_of=MULTIPLE)
     pos = batch["position_ids"]
     assert pos.dtype == torch.int64 and pos.shape == (4, *batch["input_ids"].shape)
-    for k, (r, start, n) in placements(examples).items():
+    for k, (r, start, n) in placements(examples, batch).items():
         inputs = alone_inputs(examples[k])
         kw = {key: inputs.get(key) for key in ("input_ids", "image_grid_thw", "video_grid_thw",
                                                "attention_mask")}
@@ -316,7 +371,7 @@ def test_position_ids_are_get_rope_index_of_each_example(model_type):
         assert torch.equal(pos[0, r, start:start + n], torch.arange(n)), k
     # the padding after each row's last example counts from 0: a sequence of its own
     ends = {}
-    for r, start, n in placements(examples).values():
+    for r, start, n in placements(examples, batch).values():
         ends[r] = max(ends.get(r, 0), start + n)
     assert any(end < pos.shape[2] for end in ends.values())
     for r, end in ends.items():
@@ -358,12 +413,10 @@ def test_one_walk_of_the_batch_and_errors_that_name_the_example(model_type, monk
     monkeypatch.setattr(posenc_torch, "compute_mrope_position_ids", alone)
     batch = pack_multimodal_examples(examples, model, max_tokens=MAX_TOKENS)
     assert len(calls) == 1
-    for k, (r, start, n) in placements(examples).items():
+    for k, (r, start, n) in placements(examples, batch).items():
         assert torch.equal(batch["position_ids"][1:, r, start:start + n],
                            transformers_rope_index(model, examples[k])), k
-    rows = first_fit([len(torch.as_tensor(ex["input_ids"]).reshape(-1)) for ex in examples],
-                     MAX_TOKENS)
-    order = [k for row in rows for k in row]
+    order = [k for row in row_order(placements(examples, batch)) for k in row]
     assert order != sorted(order)
     for key in ("image_grid_thw", "video_grid_thw") + (
             ("second_per_grid_ts",) if model_type == "qwen2_5_vl" else ()):
@@ -506,7 +559,7 @@ def worst_packed_vs_alone(model, examples: list[dict], max_tokens, **pack_kw) ->
     with torch.no_grad():
         logits = model(**batch).logits
         worst = 0.0
-        for k, (r, start, n) in placements(examples, max_tokens).items():
+        for k, (r, start, n) in placements(examples, batch).items():
             alone = model(**alone_inputs(examples[k]), use_cache=False).logits[0]
             worst = max(worst, rel_err(logits[r, start:start + n], alone))
     return worst
@@ -645,7 +698,7 @@ def test_leak_warnings_name_exactly_the_calls_that_leak(model_type, cpu_flash_at
             warned += [str(w.message) for w in caught if "packed position ids" in str(w.message)]
             worst = 0.0
             with torch.no_grad():
-                for k, (r, start, n) in placements(exs, max_tokens).items():
+                for k, (r, start, n) in placements(exs, batch).items():
                     alone = model(**alone_inputs(exs[k]), use_cache=False).logits[0]
                     worst = max(worst, rel_err(logits[r, start:start + n], alone))
             assert (worst > 1e-3) == bool(reasons), (name, worst, reasons)
@@ -738,7 +791,7 @@ def test_collator_and_labels():
     for key, value in batch.items():
         assert torch.equal(value, again[key]) if isinstance(value, torch.Tensor) \
             else value == again[key]
-    for k, (r, start, n) in placements(examples).items():
+    for k, (r, start, n) in placements(examples, batch).items():
         want = torch.as_tensor(examples[k].get("labels", examples[k]["input_ids"])).reshape(-1)
         got = batch["labels"][r, start:start + n]
         assert got[0] == IGNORE_INDEX and torch.equal(got[1:], want[1:]), k
