@@ -214,6 +214,14 @@ def test_driver_writes_results_and_plots(tmp_path):
     assert all((tmp_path / "plots-smoke" / p).stat().st_size > 10_000 for p in plots)
     assert "Targets" in proc.stdout and "posenc" in proc.stdout
     assert payload["complete"] is True
+    # the Markdown table of the docs: one row per case of each mode, posenc's numbers
+    import table
+    lines = table.markdown(payload, {"rope"}, {1}, {"fwd"}).splitlines()
+    assert lines[0].startswith(payload["machine"]["cpu"]) and "--smoke" in lines[0]
+    body = [ln.split(" | ") for ln in lines[4:]]
+    assert len(body) == 2 and {b[0] for b in body} == {"| `apply_rotary_pos_emb`",
+                                                       "| `apply_rotary_pos_emb_vision`"}
+    assert all(b[5] == "fwd" and float(b[7]) > 0 and float(b[9]) > 0 for b in body)
 
 
 def test_targets_are_data_and_read_the_rows_they_name():
