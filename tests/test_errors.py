@@ -807,7 +807,7 @@ def test_position_checks_run_only_when_the_op_fails(monkeypatch):
             return original(*args, **kwargs)
         return counting
 
-    for name in ("check_tensors", "_explain_layout"):
+    for name in ("check_tensors", "explain_layout"):
         monkeypatch.setattr(positions, name, counted(name))
     grid = torch.tensor([[1, 2, 2]])
     for device in ("cpu", "meta"):
@@ -822,7 +822,7 @@ def test_position_checks_run_only_when_the_op_fails(monkeypatch):
     assert calls == []
     with pytest.raises(ValueError, match=r"seq_lens\[0\]\[1\]"):
         P.compute_packed_mrope_position_ids(IDS, [[3, 3]], model="qwen2_vl", convention="5.17")
-    assert calls == ["check_tensors", "_explain_layout"]
+    assert calls == ["check_tensors", "explain_layout"]
 
 
 def test_fake_tensors_take_the_same_path(counted_checks):
