@@ -838,11 +838,11 @@ def test_fake_tensors_take_the_same_path(counted_checks):
 
 @pytest.fixture
 def plain_path():
-    ops._bind(None)
+    ops._choose_path(None)
     try:
         yield
     finally:
-        ops._bind(ops.PRIVATE)
+        ops._choose_path(ops.PRIVATE)
 
 
 def _grads(fn, *tensors):
@@ -871,7 +871,7 @@ def test_plain_path_gives_the_same_results_and_gradients(name, plain_path):
     plain = _grads(fn, *inputs)
     with torch.no_grad():
         plain_no_grad = fn(*inputs)
-    ops._bind(ops.PRIVATE)
+    ops._choose_path(ops.PRIVATE)
     fast = _grads(fn, *inputs)
     with torch.no_grad():
         fast_no_grad = fn(*inputs)
@@ -883,9 +883,9 @@ def test_plain_path_serves_torch_func_and_rejects_forward_mode(plain_path):
     q, k = _qk()
     cos, sin = _tables()
     grad = torch.func.grad(lambda x: P.apply_rotary_pos_emb(x, k, cos, sin)[0].square().sum())
-    ops._bind(ops.PRIVATE)
+    ops._choose_path(ops.PRIVATE)
     want = grad(q)
-    ops._bind(None)
+    ops._choose_path(None)
     torch.testing.assert_close(grad(q), want, rtol=0, atol=0)
     with pytest.raises((NotImplementedError, RuntimeError), match="jvp|forward"):
         torch.func.jvp(lambda x: P.apply_rotary_pos_emb(x, k, cos, sin)[0], (q,), (q,))
