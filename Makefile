@@ -107,14 +107,16 @@ SHIM_FLAGS = -std=c++20 -fopenmp -Wall -Wextra -Werror -Wno-unused-parameter -Wn
 	-DPy_LIMITED_API=0x030b0000 -DTORCH_TARGET_VERSION=0x020b000000000000 -Icsrc \
 	-isystem $(TORCH_MIN_DIR)/torch/include \
 	-I$$($(VPY) -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+SHIM_SOURCES := $(wildcard csrc/torch/*.cpp)
 compat-min: wheel $(COMPAT_STAMP) $(TORCH_MIN_DIR)/.installed
 	mkdir -p build/shim-torch$(TORCH_MIN)
-	$(CXX) $(SHIM_FLAGS) -c csrc/torch/ops.cpp -o build/shim-torch$(TORCH_MIN)/ops.o
+	for f in $(SHIM_SOURCES); do $(CXX) $(SHIM_FLAGS) -c $$f \
+		-o build/shim-torch$(TORCH_MIN)/$$(basename $$f .cpp).o || exit 1; done
 	@nvcc=$$(command -v nvcc || true); if [ -z "$$nvcc" ]; then \
 		echo "!!!! compat-min: nvcc not found, the shim's CUDA parts were NOT compiled !!!!"; \
-	else set -x; $(CXX) $(SHIM_FLAGS) -DPOSENC_WITH_CUDA -DUSE_CUDA \
+	else set -x; for f in $(SHIM_SOURCES); do $(CXX) $(SHIM_FLAGS) -DPOSENC_WITH_CUDA -DUSE_CUDA \
 		-isystem "$$(dirname "$$($(VPY) scripts/cuda_libdir.py "$$nvcc")")/include" \
-		-c csrc/torch/ops.cpp -o build/shim-torch$(TORCH_MIN)/ops-cuda.o; fi
+		-c $$f -o build/shim-torch$(TORCH_MIN)/$$(basename $$f .cpp)-cuda.o || exit 1; done; fi
 	$(CPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
 	cd tests && PYTHONPATH=$(abspath $(TORCH_MIN_DIR)) $(abspath $(CPY)) -c \
 		"import torch, posenc_torch; assert torch.__version__.startswith('$(TORCH_MIN)'), torch.__version__; print('torch', torch.__version__)"

@@ -466,13 +466,6 @@ int pe_vision_sizes_of(const pe_vision_grids *g, pe_vision_sizes *sizes, pe_pos_
 int pe_vision_positions(const pe_vision_grids *g, int columns, int64_t *out, int64_t patches,
                         int nthreads, pe_pos_error *err);
 
-/* The first form of the position ids, kept for its callers: one merge size for all grids,
- * two columns; pe_vision_position_count is the patch count.  Same checks and output. */
-int pe_vision_position_count(int64_t n_grids, const int64_t *grid_thw, int64_t spatial_merge_size,
-                             int64_t *total, pe_pos_error *err);
-int pe_vision_position_ids(int64_t n_grids, const int64_t *grid_thw, int64_t spatial_merge_size,
-                           int64_t total, int64_t *out, int nthreads, pe_pos_error *err);
-
 /*
  * Attention boundaries (get_vision_cu_seqlens / get_vision_attention_seqlens): the
  * cumulative lengths of the attention segments, starting at 0, as int32, and the longest

@@ -2,7 +2,8 @@
 eager entry points ``rope`` / ``rope_fused`` / ``rope_tables`` that the public functions use.
 
 The schemas and kernels (CPU; CUDA when built in) are registered in C++
-(csrc/torch/ops.cpp); importing ``posenc_torch._C`` loads them.  This module must be imported after it.
+(csrc/torch/module.cpp); importing ``posenc_torch._C`` loads them.  This module must be
+imported after it.
 """
 
 from __future__ import annotations
@@ -377,8 +378,8 @@ torch.library.register_vmap("posenc::rope_tables", _per_sample_vmap(torch.ops.po
 # ---------------------------------------------------------------------------------------
 # Eager entry points.  Calling an op through the dispatcher runs torch.library's Python
 # autograd kernel on every call, even when nothing records a gradient, which costs more
-# than a decode-size rotation itself.  So in eager mode these helpers call the op below the
-# autograd layer when no input can record a gradient, and otherwise apply an
+# than a decode-size rotation itself.  So in eager mode these functions call the op below
+# the autograd layer when no input can record a gradient, and otherwise apply an
 # autograd.Function built from the same setup_context/backward as the registered formula
 # (the legacy-style one in plain eager autograd, the setup_context one under functorch
 # transforms: unlike torch.library's formula, it also serves torch.func.grad / vjp / vmap).
@@ -386,14 +387,16 @@ torch.library.register_vmap("posenc::rope_tables", _per_sample_vmap(torch.ops.po
 # ``posenc::*`` node with its registered autograd.  Forward mode (forward AD,
 # torch.func.jvp) raises: there is no jvp.
 #
-# Those fast paths use private torch names.  They are looked up once, at import; where one
-# is missing (another torch release) the entry points call the ops through the dispatcher
-# (_plain_entry_points): slower, the same results and gradients.
+# That fast path uses private torch names, looked up once, at import (PRIVATE).  Where one
+# is missing (another torch release) every call takes the plain path instead: the
+# setup_context autograd.Function, whose forward calls the op through the dispatcher;
+# slower, the same results and gradients.
 
 _ROPE = torch.ops.posenc.rope.default
 _ROPE_TABLE_GRAD = torch.ops.posenc.rope_table_grad.default
 _ROPE_FUSED = torch.ops.posenc.rope_fused.default
 _ROPE_TABLES = torch.ops.posenc.rope_tables.default
+_is_compiling, _is_grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
 
 
 class _Private(NamedTuple):
@@ -419,21 +422,49 @@ def _lookup_private() -> _Private | None:
     return found
 
 
-def _functions(name: str, op, setup_context, backward, vmap, private: _Private | None
-               ) -> tuple[type, type]:
+#: The private torch names the fast path uses, or None (then every call takes the plain path).
+PRIVATE = _lookup_private()
+_fast: _Private | None = PRIVATE  # what the entry points use: PRIVATE, or None (plain path)
+
+
+def _choose_path(private: _Private | None) -> None:
+    """The entry points take the fast path with ``private``'s names, or the plain path when
+    it is None (the tests run the plain path on a torch that has the names)."""
+    global _fast
+    _fast = private
+
+
+def _below_autograd() -> contextlib.AbstractContextManager:
+    """Below the autograd layer on the fast path; on the plain path the op runs through the
+    dispatcher (in no-grad mode inside an autograd.Function's forward)."""
+    return contextlib.nullcontext() if _fast is None else _fast.below_autograd()
+
+
+def _reject_forward_mode(op: str, fast: _Private, tensors: tuple[torch.Tensor, ...]) -> None:
+    """The ops have reverse-mode formulas only; a forward-mode tangent would be dropped
+    without a word (torch.library has no jvp hook), so forward mode is an error."""
+    dual = fast.forward_ad._current_level >= 0 and any(
+        fast.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    jvp = fast.transforms_active() and any(i.key() == fast.jvp for i in fast.interpreters())
+    if dual or jvp:
+        raise NotImplementedError(
+            f"posenc::{op} has no forward-mode derivative (forward AD / torch.func.jvp); "
+            "use reverse mode (backward, torch.func.grad / vjp)")
+
+
+def _functions(name: str, op, setup_context, backward, vmap) -> tuple[type, type]:
     """Two autograd.Functions with the same formula: ``setup_context`` style, which functorch
-    transforms (torch.func.grad / vjp / vmap) need, and the legacy ``forward(ctx, ...)``
-    style for plain eager autograd, whose ``apply`` skips the per-call signature binding of
-    the other (that binding costs several times a decode-size rotation).  Without the
-    private names the op runs through the dispatcher (in no-grad mode, as forward does)."""
-    below_autograd = contextlib.nullcontext if private is None else private.below_autograd
+    transforms (torch.func.grad / vjp / vmap) need and the plain path uses for every call,
+    and the legacy ``forward(ctx, ...)`` style for plain eager autograd on the fast path,
+    whose ``apply`` skips the per-call signature binding of the other (that binding costs
+    several times a decode-size rotation)."""
 
     def forward(*args):
-        with below_autograd():
+        with _below_autograd():
             return op(*args)
 
     def forward_ctx(ctx, *args):
-        with below_autograd():
+        with _below_autograd():
             out = op(*args)
         setup_context(ctx, args, out)
         return out
@@ -447,145 +478,84 @@ def _functions(name: str, op, setup_context, backward, vmap, private: _Private |
     return for_transforms, eager
 
 
-def _fast_entry_points(p: _Private) -> dict[str, Callable]:
-    below_autograd, transforms_active, forward_ad = (p.below_autograd, p.transforms_active,
-                                                     p.forward_ad)
-    is_compiling, is_grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
-
-    def reject_forward_mode(op: str, tensors: tuple[torch.Tensor, ...]) -> None:
-        """The ops have reverse-mode formulas only; a forward-mode tangent would be dropped
-        without a word (torch.library has no jvp hook), so forward mode is an error."""
-        dual = forward_ad._current_level >= 0 and any(
-            forward_ad.unpack_dual(t).tangent is not None for t in tensors)
-        jvp = transforms_active() and any(i.key() == p.jvp for i in p.interpreters())
-        if dual or jvp:
-            raise NotImplementedError(
-                f"posenc::{op} has no forward-mode derivative (forward AD / torch.func.jvp); "
-                "use reverse mode (backward, torch.func.grad / vjp)")
-
-    rope_fn, rope_eager = _functions("Rope", _ROPE, _rope_setup_context, _rope_backward,
-                                     _rope_vmap(lambda *a: rope(*a)), p)
-    grad_fn, grad_eager = _functions(
-        "RopeTableGrad", _ROPE_TABLE_GRAD, _rope_table_grad_setup_context,
-        _rope_table_grad_backward, _per_sample_vmap(lambda *a: rope_table_grad(*a)), p)
-    fused_fn, fused_eager = _functions("RopeFused", _ROPE_FUSED, _rope_fused_setup_context,
-                                       _rope_fused_backward,
-                                       _rope_fused_vmap(lambda *a: rope_fused(*a)), p)
-
-    def rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False,
-             q_dtype=None, k_dtype=None, heads_first=False):
-        args = (q, k, cos, sin, mrope_section, interleaved, pairing, transpose, q_dtype,
-                k_dtype, heads_first)
-        if is_compiling():
-            return torch.ops.posenc.rope(*args)
-        transforms = transforms_active()
-        if transforms or forward_ad._current_level >= 0:
-            reject_forward_mode("rope", (q, k, cos, sin))
-        if transforms:
-            return rope_fn.apply(*args)
-        if is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad
-                                  or sin.requires_grad):
-            return rope_eager.apply(*args)
-        with below_autograd():
-            return _ROPE(*args)
-
-    def rope_table_grad(grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing):
-        args = (grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing)
-        if is_compiling():
-            return torch.ops.posenc.rope_table_grad(*args)
-        if transforms_active():
-            return grad_fn.apply(*args)
-        if is_grad_enabled() and (grad_q.requires_grad or grad_k.requires_grad
-                                  or q.requires_grad or k.requires_grad):
-            return grad_eager.apply(*args)
-        with below_autograd():
-            return _ROPE_TABLE_GRAD(*args)
-
-    def rope_fused(q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
-                   pairing, transpose=False, heads_first=False):
-        args = (q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
-                pairing, transpose, heads_first)
-        if is_compiling():
-            return torch.ops.posenc.rope_fused(*args)
-        transforms = transforms_active()
-        if transforms or forward_ad._current_level >= 0:
-            reject_forward_mode("rope_fused", (q, k))
-        if transforms:
-            return fused_fn.apply(*args)
-        if is_grad_enabled() and (q.requires_grad or k.requires_grad):
-            return fused_eager.apply(*args)
-        with below_autograd():
-            return _ROPE_FUSED(*args)
-
-    def rope_tables(position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
-                    pairing, dtype):
-        args = (position_ids, inv_freq, mrope_section, interleaved, attention_scaling, pairing,
-                dtype)
-        if is_compiling() or transforms_active():
-            return torch.ops.posenc.rope_tables(*args)
-        with below_autograd():
-            return _ROPE_TABLES(*args)
-
-    return {"rope": rope, "rope_table_grad": rope_table_grad, "rope_fused": rope_fused,
-            "rope_tables": rope_tables}
+_RopeFunction, _RopeEagerFunction = _functions(
+    "Rope", _ROPE, _rope_setup_context, _rope_backward, _rope_vmap(lambda *a: rope(*a)))
+_RopeTableGradFunction, _RopeTableGradEagerFunction = _functions(
+    "RopeTableGrad", _ROPE_TABLE_GRAD, _rope_table_grad_setup_context, _rope_table_grad_backward,
+    _per_sample_vmap(lambda *a: rope_table_grad(*a)))
+_RopeFusedFunction, _RopeFusedEagerFunction = _functions(
+    "RopeFused", _ROPE_FUSED, _rope_fused_setup_context, _rope_fused_backward,
+    _rope_fused_vmap(lambda *a: rope_fused(*a)))
 
 
-def _plain_entry_points() -> dict[str, Callable]:
-    """Public torch API only: every call applies the ``setup_context`` autograd.Function
-    (which serves plain autograd, torch.func transforms and vmap, and raises for forward
-    mode: it has no jvp), whose forward calls the op through the dispatcher."""
-    is_compiling = torch.compiler.is_compiling
-    rope_fn = _functions("Rope", _ROPE, _rope_setup_context, _rope_backward,
-                         _rope_vmap(lambda *a: rope(*a)), None)[0]
-    grad_fn = _functions("RopeTableGrad", _ROPE_TABLE_GRAD, _rope_table_grad_setup_context,
-                         _rope_table_grad_backward,
-                         _per_sample_vmap(lambda *a: rope_table_grad(*a)), None)[0]
-    fused_fn = _functions("RopeFused", _ROPE_FUSED, _rope_fused_setup_context,
-                          _rope_fused_backward, _rope_fused_vmap(lambda *a: rope_fused(*a)),
-                          None)[0]
-
-    def rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False,
-             q_dtype=None, k_dtype=None, heads_first=False):
-        args = (q, k, cos, sin, mrope_section, interleaved, pairing, transpose, q_dtype,
-                k_dtype, heads_first)
-        return torch.ops.posenc.rope(*args) if is_compiling() else rope_fn.apply(*args)
-
-    def rope_table_grad(grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing):
-        args = (grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing)
-        return (torch.ops.posenc.rope_table_grad(*args) if is_compiling()
-                else grad_fn.apply(*args))
-
-    def rope_fused(q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
-                   pairing, transpose=False, heads_first=False):
-        args = (q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
-                pairing, transpose, heads_first)
-        return torch.ops.posenc.rope_fused(*args) if is_compiling() else fused_fn.apply(*args)
-
-    return {"rope": rope, "rope_table_grad": rope_table_grad, "rope_fused": rope_fused,
-            "rope_tables": torch.ops.posenc.rope_tables}
+def rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False, q_dtype=None,
+         k_dtype=None, heads_first=False):
+    """posenc::rope (q, k rotated by the tables cos, sin) -> (q_out, k_out), with autograd;
+    the tensors are those of the op's schema (csrc/torch/module.cpp)."""
+    args = (q, k, cos, sin, mrope_section, interleaved, pairing, transpose, q_dtype, k_dtype,
+            heads_first)
+    if _is_compiling():
+        return torch.ops.posenc.rope(*args)
+    fast = _fast
+    if fast is None:
+        return _RopeFunction.apply(*args)
+    transforms = fast.transforms_active()
+    if transforms or fast.forward_ad._current_level >= 0:
+        _reject_forward_mode("rope", fast, (q, k, cos, sin))
+    if transforms:
+        return _RopeFunction.apply(*args)
+    if _is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad
+                               or sin.requires_grad):
+        return _RopeEagerFunction.apply(*args)
+    with fast.below_autograd():
+        return _ROPE(*args)
 
 
-def _bind(private: _Private | None) -> None:
-    """Binds the module's ``rope`` / ``rope_table_grad`` / ``rope_fused`` / ``rope_tables``:
-    the fast paths when ``private`` holds the torch names they need, else the plain ones."""
-    global rope, rope_table_grad, rope_fused, rope_tables
-    _ENTRY.clear()
-    _ENTRY.update(_plain_entry_points() if private is None else _fast_entry_points(private))
-    rope, rope_table_grad = _ENTRY["rope"], _ENTRY["rope_table_grad"]
-    rope_fused, rope_tables = _ENTRY["rope_fused"], _ENTRY["rope_tables"]
+def rope_table_grad(grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing):
+    """posenc::rope_table_grad (the gradients of the tables) -> (dcos, dsin), with autograd."""
+    args = (grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing)
+    if _is_compiling():
+        return torch.ops.posenc.rope_table_grad(*args)
+    fast = _fast
+    if fast is None or fast.transforms_active():
+        return _RopeTableGradFunction.apply(*args)
+    if _is_grad_enabled() and (grad_q.requires_grad or grad_k.requires_grad or q.requires_grad
+                               or k.requires_grad):
+        return _RopeTableGradEagerFunction.apply(*args)
+    with fast.below_autograd():
+        return _ROPE_TABLE_GRAD(*args)
 
 
-_ENTRY: dict[str, Callable] = {}
-#: The private torch names the fast paths use, or None (then every call is plain).
-PRIVATE = _lookup_private()
-_bind(PRIVATE)
+def rope_fused(q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+               pairing, transpose=False, heads_first=False):
+    """posenc::rope_fused (q, k rotated by the angles of position_ids and inv_freq)
+    -> (q_out, k_out), with autograd for q and k."""
+    args = (q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+            pairing, transpose, heads_first)
+    if _is_compiling():
+        return torch.ops.posenc.rope_fused(*args)
+    fast = _fast
+    if fast is None:
+        return _RopeFusedFunction.apply(*args)
+    transforms = fast.transforms_active()
+    if transforms or fast.forward_ad._current_level >= 0:
+        _reject_forward_mode("rope_fused", fast, (q, k))
+    if transforms:
+        return _RopeFusedFunction.apply(*args)
+    if _is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _RopeFusedEagerFunction.apply(*args)
+    with fast.below_autograd():
+        return _ROPE_FUSED(*args)
 
-# Signatures (the same for both bindings; the tensors are those of the ops' schemas):
-#   rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False, q_dtype=None,
-#        k_dtype=None, heads_first=False) -> (q_out, k_out)
-#   rope_table_grad(grad_q, grad_k, q, k, cos, mrope_section, interleaved, pairing)
-#        -> (dcos, dsin)
-#   rope_fused(q, k, position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
-#        pairing, transpose=False, heads_first=False) -> (q_out, k_out)
-#   rope_tables(position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
-#        pairing, dtype) -> (cos, sin)
+
+def rope_tables(position_ids, inv_freq, mrope_section, interleaved, attention_scaling,
+                pairing, dtype):
+    """posenc::rope_tables (the cos, sin tables of position_ids and inv_freq) -> (cos, sin);
+    not differentiable."""
+    args = (position_ids, inv_freq, mrope_section, interleaved, attention_scaling, pairing,
+            dtype)
+    fast = _fast
+    if fast is None or _is_compiling() or fast.transforms_active():
+        return torch.ops.posenc.rope_tables(*args)
+    with fast.below_autograd():
+        return _ROPE_TABLES(*args)

@@ -21,6 +21,10 @@ one row.  :func:`packed_attention_leaks` names the calls that would still let th
 attend to each other (a cache, an attention mask, several rows under flash-attention without
 the boundaries), for a caller that sees the model's arguments.
 
+Where the parts live: the examples are read and checked in ``posenc_torch._examples``, the
+attention-leak guard is ``posenc_torch._attention_leaks`` (its two functions are re-exported
+here); this module places the examples in rows (:func:`first_fit`) and builds the batches.
+
 Both kinds of batch (packed, and padded by :func:`pad_multimodal_examples` /
 :class:`MultimodalPaddingCollator` for training without packing) carry, by default, the
 vision tower's precomputed keyword arguments (``image_position_ids``, ``image_cu_seqlens``,
@@ -34,13 +38,12 @@ from __future__ import annotations
 
 import math
 import operator
-import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from . import _installed
+from ._attention_leaks import packed_attention_leaks, warn_packed_attention_leaks
 from ._checks import (
     INT64_MAX,
     InputTypeError,
@@ -48,82 +51,25 @@ from ._checks import (
     allocation_error,
     check_bool,
     check_str,
-    check_tensor,
 )
+from ._examples import (  # noqa: F401  (IGNORE_INDEX: public here)
+    IGNORE_INDEX,
+    VISION_KEYS,
+    Example,
+    ModelSettings,
+    as_tensor,
+    check_count,
+    model_settings,
+    read_examples,
+    token_types,
+)
+from ._packed_layout import PackedLayout
 from ._tables import MROPE_MODELS
-from .positions import MropeOptions, _Layout, _packed_for_examples, resolve_convention
+from .positions import MropeOptions, _packed_for_examples, resolve_convention  # noqa: F401
 
 __all__ = ["pack_multimodal_examples", "MultimodalPackingCollator", "pad_multimodal_examples",
            "MultimodalPaddingCollator", "first_fit", "packed_attention_leaks",
            "warn_packed_attention_leaks"]
-
-IGNORE_INDEX = -100  # the label transformers' loss skips
-
-# (pixels, grid) keys of the two kinds of vision input an example may carry.
-_VISION = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
-
-
-@dataclass(frozen=True)
-class _ModelSettings:
-    """What packing needs from a Qwen-VL config."""
-
-    model_type: str
-    image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
-    spatial_merge_size: int
-    tokens_per_second: float | None
-    pad_token_id: int
-    patch_dim: int | None  # values per patch row of pixel_values, when the config says
-
-    def options(self, convention: str) -> MropeOptions:
-        """The position-id keywords this config gives (posenc_torch.positions)."""
-        options = MropeOptions(
-            model=self.model_type, convention=convention, image_token_id=self.image_token_id,
-            video_token_id=self.video_token_id, vision_start_token_id=self.vision_start_token_id,
-            spatial_merge_size=self.spatial_merge_size)
-        if MROPE_MODELS[self.model_type].reads_seconds:
-            options["tokens_per_second"] = self.tokens_per_second
-        return options
-
-
-def _settings(config: object) -> _ModelSettings:
-    """Model type and token ids from a Qwen-VL model (or anything with its ``config``, such
-    as a PEFT wrapper) or its config; the vision settings are read from ``vision_config``,
-    the pad token from the text config where the top level has none."""
-    if config is None:
-        raise InputTypeError("config is required: the Qwen-VL model or its config, got None")
-    cfg = config if hasattr(config, "model_type") else getattr(config, "config", None)
-    model_type = getattr(cfg, "model_type", None)
-    if model_type not in MROPE_MODELS:
-        raise InputValueError(
-            f"config must be a Qwen-VL model or config (model_type one of "
-            f"{sorted(MROPE_MODELS)}), got "
-            f"{model_type if model_type is not None else type(config).__name__!r}")
-    vision = getattr(cfg, "vision_config", None)
-    text = getattr(cfg, "text_config", None)
-    ids = {}
-    for name in ("image_token_id", "video_token_id", "vision_start_token_id"):
-        value = getattr(cfg, name, None)
-        if not isinstance(value, int):
-            raise InputValueError(f"config has no integer {name} (got {value!r})")
-        ids[name] = value
-    merge = getattr(vision, "spatial_merge_size", None)
-    if not isinstance(merge, int) or merge < 1:
-        raise InputValueError(f"config.vision_config.spatial_merge_size must be an int >= 1, got "
-                              f"{merge!r}")
-    tokens_per_second = getattr(vision, "tokens_per_second", None) \
-        if MROPE_MODELS[model_type].reads_seconds else None
-    pad = getattr(cfg, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(text, "pad_token_id", None)
-    sizes = [getattr(vision, name, None) for name in
-             ("in_channels", "temporal_patch_size", "patch_size")]
-    patch_dim = sizes[0] * sizes[1] * sizes[2] ** 2 \
-        if all(isinstance(v, int) for v in sizes) else None
-    return _ModelSettings(model_type, **ids, spatial_merge_size=merge,
-                          tokens_per_second=tokens_per_second,
-                          pad_token_id=pad if isinstance(pad, int) else 0, patch_dim=patch_dim)
 
 
 def first_fit(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]:
@@ -133,7 +79,7 @@ def first_fit(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]
 
     ``lengths``: a sequence of ints >= 0 (TypeError for a float or a bool, ValueError for a
     negative one, naming ``lengths[i]``); ``max_tokens``: an int >= 1 or None."""
-    max_tokens = _check_count("max_tokens", max_tokens)
+    max_tokens = check_count("max_tokens", max_tokens)
     if isinstance(lengths, (str, bytes, Mapping)) or not isinstance(lengths, Sequence):
         raise InputTypeError(f"lengths must be a sequence of ints, got {type(lengths).__name__}")
     lengths = [_example_length(i, n) for i, n in enumerate(lengths)]
@@ -168,156 +114,15 @@ def _example_length(i: int, n: object) -> int:
         raise InputValueError(f"lengths[{i}] must fit in int64, got {n}")
     return n
 
-
-def _check_count(name: str, value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InputTypeError(f"{name} must be an int or None, got {type(value).__name__}")
-    if value < 1:
-        raise InputValueError(f"{name} must be >= 1, got {value}")
-    if value > INT64_MAX:
-        raise InputValueError(f"{name} must fit in int64 (at most 2^63 - 1), got {value}")
-    return value
-
-
-def _as_tensor(value: object, where: str) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        if value.is_meta:
-            raise InputValueError(f"{where} is a meta tensor: an example's tensors are read, "
-                                  "and a meta tensor has no values")
-        return value
-    if isinstance(value, (list, tuple)) or hasattr(value, "__array__"):
-        try:
-            return torch.as_tensor(value)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise InputTypeError(f"{where} must be a tensor or a (nested) list of numbers: {e}") \
-                from None
-    raise InputTypeError(f"{where} must be a tensor or a list, got {type(value).__name__}")
-
-
-def _token_row(value: object, where: str) -> torch.Tensor:
-    """(L,) int64 from a (L,) or (1, L) tensor, or a list of ints (or a list of one)."""
-    t = _as_tensor(value, where)
-    if t.dim() == 2 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() != 1:
-        raise InputValueError(f"{where} must be (length,) or (1, length), got shape "
-                              f"{tuple(t.shape)}")
-    if t.numel() and (t.is_floating_point() or t.is_complex()):
-        raise InputTypeError(f"{where} must hold integers, got {t.dtype}")
-    return t.to(torch.int64)
-
-
-def _grid(value: object, where: str) -> torch.Tensor:
-    t = _as_tensor(value, where)
-    if t.dim() == 3 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() != 2 or t.shape[1] != 3:
-        raise InputValueError(f"{where} must be (n, 3) of (t, h, w), got shape {tuple(t.shape)}")
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise InputTypeError(f"{where} must hold integers, got {t.dtype}")
-    return t.to(torch.int64)
-
-
-@dataclass
-class _Example:
-    input_ids: torch.Tensor                 # (n,) int64
-    labels: torch.Tensor                    # (n,) int64, first entry IGNORE_INDEX
-    mm_token_type_ids: torch.Tensor | None  # (n,) int64
-    grids: dict[str, torch.Tensor | None]   # image_grid_thw / video_grid_thw: (k, 3)
-    pixels: dict[str, torch.Tensor | None]  # pixel_values / pixel_values_videos: (patches, d)
-    seconds: object                         # second_per_grid_ts as given (tensor or list)
-
-
-def _read_example(i: int, example: object, settings: _ModelSettings) -> _Example:
-    if not isinstance(example, Mapping):
-        raise InputTypeError(f"examples[{i}] must be a mapping (dict or BatchFeature), got "
-                             f"{type(example).__name__}")
-    where = lambda key: f"examples[{i}][{key!r}]"  # noqa: E731
-    if example.get("input_ids") is None:  # a missing input: a TypeError (README, "Errors")
-        raise InputTypeError(f"examples[{i}] has no 'input_ids'")
-    ids = _token_row(example["input_ids"], where("input_ids"))
-    rows = {"input_ids": ids}
-    for key in ("attention_mask", "labels", "mm_token_type_ids"):
-        if example.get(key) is not None:
-            rows[key] = _token_row(example[key], where(key))
-            if rows[key].shape != ids.shape:
-                raise InputValueError(f"{where(key)} has {rows[key].numel()} entries, input_ids "
-                                      f"{ids.numel()}")
-    mask = rows.pop("attention_mask", None)
-    if mask is not None and not bool((mask == 1).all()):
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise InputValueError(f"{where('attention_mask')} must hold 0 and 1")
-        keep = mask == 1  # an example padded by its processor: drop the padding
-        rows = {key: row[keep] for key, row in rows.items()}
-        ids = rows["input_ids"]
-    if ids.numel() == 0:
-        raise InputValueError(f"examples[{i}] has no tokens")
-    labels = rows.get("labels", ids).clone()
-    labels[0] = IGNORE_INDEX
-    grids, pixels = {}, {}
-    for pixel_key, grid_key in _VISION:
-        grid = example.get(grid_key)
-        grids[grid_key] = None if grid is None else _grid(grid, where(grid_key))
-        pix = example.get(pixel_key)
-        if pix is None:
-            if grids[grid_key] is not None and grids[grid_key].shape[0]:
-                raise InputValueError(f"examples[{i}] has {grid_key} but no {pixel_key}")
-            pixels[pixel_key] = None
-            continue
-        pix = _as_tensor(pix, where(pixel_key))
-        if not pix.is_floating_point():
-            raise InputTypeError(f"{where(pixel_key)} must be floating, got {pix.dtype}")
-        if pix.dim() != 2 or settings.patch_dim not in (None, pix.shape[1]):
-            width = settings.patch_dim or "patch_dim"
-            raise InputValueError(f"{where(pixel_key)} must be (patches, {width}) (in_channels * "
-                                  f"temporal_patch_size * patch_size**2 of the config), got shape "
-                                  f"{tuple(pix.shape)}")
-        patches = 0 if grids[grid_key] is None else int(grids[grid_key].prod(-1).sum())
-        if pix.shape[0] != patches:
-            raise InputValueError(f"{where(pixel_key)} has {pix.shape[0]} patches but {grid_key} "
-                                  f"describes {patches}")
-        pixels[pixel_key] = pix
-    seconds = example.get("second_per_grid_ts")
-    if seconds is not None and not MROPE_MODELS[settings.model_type].reads_seconds:
-        raise InputValueError(f"{where('second_per_grid_ts')} applies only to qwen2_5_vl, the "
-                              f"config is {settings.model_type}")
-    if seconds is not None:
-        n_seconds = _as_tensor(seconds, where("second_per_grid_ts")).reshape(-1).numel()
-        n_videos = 0 if grids["video_grid_thw"] is None else grids["video_grid_thw"].shape[0]
-        if n_seconds != n_videos:
-            raise InputValueError(f"{where('second_per_grid_ts')} has {n_seconds} values for "
-                                  f"{n_videos} videos")
-    return _Example(ids, labels, rows.get("mm_token_type_ids"), grids, pixels, seconds)
-
-
-def _read_examples(examples: object, settings: _ModelSettings) -> list[_Example]:
-    if isinstance(examples, Mapping) or not isinstance(examples, Sequence):
-        raise InputTypeError(f"examples must be a list of examples (mappings), got "
-                             f"{type(examples).__name__}")
-    if not examples:
-        raise InputValueError("examples is empty")
-    return [_read_example(i, ex, settings) for i, ex in enumerate(examples)]
-
-
-def _token_types(ex: _Example, settings: _ModelSettings) -> torch.Tensor:
-    """The example's mm_token_type_ids, or 1 on image and 2 on video tokens."""
-    if ex.mm_token_type_ids is not None:
-        return ex.mm_token_type_ids
-    return ((ex.input_ids == settings.image_token_id).long()
-            + 2 * (ex.input_ids == settings.video_token_id).long())
-
-
 def _check_side(padding_side: object) -> str:
     if check_str("padding_side", padding_side) not in ("right", "left"):
         raise InputValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
     return padding_side
 
 
-def _packed_position_ids(examples: list[_Example], rows: list[list[int]], input_ids: torch.Tensor,
+def _packed_position_ids(examples: list[Example], rows: list[list[int]], input_ids: torch.Tensor,
                          types: torch.Tensor | None, seconds: torch.Tensor | None,
-                         settings: _ModelSettings, convention: str) -> torch.Tensor:
+                         settings: ModelSettings, convention: str) -> torch.Tensor:
     """(4, rows, L) int64 position ids in one call of the packed walk, which names an
     example at fault ``examples[i]``: it gets each example's index and the grids it owns."""
     order = [k for row in rows for k in row]
@@ -333,14 +138,14 @@ def _packed_position_ids(examples: list[_Example], rows: list[list[int]], input_
         options["mm_token_type_ids"] = types
     if seconds is not None:
         options["second_per_grid_ts"] = seconds
-    layout = _Layout(torch.tensor([examples[k].input_ids.numel() for k in order],
-                                  dtype=torch.int64),
-                     torch.tensor([len(row) for row in rows], dtype=torch.int64))
+    layout = PackedLayout(torch.tensor([examples[k].input_ids.numel() for k in order],
+                                       dtype=torch.int64),
+                          torch.tensor([len(row) for row in rows], dtype=torch.int64))
     return _packed_for_examples(input_ids, layout, torch.tensor(order, dtype=torch.int64), owned,
                                 grids["image_grid_thw"], grids["video_grid_thw"], **options)
 
 
-def _seconds(examples: list[_Example], order: list[int]) -> torch.Tensor | None:
+def _seconds(examples: list[Example], order: list[int]) -> torch.Tensor | None:
     """second_per_grid_ts of the videos in row order (float32, as the processor gives it,
     unless the examples carry another float dtype), or None when no example has any."""
     with_videos = [k for k in order if examples[k].grids["video_grid_thw"] is not None
@@ -352,7 +157,7 @@ def _seconds(examples: list[_Example], order: list[int]) -> torch.Tensor | None:
         missing = next(k for k in with_videos if examples[k].seconds is None)
         raise InputValueError(f"examples[{missing}] has videos but no second_per_grid_ts, which "
                               "other examples have")
-    parts = [_as_tensor(examples[k].seconds, "").reshape(-1) for k in given]
+    parts = [as_tensor(examples[k].seconds, "").reshape(-1) for k in given]
     dtype = next((p.dtype for p in parts if p.is_floating_point()), torch.float32)
     return torch.cat([p.to(dtype) for p in parts])
 
@@ -437,14 +242,14 @@ def pack_multimodal_examples(
     position walk's errors (a grid that does not fit its example's tokens) name
     ``examples[i]`` and speak of that example alone, its tokens and grids numbered from 0.
     """
-    settings = _settings(config)
+    settings = model_settings(config)
     convention = resolve_convention(convention, settings.model_type)
-    max_tokens = _check_count("max_tokens", max_tokens)
-    multiple = _check_count("pad_to_multiple_of", pad_to_multiple_of) or 1
+    max_tokens = check_count("max_tokens", max_tokens)
+    multiple = check_count("pad_to_multiple_of", pad_to_multiple_of) or 1
     if return_flash_attn_kwargs is not None:
         check_bool("return_flash_attn_kwargs", return_flash_attn_kwargs)
     check_bool("precompute_vision", precompute_vision)
-    exs = _read_examples(examples, settings)
+    exs = read_examples(examples, settings)
     lengths = [ex.input_ids.numel() for ex in exs]
     rows = first_fit(lengths, max_tokens)
     order = [k for row in rows for k in row]
@@ -463,7 +268,7 @@ def pack_multimodal_examples(
             input_ids[r, at:at + n] = ex.input_ids
             labels[r, at:at + n] = ex.labels
             if types is not None:
-                types[r, at:at + n] = _token_types(ex, settings)
+                types[r, at:at + n] = token_types(ex, settings)
             at += n
 
     seconds = _seconds(exs, order) if MROPE_MODELS[settings.model_type].reads_seconds else None
@@ -500,10 +305,10 @@ def _batch_tensor(shape: tuple[int, int], fill: int, longest: int, multiple: int
             f"tokens) rounded up to a multiple of pad_to_multiple_of = {multiple}") from err
 
 
-def _vision_inputs(exs: list[_Example], order: list[int]) -> dict[str, torch.Tensor]:
+def _vision_inputs(exs: list[Example], order: list[int]) -> dict[str, torch.Tensor]:
     """The pixels and grids of the examples in ``order``, concatenated."""
     out = {}
-    for pixel_key, grid_key in _VISION:
+    for pixel_key, grid_key in VISION_KEYS:
         present = [k for k in order if exs[k].pixels[pixel_key] is not None]
         if not present:
             continue
@@ -554,11 +359,11 @@ def pad_multimodal_examples(
     The model computes the position ids itself (``get_rope_index``; under
     ``posenc_torch.hf.patch()`` posenc's walk).  Errors as :func:`pack_multimodal_examples`.
     """
-    settings = _settings(config)
-    multiple = _check_count("pad_to_multiple_of", pad_to_multiple_of) or 1
+    settings = model_settings(config)
+    multiple = check_count("pad_to_multiple_of", pad_to_multiple_of) or 1
     _check_side(padding_side)
     check_bool("precompute_vision", precompute_vision)
-    exs = _read_examples(examples, settings)
+    exs = read_examples(examples, settings)
     lengths = [ex.input_ids.numel() for ex in exs]
     length = math.ceil(max(lengths) / multiple) * multiple
     shape = (len(exs), length)
@@ -571,7 +376,7 @@ def pad_multimodal_examples(
         at = slice(0, n) if padding_side == "right" else slice(length - n, length)
         input_ids[r, at], labels[r, at], mask[r, at] = ex.input_ids, ex.labels, 1
         if types is not None:
-            types[r, at] = _token_types(ex, settings)
+            types[r, at] = token_types(ex, settings)
     batch: dict[str, object] = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
     order = list(range(len(exs)))
     batch.update(_vision_inputs(exs, order))
@@ -592,10 +397,10 @@ class MultimodalPaddingCollator:
 
     def __init__(self, config: object, *, pad_to_multiple_of: int | None = None,
                  padding_side: str = "right", precompute_vision: bool = True) -> None:
-        _settings(config)
+        model_settings(config)
         self.config = getattr(config, "config", config) if not hasattr(config, "model_type") \
             else config  # the config, not the model: a collator travels to loader workers
-        self.pad_to_multiple_of = _check_count("pad_to_multiple_of", pad_to_multiple_of)
+        self.pad_to_multiple_of = check_count("pad_to_multiple_of", pad_to_multiple_of)
         self.padding_side = _check_side(padding_side)
         self.precompute_vision = check_bool("precompute_vision", precompute_vision)
 
@@ -623,13 +428,13 @@ class MultimodalPackingCollator:
                  pad_to_multiple_of: int | None = None,
                  return_flash_attn_kwargs: bool | None = None,
                  convention: str = "installed", precompute_vision: bool = True) -> None:
-        settings = _settings(config)
+        settings = model_settings(config)
         self.precompute_vision = check_bool("precompute_vision", precompute_vision)
         self.config = getattr(config, "config", config) if not hasattr(config, "model_type") \
             else config
         self.convention = resolve_convention(convention, settings.model_type)
-        self.max_tokens = _check_count("max_tokens", max_tokens)
-        self.pad_to_multiple_of = _check_count("pad_to_multiple_of", pad_to_multiple_of)
+        self.max_tokens = check_count("max_tokens", max_tokens)
+        self.pad_to_multiple_of = check_count("pad_to_multiple_of", pad_to_multiple_of)
         self.return_flash_attn_kwargs = return_flash_attn_kwargs if return_flash_attn_kwargs \
             is None else check_bool("return_flash_attn_kwargs", return_flash_attn_kwargs)
 
@@ -646,176 +451,3 @@ class MultimodalPackingCollator:
                 f"return_flash_attn_kwargs={self.return_flash_attn_kwargs}, convention="
                 f"{self.convention!r}, precompute_vision={self.precompute_vision})")
 
-
-# ---------------------------------------------------------------------------------------
-# Calls that let packed examples attend to each other, seen from the model's arguments.
-
-_CACHE_LEAK = (
-    "packed position ids (several sequences in a row) reach the model with a KV cache "
-    "(use_cache on, or past_key_values given): transformers then builds a plain causal mask "
-    "(and a cache that holds several examples of a row), so the examples of a row attend "
-    "to each other; pass use_cache=False (the batches of posenc_torch.packing carry it)")
-_MASK_LEAK = (
-    "packed position ids (several sequences in a row) reach the model with a 2-D "
-    "attention_mask: transformers then builds the mask from it alone (flash-attention, for a "
-    "mask that holds a 0, unpads by it and ignores cu_seq_lens), and the examples of a row "
-    "attend to each other; pass no attention_mask with a packed batch")
-_FLASH_LEAK = (
-    "packed position ids in a batch of several rows reach a flash-attention model without "
-    "cu_seq_lens_q/k: transformers reads the boundaries from position ids only for one row, "
-    "so the examples of a row attend to each other; pass cu_seq_lens_q/k and "
-    "max_length_q/k (the batches of posenc_torch.packing carry them), or one row")
-_BOUNDARY_LEAK = (
-    "cu_seq_lens_q/k given to a flash-attention model mark other boundaries than the "
-    "examples of the packed position ids (each starting at position 0): attention follows "
-    "cu_seq_lens, so examples attend to each other or are cut; pass the boundaries "
-    "posenc_torch.packing computes (return_flash_attn_kwargs=True)")
-_TEXT_ROW_LEAK = (
-    "packed position ids without the text-position row ((batch, seq) or (3, batch, seq)) "
-    "reach a Qwen-VL model: transformers finds packed sequences only in the text row of the "
-    "(4, batch, seq) layout, so the examples of a row attend to each other; pass the 4-row "
-    "position ids of posenc_torch.compute_packed_mrope_position_ids")
-_SPLIT_LEAK = (
-    "the text positions of a packed example are not consecutive: transformers starts a new "
-    "sequence wherever a text position is not one more than the one before (flash-attention "
-    "with one row: wherever it is the row's smallest), so it splits or joins examples "
-    "otherwise than their positions say; give each example the text positions 0, 1, 2, ...")
-
-
-def _starts(rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """(B, L) bool: where the position ids' examples start: each row's first kept token,
-    and every kept token whose positions are all 0 (an example's first)."""
-    first = keep & (keep.cumsum(-1) == 1)
-    return first | (keep & (rows == 0).all(0))
-
-
-def packed_attention_leaks(
-    position_ids: torch.Tensor | None,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    use_cache: bool = False,
-    cu_seq_lens_q: torch.Tensor | None = None,
-    cu_seq_lens_k: torch.Tensor | None = None,
-    attn_implementation: str | None = None,
-) -> list[str]:
-    """Why the examples of a packed batch would not each get their own attention in this
-    model call, as messages (empty when they do, or when the position ids are not packed).
-
-    The arguments are those a Qwen-VL model's ``forward`` receives (transformers 4.57 and
-    5.x):
-        position_ids:        (4, B, L) with the text positions in row 0, (3, B, L) or
-                             (B, L); None: not packed
-        attention_mask:      as passed to the model; a 2-D (B, L) mask counts, any other
-                             (a 4-D mask) is the caller's own: never a reason
-        use_cache:           whether the call builds or reads a KV cache: ``use_cache``
-                             resolved against the model's config, or ``past_key_values``
-                             given
-        cu_seq_lens_q/k:     the varlen boundaries passed along, or None
-        attn_implementation: ``config._attn_implementation`` (a name containing "flash"
-                             is a flash-attention implementation)
-
-    The examples are what the position ids say: a new one starts at each kept token whose
-    positions are all 0 (each row's first kept token starts one too); packed means that
-    some row holds several.  For a packed batch this computes where transformers will let
-    attention start a new sequence, as it does: with a 2-D mask (under flash-attention a
-    mask that holds a 0: it drops one of all ones), only at each row's start; under
-    flash-attention, at ``cu_seq_lens_q`` when both boundaries are given, else with one row
-    wherever the text position is the row's smallest, else at each row's start; otherwise,
-    with a cache at each row's start, and without one wherever a text position (row 0 of
-    the 4-row layout; none in the others) is not one more than the one before.  A reason is
-    given exactly when those starts differ from the examples', naming the cause; a KV cache
-    with packed examples is always one (it holds several examples of a row, which a later
-    decoding step would attend across).  Reading the position ids costs one device sync.
-    TypeError for arguments of the wrong type (``use_cache`` not a bool, position ids or
-    ``cu_seq_lens`` not integer tensors, a complex mask), ValueError for position ids of
-    another shape and for a meta tensor beside tensors with values.
-    """
-    check_bool("use_cache", use_cache)
-    if attn_implementation is not None and not isinstance(attn_implementation, str):
-        raise InputTypeError(f"attn_implementation must be a str or None, got "
-                             f"{type(attn_implementation).__name__}")
-    for name, t in (("attention_mask", attention_mask), ("cu_seq_lens_q", cu_seq_lens_q),
-                    ("cu_seq_lens_k", cu_seq_lens_k)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise InputTypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
-    if attention_mask is not None and attention_mask.is_complex():
-        raise InputTypeError(f"attention_mask must be bool, integer or floating, got "
-                             f"{attention_mask.dtype}")
-    for name, t in (("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k)):
-        if t is not None and not _is_integer(t):
-            raise InputTypeError(f"{name} must be an integer tensor, got {t.dtype}")
-    if position_ids is None:
-        return []
-    check_tensor("position_ids", position_ids, (2, 3), "(3 or 4, batch, seq) or (batch, seq)")
-    if not _is_integer(position_ids):
-        raise InputTypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
-    if position_ids.dim() == 3 and position_ids.shape[0] not in (3, 4):
-        raise InputValueError(f"position_ids must be (3 or 4, batch, seq) or (batch, seq), got "
-                              f"shape {tuple(position_ids.shape)}")
-    if attention_mask is not None and attention_mask.dim() != 2:
-        return []  # the caller's own mask
-    rows = position_ids if position_ids.dim() == 3 else position_ids.unsqueeze(0)
-    batch, length = rows.shape[1:]
-    mask = attention_mask if attention_mask is not None and attention_mask.shape == \
-        rows.shape[1:] else None
-    if mask is not None and mask.is_meta != rows.is_meta:  # a mask that would be read
-        raise InputValueError(f"attention_mask is on {mask.device} but position_ids is on "
-                              f"{rows.device}; meta tensors cannot be mixed with others")
-    if rows.is_meta or length == 0:
-        return []
-    rows = rows.long()
-    keep = torch.ones(batch, length, dtype=torch.bool, device=rows.device) if mask is None \
-        else mask.to(device=rows.device) != 0
-    examples = _starts(rows, keep)
-    flash = attn_implementation is not None and "flash" in attn_implementation
-    text = rows[0] if rows.shape[0] == 4 else None
-    row_starts = _starts(rows.new_ones(1, batch, length), keep)  # each row's first only
-    reasons = [_CACHE_LEAK] if use_cache else []
-    if mask is not None and (not flash or not bool((mask != 0).all())):
-        starts, cause = row_starts, _MASK_LEAK
-    elif flash and cu_seq_lens_q is not None and cu_seq_lens_k is not None:
-        total = batch * length
-        flat = torch.zeros(total + 1, dtype=torch.bool, device=rows.device)
-        bounds = cu_seq_lens_q.to(device=rows.device, dtype=torch.long).flatten()
-        if (bounds.numel() >= 2 and bool((bounds.diff() >= 0).all())
-                and int(bounds[0]) == 0 and int(bounds[-1]) == total):
-            flat[bounds] = True  # (else boundaries of another batch: no start matches)
-        starts, cause = flat[:-1].view(batch, length), _BOUNDARY_LEAK
-    elif flash and text is not None and batch == 1:
-        arange = torch.arange(length, device=rows.device) + text.min()
-        packed = bool((text[0] != arange).any())
-        starts = (text == text.min()) | row_starts if packed else row_starts
-        cause = _SPLIT_LEAK
-    elif flash:
-        starts, cause = row_starts, _FLASH_LEAK if batch > 1 else _TEXT_ROW_LEAK
-    elif use_cache:
-        starts, cause = row_starts, _CACHE_LEAK
-    elif text is not None:
-        before = torch.cat([text[:, :1] - 1, text[:, :-1]], dim=-1)
-        starts, cause = ((text - before) != 1) | row_starts, _SPLIT_LEAK
-    else:
-        starts, cause = row_starts, _TEXT_ROW_LEAK
-    if not bool((examples.sum(-1) > 1).any()):
-        return []  # one example a row: nothing to keep apart
-    if not torch.equal(starts & keep, examples) and cause not in reasons:
-        reasons.append(cause)
-    return reasons
-
-
-def _is_integer(t: torch.Tensor) -> bool:
-    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-
-
-_WARNED: set[str] = set()
-
-
-def warn_packed_attention_leaks(position_ids: torch.Tensor | None,
-                                **arguments: object) -> list[str]:
-    """:func:`packed_attention_leaks` with the same arguments, each reason warned once per
-    process (``UserWarning``); returns the reasons found in this call."""
-    reasons = packed_attention_leaks(position_ids, **arguments)
-    for reason in reasons:
-        if reason not in _WARNED:
-            _WARNED.add(reason)
-            warnings.warn(reason, UserWarning, stacklevel=2)
-    return reasons

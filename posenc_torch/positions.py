@@ -5,63 +5,39 @@ ids of decoding steps.  Integer outputs, no gradients.  (The vision tower's patc
 transformers changed ``get_rope_index`` between releases, so the decoder ids follow a
 *convention* named after the release whose rules it reproduces (see
 :data:`MROPE_CONVENTIONS`); ``convention="installed"`` picks the one of the installed
-transformers.
+transformers.  How a convention is resolved is in ``posenc_torch._conventions``; how the
+layout of packed rows is read, in ``posenc_torch._packed_layout``.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
-import operator
-import sys
 from collections.abc import Sequence
 from typing import NamedTuple, TypedDict, Unpack
 
 import torch
 
-from . import _installed
 from ._checks import (
     INT64_MAX,
-    INT64_MIN,
     InputTypeError,
     InputValueError,
     allocation_error,
     check_int,
     check_real,
-    check_str,
     check_tensor,
     check_tensors,
     explain,
     op_error,
 )
-from ._tables import (
-    CONVENTIONS,
-    MROPE_MODELS,
-    TIME_F32,
-    TIME_F64_INTERVAL,
-    TIME_TRUNC_SECONDS,
-    Convention,
-    ModelType,
+from ._conventions import (  # noqa: F401  (MROPE_CONVENTIONS, convention_for_version: public here)
+    MROPE_CONVENTIONS,
+    convention_for_version,
+    convention_record,
+    model_record,
+    resolve_convention,
 )
-
-#: The position-id rules of the transformers releases that were checked bit for bit,
-#: by the name ``convention=`` takes (each one's record is in ``posenc_torch._tables``):
-#:
-#: - ``"4.57"``: transformers 4.57 (checked: 4.57.6).  Vision items are found in the token
-#:   ids (a placeholder right after ``vision_start_token_id``); text after an item resumes
-#:   at the item's largest position + 1; padded slots hold 1; deltas are
-#:   ``max + 1 - L`` with L the padded length; Qwen2.5-VL truncates
-#:   ``second_per_grid_ts`` to an integer and gives images temporal index 0.
-#: - ``"5.17"``: transformers 5.17 (checked: 5.17.0).  Vision items are the runs of
-#:   ``mm_token_type_ids`` (0 text, 1 image, 2 video; token ids are not read); text after an
-#:   item resumes at its start + ``max(h, w) // merge`` (frames do not count); padded slots
-#:   hold 0; deltas are ``max + 1 - (number of real tokens)``; Qwen2.5-VL's temporal step is
-#:   ``tokens_per_second * int(second_per_grid_ts)``, images use the frame index.
-#: - ``"5.18"``: transformers 5.18 and later 5.x (checked: 5.18.0, 5.24.0).  As 5.17, except
-#:   that Qwen2.5-VL keeps the fraction of the seconds: frame k of a video gets
-#:   ``long(k * (tokens_per_second * s))`` computed in the dtype of ``second_per_grid_ts``
-#:   (float32 as the processor returns it; float64 when given so).
-MROPE_CONVENTIONS = tuple(CONVENTIONS)
+from ._packed_layout import PackedLayout, explain_layout, packed_layout
+from ._tables import TIME_F32, TIME_F64_INTERVAL, TIME_TRUNC_SECONDS, Convention
 
 #: ``vision_config.tokens_per_second`` of the released Qwen2.5-VL checkpoints (3B, 7B, 32B,
 #: 72B).  The config class default is 4 and some docstrings say 25; pass the value of your
@@ -69,83 +45,6 @@ MROPE_CONVENTIONS = tuple(CONVENTIONS)
 QWEN2_5_VL_TOKENS_PER_SECOND = 2
 
 _is_compiling = torch.compiler.is_compiling
-
-
-def _installed_transformers_version() -> str | None:
-    """The version of the transformers that ``import transformers`` gives, without
-    importing it when it is not imported yet; None when it is not installed."""
-    module = sys.modules.get("transformers")
-    if module is not None and getattr(module, "__version__", None):
-        return module.__version__
-    try:
-        return importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def convention_for_version(version: str) -> str:
-    """The convention (one of :data:`MROPE_CONVENTIONS`) that the checked releases of
-    transformers ``version``'s line follow: "4.57" for 4.x, "5.17", "5.18" for 5.18 and
-    later 5.x.  ValueError for 5.0 to 5.16 (rewritten and fixed over several releases)
-    and 6 or later.  A version number is a name, not a behaviour: ``"installed"`` (see
-    :func:`resolve_convention`) runs the installed code instead, and this mapping only
-    names which of two conventions that give the same results for a model is reported."""
-    try:
-        major, minor = (int(part) for part in version.split(".")[:2])
-    except ValueError:
-        raise InputValueError(f"cannot read the transformers version {version!r}") from None
-    for convention in CONVENTIONS.values():
-        if convention.names_release(major, minor):
-            return convention.name
-    checked = ", ".join(r for c in CONVENTIONS.values() for r in c.checked)
-    raise InputValueError(
-        f"the position-id rules of transformers {version} were not checked (checked: "
-        f"{checked}); pass convention= one of {MROPE_CONVENTIONS} explicitly")
-
-
-@torch.compiler.assume_constant_result  # traced code gets the answer, not the check
-def _installed_convention(model: str) -> str:
-    if _installed_transformers_version() is None:
-        raise InputValueError(
-            "convention='installed' needs transformers installed; without it pass "
-            f"convention= one of {MROPE_CONVENTIONS}")
-    return _installed.ask("convention", model)
-
-
-def resolve_convention(convention: str, model: str | None = None) -> str:
-    """``convention`` itself, or for ``"installed"`` the one whose rules the installed
-    transformers' ``get_rope_index`` of ``model`` (a model type such as "qwen2_vl";
-    "qwen2_vl" when None, for the rules every model shares) follows.
-
-    That is decided by behaviour, not by version number: the installed ``get_rope_index``
-    and the walk of each convention run on fixed prompts that tell the conventions apart
-    (``posenc_torch.hf._rope_index``), kept while the installed method stays the same;
-    this imports transformers and the model's modeling module.
-    ValueError when transformers is not installed, or when no convention (or more than
-    one) gives its results on every prompt."""
-    return _convention(convention, model).name
-
-
-def _convention(convention: str, model: str | None = None) -> Convention:
-    """The record of :func:`resolve_convention`'s answer."""
-    if model is not None:
-        _model(model)
-    if convention == "installed":
-        return CONVENTIONS[_installed_convention(model or "qwen2_vl")]
-    record = CONVENTIONS.get(check_str("convention", convention))
-    if record is None:
-        raise InputValueError(f"convention must be 'installed' or one of {MROPE_CONVENTIONS}, got "
-                              f"{convention!r}")
-    return record
-
-
-def _model(model: object) -> ModelType:
-    """The table record of a Qwen-VL model type."""
-    record = MROPE_MODELS.get(model) if isinstance(model, str) else None
-    if record is None:
-        check_str("model", model)
-        raise InputValueError(f"model must be one of {sorted(MROPE_MODELS)}, got {model!r}")
-    return record
 
 
 class MropeOptions(TypedDict, total=False):
@@ -190,6 +89,14 @@ MROPE_OPTION_DEFAULTS: dict[str, object] = {
     "spatial_merge_size": 2, "second_per_grid_ts": None, "tokens_per_second": None}
 
 
+def token_type_ids(input_ids: torch.Tensor, image_token_id: int,
+                   video_token_id: int) -> torch.Tensor:
+    """``mm_token_type_ids`` as the transformers 5.x processors build it from the token ids
+    (``create_mm_token_type_ids``): 1 on ``image_token_id``, 2 on ``video_token_id``, 0
+    elsewhere.  input_ids: any shape, integer; returns int64 of the same shape."""
+    return ((input_ids == image_token_id).long() + 2 * (input_ids == video_token_id).long())
+
+
 class _Walk(NamedTuple):
     """The options of a position walk, converted for its ops."""
 
@@ -210,8 +117,8 @@ def _walk_options(function: str, options: dict[str, object], input_ids: object,
     if missing:
         raise InputTypeError(f"{function}() missing required keyword argument {missing[0]!r}")
     opt = {**MROPE_OPTION_DEFAULTS, **options}
-    model_type = _model(opt["model"])
-    convention = _convention(opt["convention"], opt["model"])
+    model_type = model_record(opt["model"])
+    convention = convention_record(opt["convention"], opt["model"])
     ids = {name: opt[name] for name in ("image_token_id", "video_token_id",
                                         "vision_start_token_id")}
     for name, value in ids.items():
@@ -228,9 +135,7 @@ def _walk_options(function: str, options: dict[str, object], input_ids: object,
                     "mm_token_type_ids (0 text, 1 image, 2 video, from the "
                     f"processor): pass it, or {' and '.join(missing)} to derive it")
             if isinstance(input_ids, torch.Tensor):  # else the op names input_ids
-                # as the 5.x processors build it (create_mm_token_type_ids)
-                types = ((input_ids == ids["image_token_id"]).long()
-                         + 2 * (input_ids == ids["video_token_id"]).long())
+                types = token_type_ids(input_ids, ids["image_token_id"], ids["video_token_id"])
         token_ids = (0, 1, 2)  # not read by the 5.x walk
     else:
         missing = [name for name, value in ids.items() if value is None]
@@ -342,7 +247,7 @@ def compute_mrope_position_ids(
     tokens raise ``ValueError`` naming ``image_grid_thw`` / ``video_grid_thw``: too few or
     too many grids, a run shorter or longer than its grid, a placeholder without vision
     start (``"4.57"``), h or w not divisible by ``spatial_merge_size``, or values <= 0.
-    The op validates the tensors (csrc/torch/ops.cpp); this function checks what only
+    The op validates the tensors (csrc/torch/positions.cpp); this function checks what only
     Python sees and explains an op's failure in its own arguments' names.
     """
     walk = _walk_options("compute_mrope_position_ids", options, input_ids,
@@ -427,9 +332,9 @@ def compute_mrope_decode_position_ids(
                               f"{tuple(mrope_position_deltas.shape)}")
     check_int("num_new_tokens", num_new_tokens, 0)
     deltas = mrope_position_deltas.reshape(-1, 1).long()
-    use_mask = attention_mask is not None and _convention(convention).v5
+    use_mask = attention_mask is not None and convention_record(convention).v5
     if attention_mask is None and convention != "installed":
-        _convention(convention)  # checked also where the rules agree
+        convention_record(convention)  # checked also where the rules agree
     if batch_size is None and use_mask:
         batch_size = attention_mask.shape[0] if isinstance(attention_mask, torch.Tensor) else None
     if batch_size is not None:
@@ -541,179 +446,6 @@ def _check_no_overflow(past_length: int | None, num_new_tokens: int, offsets: to
 # Packed rows (padding-free batches).
 
 
-def _length(name: str, value: object) -> int:
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (
-            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)):
-        raise InputTypeError(f"{name} must be an int, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise InputTypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if not INT64_MIN <= value <= INT64_MAX:  # read into an int64 tensor
-        raise InputValueError(f"{name} must fit in int64, got {value}")
-    return value
-
-
-def _on_device_of(name: str, t: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """A layout tensor whose values are read here: on input_ids' device, or an error."""
-    check_tensors(input_ids=input_ids, **{name: t})
-    return t
-
-
-def _rows_of(name: str, value: object, batch: int) -> list[list[int]]:
-    """``value`` as one list of ints per row of input_ids: a (B, n) tensor or a sequence of
-    B sequences; for B = 1 also a 1-D tensor or a flat sequence."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise InputTypeError(f"{name} must be an integer tensor, got {value.dtype}")
-        if value.dim() == 1 and batch == 1:
-            return [value.tolist()]
-        if value.dim() != 2 or value.shape[0] != batch:
-            raise InputValueError(
-                f"{name} as a tensor must be (batch, n) with batch = {batch} (the "
-                f"rows of input_ids){' or 1-D' if batch == 1 else ''}, got shape "
-                f"{tuple(value.shape)}")
-        return value.tolist()
-    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
-        raise InputTypeError(
-            f"{name} must be a tensor or a list of lists of ints (one list per row), "
-            f"got {type(value).__name__}")
-    if batch == 1 and all(not isinstance(v, Sequence | torch.Tensor) or
-                          (isinstance(v, torch.Tensor) and v.dim() == 0) for v in value):
-        value = [value]
-    if len(value) != batch:
-        raise InputValueError(f"{name} must have one list per row of input_ids ({batch}), got "
-                              f"{len(value)}")
-    rows = []
-    for b, row in enumerate(value):
-        if isinstance(row, torch.Tensor):
-            row = row.tolist() if row.dim() == 1 else row
-        if not isinstance(row, Sequence) or isinstance(row, (str, bytes)):
-            raise InputTypeError(f"{name}[{b}] must be a list of ints, got {type(row).__name__}")
-        rows.append([_length(f"{name}[{b}][{k}]", v) for k, v in enumerate(row)])
-    return rows
-
-
-class _Layout(NamedTuple):
-    """Where the packed examples lie, as the packed op takes it."""
-
-    example_lens: torch.Tensor  # (N,) integer, in example order across the batch
-    row_examples: torch.Tensor  # (B,) integer: examples per row
-
-
-def _packed_layout(input_ids: torch.Tensor, seq_lens: object, cu_seqlens: object,
-                   attention_mask: object) -> _Layout:
-    """The example lengths and examples per row from whichever of the three descriptions
-    was given.  A (B, n) or 1-D tensor ``seq_lens`` is passed on as it is (no value is read:
-    it traces); lists are read here; ``cu_seqlens`` must start every row at 0 and a packed
-    mask must number its examples 1, 2, 3, ... (what the op cannot see).  The lengths'
-    values (>= 0, within the row) are the op's to check."""
-    given = [name for name, v in (("seq_lens", seq_lens), ("cu_seqlens", cu_seqlens),
-                                  ("attention_mask", attention_mask)) if v is not None]
-    if len(given) != 1:
-        raise InputTypeError("pass exactly one of seq_lens, cu_seqlens and attention_mask, got "
-                             f"{', '.join(given) if given else 'none'}")
-    check_tensor("input_ids", input_ids, 2, "2-D (batch, seq)")  # the layout reads its shape
-    batch, device = input_ids.shape[0], input_ids.device
-    if attention_mask is not None:
-        lens, per_row = _mask_layout(_on_device_of("attention_mask", attention_mask, input_ids),
-                                     input_ids)
-    elif isinstance(seq_lens, torch.Tensor) and (seq_lens.dim() == 2 or (
-            seq_lens.dim() == 1 and batch == 1)):
-        if seq_lens.dim() == 2 and seq_lens.shape[0] != batch:
-            raise InputValueError(f"seq_lens as a tensor must be (batch, n) with batch = {batch} "
-                                  f"(the rows of input_ids), got shape {tuple(seq_lens.shape)}")
-        n = seq_lens.shape[-1]
-        return _Layout(seq_lens.reshape(-1),
-                       torch.full((batch,), n, dtype=torch.int64, device=seq_lens.device))
-    elif seq_lens is not None:
-        if isinstance(seq_lens, torch.Tensor):
-            _on_device_of("seq_lens", seq_lens, input_ids)
-        rows = _rows_of("seq_lens", seq_lens, batch)
-        lens, per_row = [n for row in rows for n in row], [len(row) for row in rows]
-    else:
-        if isinstance(cu_seqlens, torch.Tensor):
-            _on_device_of("cu_seqlens", cu_seqlens, input_ids)
-        lens, per_row = [], []
-        for b, row in enumerate(_rows_of("cu_seqlens", cu_seqlens, batch)):
-            if not row or row[0] != 0:
-                raise InputValueError(f"cu_seqlens[{b}] must start with 0 (cumulative lengths "
-                                      f"[0, l0, l0 + l1, ...]), got {row[:3]}")
-            lens += [row[k] - row[k - 1] for k in range(1, len(row))]
-            per_row.append(len(row) - 1)
-    return _Layout(torch.tensor(lens, dtype=torch.int64, device=device),
-                   torch.tensor(per_row, dtype=torch.int64, device=device))
-
-
-def _explain_layout(input_ids: torch.Tensor, seq_lens: object, cu_seqlens: object) -> None:
-    """The lengths' values in the caller's terms, run after the op refused them: a
-    negative length or examples that need more tokens than a row has."""
-    batch, length = input_ids.shape
-    name = "seq_lens" if seq_lens is not None else "cu_seqlens"
-    rows = _rows_of(name, seq_lens if seq_lens is not None else cu_seqlens, batch)
-    example = 0
-    for b, row in enumerate(rows):
-        if name == "cu_seqlens":
-            for k in range(1, len(row)):
-                where = f"cu_seqlens[{b}][{k}] (end of example {example + k - 1})"
-                if row[k] < row[k - 1]:
-                    raise InputValueError(f"{where} is {row[k]}, below cu_seqlens[{b}][{k - 1}] = "
-                                          f"{row[k - 1]}; cumulative lengths must not decrease")
-                if row[k] > length:
-                    raise InputValueError(f"{where} is {row[k]}, past the {length} tokens of the "
-                                          "input_ids rows")
-            example += len(row) - 1
-            continue
-        used = 0
-        for k, n in enumerate(row):
-            where = f"seq_lens[{b}][{k}] (example {example})"
-            if n < 0:
-                raise InputValueError(f"{where} is {n}; lengths must be >= 0")
-            used += n
-            if used > length:
-                raise InputValueError(f"{where}: the examples of row {b} up to this one need "
-                                      f"{used} tokens, but input_ids rows have {length}")
-            example += 1
-
-
-def _mask_layout(mask: object, input_ids: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Example lengths of a packed attention mask: per row example numbers 1, 2, 3, ... in
-    order, 0 for padding after the last example."""
-    check_tensor("attention_mask", mask, 2, "2-D (batch, seq) of example numbers")
-    if mask.is_floating_point() or mask.is_complex():
-        raise InputTypeError(f"attention_mask must hold integer example numbers (1, 2, 3, ... per "
-                             f"row, 0 for padding), got {mask.dtype}")
-    if mask.shape != input_ids.shape:
-        raise InputValueError(
-            f"attention_mask shape {tuple(mask.shape)} must equal input_ids shape "
-            f"{tuple(input_ids.shape)}")
-    m = mask.long()
-    if m.numel() == 0:
-        return [], [0] * m.shape[0]
-    prev = torch.cat([torch.zeros_like(m[:, :1]), m[:, :-1]], dim=1)
-    first = torch.zeros_like(m, dtype=torch.bool)
-    first[:, 0] = True
-    # a token continues its example, starts the next one, or (after an example) starts the
-    # padding; the first token of a row is example 1 or padding
-    ok = (m == prev) | ((m == prev + 1) & ((prev > 0) | first)) | ((m == 0) & (prev > 0))
-    if not bool(ok.all()):
-        b, j = divmod(int((~ok).flatten().int().argmax()), m.shape[1])
-        after = int(m[b, j - 1]) if j else 0
-        where = (f"after example {after} of row {b} (example "
-                 f"{int(m[:b].amax(dim=1).sum()) + after - 1} of the batch)" if after > 0 else
-                 "after padding" if j else "at the start of the row")
-        raise InputValueError(
-            f"attention_mask[{b}, {j}] is {int(m[b, j])} {where}: a packed mask numbers the "
-            "examples of each row 1, 2, 3, ... in order, each example's tokens together, and "
-            "holds 0 only for padding after the last example")
-    top = int(m.max())
-    counts = torch.bincount((m + (top + 1) * torch.arange(m.shape[0], device=m.device)[:, None])
-                            .flatten(), minlength=m.shape[0] * (top + 1)).view(-1, top + 1)
-    per_row = m.amax(dim=1).tolist()
-    lens = [n for b, k in enumerate(per_row) for n in counts[b, 1:k + 1].tolist()]
-    return lens, per_row
-
-
 def compute_packed_mrope_position_ids(
     input_ids: torch.Tensor,
     seq_lens: torch.Tensor | Sequence[Sequence[int]] | Sequence[int] | None = None,
@@ -788,16 +520,16 @@ def compute_packed_mrope_position_ids(
     """
     walk = _walk_options("compute_packed_mrope_position_ids", options, input_ids,
                          image_grid_thw is not None or video_grid_thw is not None, "model")
-    layout = _packed_layout(input_ids, seq_lens, cu_seqlens, attention_mask)
+    layout = packed_layout(input_ids, seq_lens, cu_seqlens, attention_mask)
     named = dict(input_ids=input_ids, seq_lens=seq_lens if isinstance(seq_lens, torch.Tensor)
                  else None, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                  second_per_grid_ts=walk.second_per_grid_ts,
                  mm_token_type_ids=walk.mm_token_type_ids)
 
-    def explain_layout() -> None:
+    def explain_failure() -> None:
         check_tensors(**named)
         if attention_mask is None:
-            _explain_layout(input_ids, seq_lens, cu_seqlens)
+            explain_layout(input_ids, seq_lens, cu_seqlens)
 
     if _is_compiling():
         check_tensors(**named)
@@ -806,11 +538,11 @@ def compute_packed_mrope_position_ids(
             input_ids, layout.example_lens, layout.row_examples, image_grid_thw,
             video_grid_thw, walk.second_per_grid_ts, *walk.op_args)
     except Exception as err:
-        raise explain(err, explain_layout) from None
+        raise explain(err, explain_failure) from None
 
 
 def _packed_for_examples(
-    input_ids: torch.Tensor, layout: _Layout, example_ids: torch.Tensor,
+    input_ids: torch.Tensor, layout: PackedLayout, example_ids: torch.Tensor,
     example_grids: torch.Tensor, image_grid_thw: torch.Tensor | None,
     video_grid_thw: torch.Tensor | None, **options: Unpack[MropeOptions],
 ) -> torch.Tensor:

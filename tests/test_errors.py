@@ -807,7 +807,7 @@ def test_position_checks_run_only_when_the_op_fails(monkeypatch):
             return original(*args, **kwargs)
         return counting
 
-    for name in ("check_tensors", "_explain_layout"):
+    for name in ("check_tensors", "explain_layout"):
         monkeypatch.setattr(positions, name, counted(name))
     grid = torch.tensor([[1, 2, 2]])
     for device in ("cpu", "meta"):
@@ -822,7 +822,7 @@ def test_position_checks_run_only_when_the_op_fails(monkeypatch):
     assert calls == []
     with pytest.raises(ValueError, match=r"seq_lens\[0\]\[1\]"):
         P.compute_packed_mrope_position_ids(IDS, [[3, 3]], model="qwen2_vl", convention="5.17")
-    assert calls == ["check_tensors", "_explain_layout"]
+    assert calls == ["check_tensors", "explain_layout"]
 
 
 def test_fake_tensors_take_the_same_path(counted_checks):
@@ -838,11 +838,11 @@ def test_fake_tensors_take_the_same_path(counted_checks):
 
 @pytest.fixture
 def plain_path():
-    ops._bind(None)
+    ops._choose_path(None)
     try:
         yield
     finally:
-        ops._bind(ops.PRIVATE)
+        ops._choose_path(ops.PRIVATE)
 
 
 def _grads(fn, *tensors):
@@ -871,7 +871,7 @@ def test_plain_path_gives_the_same_results_and_gradients(name, plain_path):
     plain = _grads(fn, *inputs)
     with torch.no_grad():
         plain_no_grad = fn(*inputs)
-    ops._bind(ops.PRIVATE)
+    ops._choose_path(ops.PRIVATE)
     fast = _grads(fn, *inputs)
     with torch.no_grad():
         fast_no_grad = fn(*inputs)
@@ -883,9 +883,9 @@ def test_plain_path_serves_torch_func_and_rejects_forward_mode(plain_path):
     q, k = _qk()
     cos, sin = _tables()
     grad = torch.func.grad(lambda x: P.apply_rotary_pos_emb(x, k, cos, sin)[0].square().sum())
-    ops._bind(ops.PRIVATE)
+    ops._choose_path(ops.PRIVATE)
     want = grad(q)
-    ops._bind(None)
+    ops._choose_path(None)
     torch.testing.assert_close(grad(q), want, rtol=0, atol=0)
     with pytest.raises((NotImplementedError, RuntimeError), match="jvp|forward"):
         torch.func.jvp(lambda x: P.apply_rotary_pos_emb(x, k, cos, sin)[0], (q,), (q,))

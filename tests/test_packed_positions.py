@@ -257,7 +257,8 @@ def test_examples_that_own_their_grids():
     """The walk packing calls (example ids and the grids each example owns): the same ids
     when the grids fit, and an error that names the caller's example and speaks of it
     alone, also where the grids still add up but one example gives a grid to the next."""
-    from posenc_torch.positions import _Layout, _packed_for_examples
+    from posenc_torch._packed_layout import PackedLayout
+    from posenc_torch.positions import _packed_for_examples
 
     model_type = "qwen2_5_vl"
     examples = examples_for(model_type)
@@ -265,8 +266,8 @@ def test_examples_that_own_their_grids():
     want = packed(model_type, kw, seq_lens=seq_lens)
     args = api_kwargs(model_type, kw)
     tensors = [args.pop(k) for k in ("input_ids", "image_grid_thw", "video_grid_thw")]
-    layout = _Layout(torch.tensor([n for row in seq_lens for n in row]),
-                     torch.tensor([len(row) for row in seq_lens]))
+    layout = PackedLayout(torch.tensor([n for row in seq_lens for n in row]),
+                          torch.tensor([len(row) for row in seq_lens]))
     owned = torch.tensor([[0 if ex[key] is None else len(ex[key])
                            for key in ("image_grid_thw", "video_grid_thw")] for ex in examples])
     ids = torch.arange(len(examples)) * 3 + 5

@@ -59,7 +59,7 @@ from test_hf_positions import tiny_model as tiny_vl_model
 
 import posenc_torch
 import posenc_torch.hf as hf
-from posenc_torch import packing
+from posenc_torch import _attention_leaks, packing
 from posenc_torch.packing import (
     IGNORE_INDEX,
     MultimodalPackingCollator,
@@ -650,7 +650,7 @@ def leak_guard(model_type: str, found: list, monkeypatch):
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(packing, "_WARNED", set())
+    monkeypatch.setattr(_attention_leaks, "_WARNED", set())
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl"])
@@ -704,15 +704,15 @@ def test_leak_warnings_name_exactly_the_calls_that_leak(model_type, cpu_flash_at
             assert (worst > 1e-3) == bool(reasons), (name, worst, reasons)
             assert worst <= TOL or worst > 1e-3, (name, worst)
     # each reason warned once, though found in several calls
-    assert sorted(warned) == sorted([packing._CACHE_LEAK, packing._MASK_LEAK,
-                                     packing._FLASH_LEAK, packing._BOUNDARY_LEAK,
-                                     packing._TEXT_ROW_LEAK])
+    assert sorted(warned) == sorted([_attention_leaks.CACHE_LEAK, _attention_leaks.MASK_LEAK,
+                                     _attention_leaks.FLASH_LEAK, _attention_leaks.BOUNDARY_LEAK,
+                                     _attention_leaks.TEXT_ROW_LEAK])
 
 
 def test_packed_attention_leaks_reasons():
-    cache, mask, flash_rows = packing._CACHE_LEAK, packing._MASK_LEAK, packing._FLASH_LEAK
-    bounds, text_row, split = (packing._BOUNDARY_LEAK, packing._TEXT_ROW_LEAK,
-                               packing._SPLIT_LEAK)
+    leaks = _attention_leaks
+    cache, mask, flash_rows = leaks.CACHE_LEAK, leaks.MASK_LEAK, leaks.FLASH_LEAK
+    bounds, text_row, split = leaks.BOUNDARY_LEAK, leaks.TEXT_ROW_LEAK, leaks.SPLIT_LEAK
     packed = torch.cat([torch.arange(5), torch.arange(3), torch.arange(2)]).expand(4, 1, 10)
     plain = torch.arange(10).expand(4, 1, 10)
     two_rows = packed.expand(4, 2, 10)
@@ -1106,4 +1106,4 @@ def test_gradient_checkpointing_in_training_turns_the_cache_off(fresh_warnings, 
             model.gradient_checkpointing_disable()
             model.eval()
         model(**batch)
-    assert found == [[], [packing._CACHE_LEAK]]
+    assert found == [[], [_attention_leaks.CACHE_LEAK]]

@@ -362,7 +362,7 @@ def test_convention_resolution(monkeypatch):
         positions.resolve_convention("5.x")
     # without transformers installed, "installed" asks for an explicit convention
     monkeypatch.setitem(sys.modules, "transformers", None)
-    monkeypatch.setattr(positions.importlib.metadata, "version",
+    monkeypatch.setattr(importlib.metadata, "version",
                         lambda name: (_ for _ in ()).throw(
                             importlib.metadata.PackageNotFoundError(name)))
     with pytest.raises(ValueError, match="needs transformers installed"):

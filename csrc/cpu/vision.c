@@ -146,23 +146,6 @@ int pe_vision_positions(const pe_vision_grids *g, int columns, int64_t *out, int
     return PE_OK;
 }
 
-int pe_vision_position_count(int64_t n_grids, const int64_t *grid_thw, int64_t spatial_merge_size,
-                             int64_t *total, pe_pos_error *err) {
-    const pe_vision_grids g = {n_grids, grid_thw, NULL, spatial_merge_size};
-    if (spatial_merge_size < 1 || !total) return bad_arg(err);
-    pe_vision_sizes s;
-    const int rc = pe_vision_sizes_of(&g, &s, err);
-    if (rc == PE_OK) *total = s.patches;
-    return rc;
-}
-
-int pe_vision_position_ids(int64_t n_grids, const int64_t *grid_thw, int64_t spatial_merge_size,
-                           int64_t total, int64_t *out, int nthreads, pe_pos_error *err) {
-    const pe_vision_grids g = {n_grids, grid_thw, NULL, spatial_merge_size};
-    if (spatial_merge_size < 1) return bad_arg(err);
-    return pe_vision_positions(&g, 2, out, total, nthreads, err);
-}
-
 /* ---- attention boundaries ------------------------------------------------------------- */
 
 int pe_vision_cu_seqlens(const pe_vision_grids *g, int merge_temporal, int32_t *cu, int64_t n_cu,

@@ -1,6 +1,6 @@
 /*
  * libFuzzer harness for the position walk (pe_mrope_position_ids) and the vision tower ids
- * (pe_vision_position_count / pe_vision_position_ids), and the packed-row walk
+ * (pe_vision_sizes_of / pe_vision_positions with one merge size), and the packed-row walk
  * (pe_mrope_packed_position_ids), through the public API only, built
  * with ASan + UBSan.  The input bytes build token streams of text, vision-start tokens and
  * placeholder runs that usually match their grids (and sometimes do not: short or long
@@ -283,17 +283,19 @@ static void fuzz_vision(fuzz_bytes *in) {
     const int64_t n = fuzz_below(in, 5), m = 1 + fuzz_below(in, 3);
     for (int64_t g = 0; g < n; ++g) grid(in, m, 1, grids[g]);
     pe_pos_error err;
-    int64_t total = -1;
-    int rc = pe_vision_position_count(n, n ? &grids[0][0] : NULL, m, &total, &err);
+    const pe_vision_grids vg = {n, n ? &grids[0][0] : NULL, NULL, m};
+    pe_vision_sizes sizes;
+    int rc = pe_vision_sizes_of(&vg, &sizes, &err);
     REQUIRE(rc == PE_OK || rc == PE_ERR_GRID || rc == PE_ERR_ARG);
     if (rc != PE_OK) return;
+    const int64_t total = sizes.patches;
     int64_t expect = 0;
     for (int64_t g = 0; g < n; ++g) expect += grids[g][0] * grids[g][1] * grids[g][2];
     REQUIRE(total == expect);
     int64_t *out = malloc((size_t)(2 * total + 1) * sizeof(int64_t));
-    rc = pe_vision_position_ids(n, n ? &grids[0][0] : NULL, m, total, out, 1 + (int)fuzz_below(in, 2), &err);
+    rc = pe_vision_positions(&vg, 2, out, total, 1 + (int)fuzz_below(in, 2), &err);
     REQUIRE(rc == PE_OK);
-    REQUIRE(pe_vision_position_ids(n, n ? &grids[0][0] : NULL, m, total + 1, out, 1, &err) != PE_OK);
+    REQUIRE(pe_vision_positions(&vg, 2, out, total + 1, 1, &err) != PE_OK);
     const int64_t *o = out;
     for (int64_t g = 0; g < n; ++g) {
         const int64_t t = grids[g][0], h = grids[g][1], w = grids[g][2];

@@ -856,13 +856,27 @@ static void threaded_errors(void) {
 
 /* ---- vision tower ids ----------------------------------------------------------------- */
 
+/* The patch count of grids (n, 3) with one merge size m, or the (negative) status. */
+static int64_t vision_count(int64_t n, const int64_t *thw, int64_t m, pe_pos_error *e) {
+    const pe_vision_grids g = {n, thw, NULL, m};
+    pe_vision_sizes s;
+    const int rc = pe_vision_sizes_of(&g, &s, e);
+    return rc == PE_OK ? s.patches : rc;
+}
+
+/* The (row, col) ids of grids (n, 3) with one merge size m, as the shim asks for them. */
+static int vision_positions(int64_t n, const int64_t *thw, int64_t m, int64_t total, int64_t *out,
+                            int nthreads, pe_pos_error *e) {
+    const pe_vision_grids g = {n, thw, NULL, m};
+    return pe_vision_positions(&g, 2, out, total, nthreads, e);
+}
+
 static void vision_ids(void) {
     const int64_t grids[6] = {1, 4, 4, 2, 2, 4};
-    int64_t total = 0;
-    CHECK(pe_vision_position_count(2, grids, 2, &total, NULL) == PE_OK && total == 32,
-          "vision count %lld", (long long)total);
+    int64_t total = vision_count(2, grids, 2, NULL);
+    CHECK(total == 32, "vision count %lld", (long long)total);
     int64_t out[64];
-    CHECK(pe_vision_position_ids(2, grids, 2, total, out, 1, NULL) == PE_OK, "vision ids");
+    CHECK(vision_positions(2, grids, 2, total, out, 1, NULL) == PE_OK, "vision ids");
     const int64_t first[32] = {0, 0, 0, 1, 1, 0, 1, 1, 0, 2, 0, 3, 1, 2, 1, 3,
                                2, 0, 2, 1, 3, 0, 3, 1, 2, 2, 2, 3, 3, 2, 3, 3};
     const int64_t second[16] = {0, 0, 0, 1, 1, 0, 1, 1, 0, 2, 0, 3, 1, 2, 1, 3};
@@ -879,9 +893,10 @@ static void vision_ids(void) {
         g[3 * i + 2] = 2 * (1 + rnd(20));
     }
     g[3 * 7] = 4, g[3 * 7 + 1] = 256, g[3 * 7 + 2] = 256; /* 2^18 patches: threads run */
-    CHECK(pe_vision_position_count(40, g, 2, &n, NULL) == PE_OK, "vision count (random)");
+    n = vision_count(40, g, 2, NULL);
+    CHECK(n > 0, "vision count (random)");
     int64_t *o = malloc(sizeof(int64_t) * (size_t)(2 * n));
-    CHECK(pe_vision_position_ids(40, g, 2, n, o, 4, NULL) == PE_OK, "vision ids (random)");
+    CHECK(vision_positions(40, g, 2, n, o, 4, NULL) == PE_OK, "vision ids (random)");
     int64_t k = 0;
     int bad = 0;
     for (int i = 0; i < 40; ++i) {
@@ -898,15 +913,16 @@ static void vision_ids(void) {
 
     pe_pos_error e;
     const int64_t badg[6] = {1, 4, 4, 1, 3, 4};
-    CHECK(pe_vision_position_count(2, badg, 2, &total, &e) == PE_ERR_GRID &&
-              e.problem == PE_POS_BAD_GRID && e.grid == 1, "vision bad grid");
+    CHECK(vision_count(2, badg, 2, &e) == PE_ERR_GRID && e.problem == PE_POS_BAD_GRID &&
+              e.grid == 1, "vision bad grid");
     const int64_t zero[3] = {0, 4, 4};
-    CHECK(pe_vision_position_count(1, zero, 2, &total, &e) == PE_ERR_GRID, "vision zero grid");
+    CHECK(vision_count(1, zero, 2, &e) == PE_ERR_GRID, "vision zero grid");
     const int64_t huge[3] = {1LL << 40, 1LL << 40, 1LL << 40};
-    CHECK(pe_vision_position_count(1, huge, 2, &total, &e) == PE_ERR_GRID, "vision huge grid");
-    CHECK(pe_vision_position_ids(2, grids, 2, 31, out, 1, &e) == PE_ERR_ARG, "vision wrong total");
-    CHECK(pe_vision_position_count(2, grids, 0, &total, &e) == PE_ERR_ARG, "vision merge 0");
-    CHECK(pe_vision_position_count(0, NULL, 2, &total, &e) == PE_OK && total == 0, "vision empty");
+    CHECK(vision_count(1, huge, 2, &e) == PE_ERR_GRID, "vision huge grid");
+    CHECK(vision_positions(2, grids, 2, 31, out, 1, &e) == PE_ERR_ARG, "vision wrong total");
+    CHECK(vision_count(2, grids, 0, &e) == PE_ERR_GRID && e.problem == PE_POS_BAD_MERGE &&
+              e.grid == 0, "vision merge 0");
+    CHECK(vision_count(0, NULL, 2, &e) == 0, "vision empty");
 }
 
 /* ---- packed rows ---------------------------------------------------------------------- */

@@ -60,12 +60,6 @@ static void positions_examples(void) {
     g.merge = merges;
     CHECK(pe_vision_positions(&g, 2, two, 32, 1, NULL) == PE_OK && same_i64(two, raster, 32) &&
               same_i64(two + 32, frame, 16), "per-grid merge sizes");
-
-    /* the first form is the same walk */
-    int64_t old[64], total = 0;
-    CHECK(pe_vision_position_count(2, thw, 2, &total, NULL) == PE_OK && total == 32 &&
-              pe_vision_position_ids(2, thw, 2, 32, old, 1, NULL) == PE_OK &&
-              same_i64(old, first, 32), "pe_vision_position_ids");
 }
 
 /* Random batches: the closed form of the patch order, threads against one thread. */

@@ -222,9 +222,11 @@ def plan(model_type: str, module: types.ModuleType) -> list[tuple[str, Form]]:
         if not callable(getattr(module, name, None)):
             raise Unsupported(f"{', '.join(found[name])} in {where} call {name}, "
                               "but the module has no such function")
-    original = model_type in _VISION_MODEL_TYPES or model_type in ("llama", "qwen2")
-    decoder = (TEXT, MULTIMODAL) if original else (TEXT,)
-    if not original and MULTIMODAL in called:
+    # The Qwen-VL types, llama and qwen2: every rotary name their attention calls is planned
+    # (the multimodal merge included); other model types only the text and interleave forms.
+    every_name = model_type in _VISION_MODEL_TYPES or model_type in ("llama", "qwen2")
+    decoder = (TEXT, MULTIMODAL) if every_name else (TEXT,)
+    if not every_name and MULTIMODAL in called:
         raise Unsupported(
             f"the attention in {where} calls {MULTIMODAL}, whose section merge for this "
             "model is not one posenc_torch runs")
@@ -242,7 +244,7 @@ def plan(model_type: str, module: types.ModuleType) -> list[tuple[str, Form]]:
             "transformers version is not supported for the vision tower")
     out: list[tuple[str, Form]] = []
     for name in called:
-        if name not in (TEXT, INTERLEAVE) and not original:
+        if name not in (TEXT, INTERLEAVE) and not every_name:
             continue
         # Already replaced by an active handle: judge the function it replaced (patch
         # then reports the conflict).
