@@ -15,11 +15,15 @@ WHEEL     := $(WHEEL_DIR)/posenc_torch-*-abi3-*.whl
 COMPAT    := .venv-compat
 CPY       := $(COMPAT)/bin/python
 COMPAT_STAMP := $(COMPAT)/.installed
+# The newest torch on the package registry, in an environment of its own (compat-newest).
+COMPAT_NEWEST := .venv-compat-newest
+NPY           := $(COMPAT_NEWEST)/bin/python
+COMPAT_NEWEST_STAMP := $(COMPAT_NEWEST)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 PYTEST := $(abspath $(VPY)) -m pytest -q -p no:cacheprovider
 
 .PHONY: all venv wheel build test pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest compat compat-min \
-	abi-audit ctest sanitize fuzz ctest-aarch64 cuda-compile gpu-check bench bench-full \
+	compat-newest abi-audit ctest sanitize fuzz ctest-aarch64 cuda-compile gpu-check bench bench-full \
 	notebooks clean
 
 all: build
@@ -49,9 +53,10 @@ build: wheel
 # aarch64 under emulation, the CUDA sources compiled (cuda-compile), Python tests on
 # transformers 5.x and the transformers-4.x tests against the 4.57.6 overlay, the
 # position-id tests against the 5.18.0 and newest 5.x overlays, then the same wheel's ABI
-# audit and op tests under torch 2.14.1 and under the oldest supported, 2.11.0.
+# audit and op tests under torch 2.14.1, under the oldest supported, 2.11.0, and under the
+# newest on the package registry (compat-newest).
 test: build ctest sanitize fuzz ctest-aarch64 cuda-compile pytest pytest-hf4 pytest-hf5_18 \
-	pytest-hf5_latest abi-audit compat compat-min
+	pytest-hf5_latest abi-audit compat compat-min compat-newest
 
 pytest: build
 	cd tests && $(PYTEST) .
@@ -81,15 +86,40 @@ $(COMPAT_STAMP): requirements-compat.txt
 	$(CPY) -m pip install -q -r requirements-compat.txt
 	touch $@
 
+# The op tests of another torch release: parity, gradcheck, opcheck, torch.compile, the
+# extension's build and ABI facts, and the error table (the classes of the README's
+# "Errors" on every torch, whatever exception type torch delivers from the shim).
+COMPAT_TESTS := test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py \
+	test_errors.py
+
 # The wheel built against .venv's torch, installed without dependencies (it must not
-# replace torch) beside torch 2.14.1, and the op tests run there: parity, gradcheck,
-# opcheck, torch.compile.
+# replace torch) beside torch 2.14.1, and the op tests run there, with the OpenMP-runtime
+# test.
 compat: wheel $(COMPAT_STAMP)
 	$(CPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
 	cd tests && $(abspath $(CPY)) -c "import torch, posenc_torch; print('torch', torch.__version__)"
 	cd tests && $(abspath $(CPY)) -m pytest -q -p no:cacheprovider -m "not transformers4" \
-		test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py \
-		test_runtime.py
+		$(COMPAT_TESTS) test_runtime.py
+
+# The newest torch on the package registry (requirements-compat-newest.txt), past the torch
+# cap of a pip constraints file on the machine (these machines carry one): the cap is lifted
+# for this one install alone (PIP_CONSTRAINT=/dev/null; pip 23 reads an empty value as
+# unset).  The same wheel, the op tests, the OpenMP-runtime test, and the tests in which
+# posenc_torch.hf hands a call posenc refuses to transformers (get_rope_index, the rotary
+# functions, the vision routes).
+COMPAT_NEWEST_HF_TESTS := test_hf_positions.py \
+	test_hf_patch.py::test_unsupported_inputs_go_to_transformers \
+	test_vision_hf.py::test_a_route_whose_function_changed_falls_back
+$(COMPAT_NEWEST_STAMP): requirements-compat-newest.txt
+	$(PYTHON) -m venv $(COMPAT_NEWEST)
+	PIP_CONSTRAINT=/dev/null $(NPY) -m pip install -q -r requirements-compat-newest.txt
+	touch $@
+
+compat-newest: wheel $(COMPAT_NEWEST_STAMP)
+	$(NPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
+	cd tests && $(abspath $(NPY)) -c "import torch, posenc_torch; print('torch', torch.__version__)"
+	cd tests && $(abspath $(NPY)) -m pytest -q -p no:cacheprovider -m "not transformers4" \
+		$(COMPAT_TESTS) test_runtime.py $(COMPAT_NEWEST_HF_TESTS)
 
 # The oldest torch the README promises, 2.11.0 (the package registry's wheel, its NVIDIA
 # libraries taken from .venv-compat's, which have the same sonames), as an overlay put first
@@ -119,8 +149,7 @@ compat-min: wheel $(COMPAT_STAMP) $(TORCH_MIN_DIR)/.installed
 	cd tests && PYTHONPATH=$(abspath $(TORCH_MIN_DIR)) $(abspath $(CPY)) -c \
 		"import torch, posenc_torch; assert torch.__version__.startswith('$(TORCH_MIN)'), torch.__version__; print('torch', torch.__version__)"
 	cd tests && PYTHONPATH=$(abspath $(TORCH_MIN_DIR)) $(abspath $(CPY)) -m pytest -q \
-		-p no:cacheprovider -m "not transformers4" \
-		test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py
+		-p no:cacheprovider -m "not transformers4" $(COMPAT_TESTS)
 
 # The extension must use only the LibTorch stable ABI and the limited Python API (exit 1
 # otherwise); tests/test_shim.py (in `compat`) also holds its minimum torch to 2.11.
