@@ -64,12 +64,12 @@ pytest: build
 pytest-hf4: build
 	cd tests && PYTHONPATH=$(abspath $(HF4)) POSENC_EXPECT_TRANSFORMERS=4 $(PYTEST) -m "transformers4 or any_transformers" .
 
-# Position ids (packed rows and batches too), the get_rope_index patch and which model types are patched
-# (test_hf_probe) and the vision towers' helpers (test_vision) against the other transformers
-# 5.x releases (the version of each requirements file exactly); the newest also runs the tiny
-# model of every supported type.
+# Position ids (packed rows and batches too), the get_rope_index patch, which functions are
+# patched (test_hf_decisions; the verified digests: test_hf_digests) and the vision towers'
+# helpers (test_vision) against the other transformers 5.x releases (the version of each
+# requirements file exactly); the newest also runs the tiny model of every supported type.
 HF5_TESTS := test_positions.py test_hf_positions.py test_packed_positions.py test_packing.py \
-	test_hf_probe.py test_vision.py test_vision_hf.py
+	test_hf_decisions.py test_hf_digests.py test_vision.py test_vision_hf.py
 HF5_LATEST_TESTS := $(HF5_TESTS) test_hf_models.py
 pytest-hf5_18: build
 	cd tests && PYTHONPATH=$(abspath $(HF5_18)) \

@@ -653,8 +653,8 @@ class MultimodalPackingCollator:
 _CACHE_LEAK = (
     "packed position ids (several sequences in a row) reach the model with a KV cache "
     "(use_cache on, or past_key_values given): transformers then builds a plain causal mask "
-    "and the examples of a row attend to each other; pass use_cache=False (the batches of "
-    "posenc_torch.packing carry it)")
+    "(and a cache that holds several examples of a row), so the examples of a row attend "
+    "to each other; pass use_cache=False (the batches of posenc_torch.packing carry it)")
 _MASK_LEAK = (
     "packed position ids (several sequences in a row) reach the model with a 2-D "
     "attention_mask: transformers then builds the mask from it alone (flash-attention, for a "
@@ -665,20 +665,28 @@ _FLASH_LEAK = (
     "cu_seq_lens_q/k: transformers reads the boundaries from position ids only for one row, "
     "so the examples of a row attend to each other; pass cu_seq_lens_q/k and "
     "max_length_q/k (the batches of posenc_torch.packing carry them), or one row")
+_BOUNDARY_LEAK = (
+    "cu_seq_lens_q/k given to a flash-attention model mark other boundaries than the "
+    "examples of the packed position ids (each starting at position 0): attention follows "
+    "cu_seq_lens, so examples attend to each other or are cut; pass the boundaries "
+    "posenc_torch.packing computes (return_flash_attn_kwargs=True)")
+_TEXT_ROW_LEAK = (
+    "packed position ids without the text-position row ((batch, seq) or (3, batch, seq)) "
+    "reach a Qwen-VL model: transformers finds packed sequences only in the text row of the "
+    "(4, batch, seq) layout, so the examples of a row attend to each other; pass the 4-row "
+    "position ids of posenc_torch.compute_packed_mrope_position_ids")
+_SPLIT_LEAK = (
+    "the text positions of a packed example are not consecutive: transformers starts a new "
+    "sequence wherever a text position is not one more than the one before (flash-attention "
+    "with one row: wherever it is the row's smallest), so it splits or joins examples "
+    "otherwise than their positions say; give each example the text positions 0, 1, 2, ...")
 
 
-def _row_restarts(text: torch.Tensor, keep: torch.Tensor | None) -> bool:
-    """Some row of (B, L) text positions holds more than one sequence: a kept token whose
-    position is not above the kept token before it (padding, where ``keep`` is False, is
-    skipped)."""
-    if text.shape[-1] < 2:
-        return False
-    if keep is None:
-        return bool((text[:, 1:] <= text[:, :-1]).any())
-    filled = text.masked_fill(~keep, torch.iinfo(torch.int64).min)
-    before = torch.cummax(filled, dim=-1).values[:, :-1]  # the kept token before each one
-    later = keep[:, 1:] & (before > torch.iinfo(torch.int64).min)
-    return bool((later & (text[:, 1:] <= before)).any())
+def _starts(rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """(B, L) bool: where the position ids' examples start: each row's first kept token,
+    and every kept token whose positions are all 0 (an example's first)."""
+    first = keep & (keep.cumsum(-1) == 1)
+    return first | (keep & (rows == 0).all(0))
 
 
 def packed_attention_leaks(
@@ -687,49 +695,55 @@ def packed_attention_leaks(
     attention_mask: torch.Tensor | None = None,
     use_cache: bool = False,
     cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
     attn_implementation: str | None = None,
 ) -> list[str]:
-    """Why the examples of a packed batch would attend to each other in this model call,
-    as messages (empty when they are kept apart, or when the position ids are not packed).
+    """Why the examples of a packed batch would not each get their own attention in this
+    model call, as messages (empty when they do, or when the position ids are not packed).
 
     The arguments are those a Qwen-VL model's ``forward`` receives (transformers 4.57 and
     5.x):
-        position_ids:        (4, B, L) or (3, B, L) with the text positions in row 0, or
+        position_ids:        (4, B, L) with the text positions in row 0, (3, B, L) or
                              (B, L); None: not packed
-        attention_mask:      as passed to the model; a 2-D (B, L) mask counts (a 4-D mask
-                             is the caller's own)
+        attention_mask:      as passed to the model; a 2-D (B, L) mask counts, any other
+                             (a 4-D mask) is the caller's own: never a reason
         use_cache:           whether the call builds or reads a KV cache: ``use_cache``
                              resolved against the model's config, or ``past_key_values``
                              given
-        cu_seq_lens_q:       the varlen boundaries passed along, or None
+        cu_seq_lens_q/k:     the varlen boundaries passed along, or None
         attn_implementation: ``config._attn_implementation`` (a name containing "flash"
                              is a flash-attention implementation)
 
-    Packed means that some row of the text positions holds several sequences (a position
-    not above the one before it; with a 0/1 mask, over the tokens it keeps).  The reasons:
-    a cache (transformers builds the block-diagonal mask only without one), a 2-D attention
-    mask (it replaces the block-diagonal mask; under flash-attention only a mask that holds
-    a 0, which it unpads by: it drops one of all ones), and several rows under
-    flash-attention without ``cu_seq_lens_q`` (boundaries are read from position ids only
-    for one row).  The position ids are read (a device sync for CUDA tensors) only when one
-    of these is present, so a call that keeps its examples apart costs nothing (a mask under
-    flash-attention is read to see whether it holds a 0).
+    The examples are what the position ids say: a new one starts at each kept token whose
+    positions are all 0 (each row's first kept token starts one too); packed means that
+    some row holds several.  For a packed batch this computes where transformers will let
+    attention start a new sequence, as it does: with a 2-D mask (under flash-attention a
+    mask that holds a 0: it drops one of all ones), only at each row's start; under
+    flash-attention, at ``cu_seq_lens_q`` when both boundaries are given, else with one row
+    wherever the text position is the row's smallest, else at each row's start; otherwise,
+    with a cache at each row's start, and without one wherever a text position (row 0 of
+    the 4-row layout; none in the others) is not one more than the one before.  A reason is
+    given exactly when those starts differ from the examples', naming the cause; a KV cache
+    with packed examples is always one (it holds several examples of a row, which a later
+    decoding step would attend across).  Reading the position ids costs one device sync.
     TypeError for arguments of the wrong type (``use_cache`` not a bool, position ids or
-    ``cu_seq_lens_q`` not integer tensors, a complex mask), ValueError for position ids of
+    ``cu_seq_lens`` not integer tensors, a complex mask), ValueError for position ids of
     another shape and for a meta tensor beside tensors with values.
     """
     check_bool("use_cache", use_cache)
     if attn_implementation is not None and not isinstance(attn_implementation, str):
         raise InputTypeError(f"attn_implementation must be a str or None, got "
                              f"{type(attn_implementation).__name__}")
-    for name, t in (("attention_mask", attention_mask), ("cu_seq_lens_q", cu_seq_lens_q)):
+    for name, t in (("attention_mask", attention_mask), ("cu_seq_lens_q", cu_seq_lens_q),
+                    ("cu_seq_lens_k", cu_seq_lens_k)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise InputTypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
     if attention_mask is not None and attention_mask.is_complex():
         raise InputTypeError(f"attention_mask must be bool, integer or floating, got "
                              f"{attention_mask.dtype}")
-    if cu_seq_lens_q is not None and not _is_integer(cu_seq_lens_q):
-        raise InputTypeError(f"cu_seq_lens_q must be an integer tensor, got {cu_seq_lens_q.dtype}")
+    for name, t in (("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k)):
+        if t is not None and not _is_integer(t):
+            raise InputTypeError(f"{name} must be an integer tensor, got {t.dtype}")
     if position_ids is None:
         return []
     check_tensor("position_ids", position_ids, (2, 3), "(3 or 4, batch, seq) or (batch, seq)")
@@ -738,24 +752,54 @@ def packed_attention_leaks(
     if position_ids.dim() == 3 and position_ids.shape[0] not in (3, 4):
         raise InputValueError(f"position_ids must be (3 or 4, batch, seq) or (batch, seq), got "
                               f"shape {tuple(position_ids.shape)}")
-    text = position_ids[0] if position_ids.dim() == 3 else position_ids
-    mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 \
-        and attention_mask.shape == text.shape else None
-    if mask is not None and mask.is_meta != text.is_meta:  # a mask that would be read
+    if attention_mask is not None and attention_mask.dim() != 2:
+        return []  # the caller's own mask
+    rows = position_ids if position_ids.dim() == 3 else position_ids.unsqueeze(0)
+    batch, length = rows.shape[1:]
+    mask = attention_mask if attention_mask is not None and attention_mask.shape == \
+        rows.shape[1:] else None
+    if mask is not None and mask.is_meta != rows.is_meta:  # a mask that would be read
         raise InputValueError(f"attention_mask is on {mask.device} but position_ids is on "
-                              f"{text.device}; meta tensors cannot be mixed with others")
+                              f"{rows.device}; meta tensors cannot be mixed with others")
+    if rows.is_meta or length == 0:
+        return []
+    rows = rows.long()
+    keep = torch.ones(batch, length, dtype=torch.bool, device=rows.device) if mask is None \
+        else mask.to(device=rows.device) != 0
+    examples = _starts(rows, keep)
     flash = attn_implementation is not None and "flash" in attn_implementation
-    if text.is_meta:
-        return []
-    # flash-attention drops a mask without a 0 (masking_utils' flash_attention_mask)
-    masked = mask is not None and (not flash or not bool((mask != 0).all()))
-    candidates = [reason for reason, present in (
-        (_CACHE_LEAK, use_cache), (_MASK_LEAK, masked),
-        (_FLASH_LEAK, flash and text.shape[0] > 1 and cu_seq_lens_q is None)) if present]
-    if not candidates:
-        return []
-    keep = None if mask is None else mask.to(device=text.device) != 0
-    return candidates if _row_restarts(text.long(), keep) else []
+    text = rows[0] if rows.shape[0] == 4 else None
+    row_starts = _starts(rows.new_ones(1, batch, length), keep)  # each row's first only
+    reasons = [_CACHE_LEAK] if use_cache else []
+    if mask is not None and (not flash or not bool((mask != 0).all())):
+        starts, cause = row_starts, _MASK_LEAK
+    elif flash and cu_seq_lens_q is not None and cu_seq_lens_k is not None:
+        total = batch * length
+        flat = torch.zeros(total + 1, dtype=torch.bool, device=rows.device)
+        bounds = cu_seq_lens_q.to(device=rows.device, dtype=torch.long).flatten()
+        if (bounds.numel() >= 2 and bool((bounds.diff() >= 0).all())
+                and int(bounds[0]) == 0 and int(bounds[-1]) == total):
+            flat[bounds] = True  # (else boundaries of another batch: no start matches)
+        starts, cause = flat[:-1].view(batch, length), _BOUNDARY_LEAK
+    elif flash and text is not None and batch == 1:
+        arange = torch.arange(length, device=rows.device) + text.min()
+        packed = bool((text[0] != arange).any())
+        starts = (text == text.min()) | row_starts if packed else row_starts
+        cause = _SPLIT_LEAK
+    elif flash:
+        starts, cause = row_starts, _FLASH_LEAK if batch > 1 else _TEXT_ROW_LEAK
+    elif use_cache:
+        starts, cause = row_starts, _CACHE_LEAK
+    elif text is not None:
+        before = torch.cat([text[:, :1] - 1, text[:, :-1]], dim=-1)
+        starts, cause = ((text - before) != 1) | row_starts, _SPLIT_LEAK
+    else:
+        starts, cause = row_starts, _TEXT_ROW_LEAK
+    if not bool((examples.sum(-1) > 1).any()):
+        return []  # one example a row: nothing to keep apart
+    if not torch.equal(starts & keep, examples) and cause not in reasons:
+        reasons.append(cause)
+    return reasons
 
 
 def _is_integer(t: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ attention has no graph break in its rotary part.
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -399,6 +400,9 @@ def tables(batch, seq, dim, dtype=torch.float32, axes=None):
 
 
 def test_apply_rotary_pos_emb_call_forms():
+    """Calls that give q, k, cos, sin and leave the other parameters at their defaults (the
+    form the decision captured) are computed by posenc; the others go to transformers'
+    function.  Either way the result is transformers'."""
     tiny_model("llama")
     module = modeling("llama")
     original = module.apply_rotary_pos_emb
@@ -407,22 +411,27 @@ def test_apply_rotary_pos_emb_call_forms():
     q2, k2 = qk(2)
     ref1 = original(q1, k1, cos, sin)
     ref2 = original(q2, k2, cos, sin, unsqueeze_dim=2)
+    v4 = "position_ids" in inspect.signature(original).parameters
     with hf.patch("llama") as handle:
         patched = module.apply_rotary_pos_emb
-        results = [
+        computed = [
             (patched(q1, k1, cos, sin), ref1),  # as the attention calls it
             (patched(q1, k1, cos, sin, unsqueeze_dim=1), ref1),
-            (patched(q1, k1, cos, sin, None), ref1),  # 4.x: unused position_ids
-            (patched(q1, k1, cos, sin, torch.arange(5)[None]), ref1),
-            (patched(q1, k1, cos, sin, position_ids=None, unsqueeze_dim=1), ref1),
-            (patched(q2, k2, cos, sin, 2), ref2),  # 5.x: a 5th int is unsqueeze_dim
-            (patched(q2, k2, cos, sin, unsqueeze_dim=2), ref2),
-            (patched(q=q2, k=k2, cos=cos, sin=sin, unsqueeze_dim=-2), ref2),
+            (patched(q=q1, k=k1, cos=cos, sin=sin), ref1),
             (patched(q1, k1, cos.expand(2, -1, -1), sin.expand(2, -1, -1)), ref1),  # Bc == B
         ]
-        assert handle.calls == {"llama.apply_rotary_pos_emb": len(results)}
-        assert handle.fallbacks == {"llama.apply_rotary_pos_emb": 0}
-    for (q_out, k_out), (q_ref, k_ref) in results:
+        if v4:  # 4.x: position_ids, which the function never reads
+            computed.append((patched(q1, k1, cos, sin, None), ref1))
+            computed.append((patched(q1, k1, cos, sin, torch.arange(5)[None]), ref1))
+        assert handle.calls == {"llama.apply_rotary_pos_emb": len(computed)}
+        handed = [
+            (patched(q2, k2, cos, sin, unsqueeze_dim=2), ref2),
+            (patched(q=q2, k=k2, cos=cos, sin=sin, unsqueeze_dim=-2), ref2),
+        ]
+        if not v4:
+            handed.append((patched(q2, k2, cos, sin, 2), ref2))  # 5.x: unsqueeze_dim
+        assert handle.fallbacks == {"llama.apply_rotary_pos_emb": len(handed)}
+    for (q_out, k_out), (q_ref, k_ref) in computed + handed:
         assert q_out.shape == q_ref.shape and k_out.shape == k_ref.shape
         torch.testing.assert_close(q_out, q_ref, rtol=0, atol=0)
         torch.testing.assert_close(k_out, k_ref, rtol=0, atol=0)
@@ -449,14 +458,16 @@ def test_apply_multimodal_rotary_pos_emb_call_forms(model_type):
             (patched(q1, k1, cos, sin, [2, 3, 3]), ref1),
             (patched(q1, k1, cos, sin, (2, 3, 3)), ref1),
             (patched(q1, k1, cos, sin, mrope_section=[2, 3, 3]), ref1),
-            (patched(q2, k2, cos, sin, [2, 3, 3], 2), ref2),
-            (patched(q2, k2, cos, sin, (2, 3, 3), unsqueeze_dim=2), ref2),
         ]
         assert handle.calls[target] == len(results) and handle.fallbacks[target] == 0
+        # another unsqueeze_dim than the default: transformers' function
+        results += [(patched(q2, k2, cos, sin, [2, 3, 3], 2), ref2),
+                    (patched(q2, k2, cos, sin, (2, 3, 3), unsqueeze_dim=2), ref2)]
+        assert handle.fallbacks[target] == 2
         # A section list that does not fit: transformers' own error, as without the patch.
         with pytest.raises(RuntimeError) as patched_error:
             patched(q1, k1, cos, sin, [2, 3, 4])
-        assert handle.fallbacks[target] == 1
+        assert handle.fallbacks[target] == 3
     with pytest.raises(RuntimeError) as original_error:
         original(q1, k1, cos, sin, [2, 3, 4])
     assert str(patched_error.value) == str(original_error.value)

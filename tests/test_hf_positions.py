@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 import random
 import types
 
@@ -227,6 +228,35 @@ def test_calls_the_walk_does_not_take_go_to_transformers(model_type):
     with hf.patch(model_type, fallback=False):
         with pytest.raises(ValueError, match="image_grid_thw"):
             rope_index(model_type, obj)(**extra)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_int32_ids_give_what_transformers_gives(model_type):
+    """int32 input_ids with and without grids, with and without a mask: the same result, or
+    the same error (transformers writes int64 positions into ids of input_ids' dtype, with
+    a mask under 5.x, with grids under 4.57)."""
+    obj = stand_in(model_type)
+    for mask, grids in itertools.product((True, False), (True, False)):
+        kw = make_batch(5, model_type, 3, "right")
+        kw["input_ids"] = kw["input_ids"].int()
+        if not mask:
+            kw.pop("attention_mask", None)
+        if not grids:
+            kw.update(image_grid_thw=None, video_grid_thw=None)
+            vision = torch.isin(kw["input_ids"], torch.tensor([VS, VE, IMG, VID], dtype=torch.int32))
+            kw["input_ids"][vision] = 7  # the vision tokens become text
+            if "mm_token_type_ids" in kw:
+                kw["mm_token_type_ids"] = torch.zeros_like(kw["mm_token_type_ids"])
+        try:
+            theirs, error = rope_index(model_type, obj, original=True)(**kw), None
+        except RuntimeError as e:
+            theirs, error = None, e
+        with hf.patch(model_type):
+            if error is None:
+                assert_identical(rope_index(model_type, obj)(**kw), theirs)
+            else:
+                with pytest.raises(type(error), match="dtypes match"):
+                    rope_index(model_type, obj)(**kw)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

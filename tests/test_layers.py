@@ -84,8 +84,9 @@ def test_no_core_source_imports_the_integration(path):
 def test_the_integration_does_not_import_itself_in_a_circle():
     """Each module of posenc_torch.hf imports, from the package, only modules listed
     before it in this order (the layering inside the wing)."""
-    order = ["_transformers", "_forms", "_verdicts", "_handle", "_probe", "_rotary",
-             "_rope_index", "_packing_guard", "_vision", "_vision_methods", "_patch", "__init__"]
+    order = ["_transformers", "_handle", "_graphs", "_references", "_rotary", "_digests",
+             "_rope_index", "_packing_guard", "_vision", "_vision_methods", "_patch", "digests",
+             "__init__"]
     wing = PACKAGE / "hf"
     assert sorted(p.stem for p in wing.glob("*.py")) == sorted(order)
     for i, name in enumerate(order):

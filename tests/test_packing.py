@@ -555,6 +555,24 @@ def padding_mask(batch: dict) -> dict:
     return {"attention_mask": mask}
 
 
+def shifted_boundaries(batch: dict) -> dict:
+    """The batch's flash-attention boundaries with one inside a row moved by a token."""
+    cu = batch["cu_seq_lens_q"].clone()
+    length = batch["input_ids"].shape[1]
+    inner = [i for i in range(1, cu.numel() - 1) if int(cu[i]) % length]
+    cu[inner[0]] += 1
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+
+
+def block_mask(batch: dict) -> torch.Tensor:
+    """A 4-D boolean mask that keeps each example to itself (causal inside it), from the
+    text positions: the caller's own mask."""
+    example = (batch["position_ids"][0] == 0).cumsum(-1)  # (B, L)
+    length = example.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return (example[:, :, None] == example[:, None, :]) & causal  # (B, L, L)
+
+
 @contextlib.contextmanager
 def leak_guard(model_type: str, found: list, monkeypatch):
     """``posenc_torch.hf.patch`` of the model type, whose guard around the Qwen-VL model
@@ -607,6 +625,12 @@ def test_leak_warnings_name_exactly_the_calls_that_leak(model_type, cpu_flash_at
         ("flash mask", flash, text_examples(), None, {}, ones),  # dropped there: no leak
         ("flash mask with padding", flash, text_examples(), None, {"pad_to_multiple_of": 8},
          padding_mask),
+        ("flash rows, wrong boundaries", flash, text_examples(), MAX_TOKENS, {},
+         shifted_boundaries),
+        ("sdpa without the text row", sdpa, examples, MAX_TOKENS, {},
+         lambda b: {"position_ids": b["position_ids"][1:]}),
+        ("sdpa block mask, cache", sdpa, examples, MAX_TOKENS, {},
+         lambda b: {"attention_mask": block_mask(b)[:, None], "use_cache": True}),
     ]
     found: list[list[str]] = []
     warned = []
@@ -626,13 +650,16 @@ def test_leak_warnings_name_exactly_the_calls_that_leak(model_type, cpu_flash_at
                     worst = max(worst, rel_err(logits[r, start:start + n], alone))
             assert (worst > 1e-3) == bool(reasons), (name, worst, reasons)
             assert worst <= TOL or worst > 1e-3, (name, worst)
-    # cache, mask, flash rows: each warned once, though found in several calls
+    # each reason warned once, though found in several calls
     assert sorted(warned) == sorted([packing._CACHE_LEAK, packing._MASK_LEAK,
-                                     packing._FLASH_LEAK])
+                                     packing._FLASH_LEAK, packing._BOUNDARY_LEAK,
+                                     packing._TEXT_ROW_LEAK])
 
 
 def test_packed_attention_leaks_reasons():
     cache, mask, flash_rows = packing._CACHE_LEAK, packing._MASK_LEAK, packing._FLASH_LEAK
+    bounds, text_row, split = (packing._BOUNDARY_LEAK, packing._TEXT_ROW_LEAK,
+                               packing._SPLIT_LEAK)
     packed = torch.cat([torch.arange(5), torch.arange(3), torch.arange(2)]).expand(4, 1, 10)
     plain = torch.arange(10).expand(4, 1, 10)
     two_rows = packed.expand(4, 2, 10)
@@ -643,17 +670,24 @@ def test_packed_attention_leaks_reasons():
     assert packed_attention_leaks(plain, use_cache=True) == []
     assert packed_attention_leaks(packed, attention_mask=ones) == [mask]
     assert packed_attention_leaks(packed, attention_mask=ones.float()) == [mask]
-    four_d = torch.zeros(1, 1, 10, 10)  # the caller's own mask
+    four_d = torch.zeros(1, 1, 10, 10)  # the caller's own mask: never a reason
     assert packed_attention_leaks(packed, attention_mask=four_d) == []
-    # left padding of a plain row is no restart (the mask's zeros are skipped)
-    left = torch.tensor([[0, 0, 0, 0, 1, 2, 3, 4, 5, 6]]).expand(4, 1, 10)
+    assert packed_attention_leaks(packed, attention_mask=four_d, use_cache=True) == []
+    # left padding of a plain row is no example (the mask's zeros are skipped)
+    left = torch.tensor([[1, 1, 1, 0, 1, 2, 3, 4, 5, 6]]).expand(4, 1, 10)
     pad = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1]])
     assert packed_attention_leaks(left, attention_mask=pad) == []
     assert packed_attention_leaks(left, attention_mask=pad.bool()) == []
-    assert packed_attention_leaks(left, attention_mask=ones) == [mask]
+    assert packed_attention_leaks(left, attention_mask=pad, use_cache=True) == []
     fa = dict(attn_implementation="flash_attention_2")
     assert packed_attention_leaks(two_rows, **fa) == [flash_rows]
-    assert packed_attention_leaks(two_rows, cu_seq_lens_q=cu, **fa) == []
+    assert packed_attention_leaks(two_rows, cu_seq_lens_q=cu, cu_seq_lens_k=cu, **fa) == []
+    # boundaries other than the examples': one off, one missing, another batch's
+    for wrong in ([0, 4, 8, 10, 15, 18, 20], [0, 5, 10, 15, 18, 20], [0, 5, 8, 10]):
+        wrong = torch.tensor(wrong, dtype=torch.int32)
+        assert packed_attention_leaks(two_rows, cu_seq_lens_q=wrong, cu_seq_lens_k=wrong,
+                                      **fa) == [bounds]
+    assert packed_attention_leaks(two_rows, cu_seq_lens_q=cu, **fa) == [flash_rows]  # no k
     assert packed_attention_leaks(packed, **fa) == []  # one row: read from position ids
     assert packed_attention_leaks(two_rows, attn_implementation="sdpa") == []
     # flash-attention drops a mask of all ones (no leak), and unpads by one that holds a 0
@@ -662,19 +696,21 @@ def test_packed_attention_leaks_reasons():
     padded[0, -1] = 0
     assert packed_attention_leaks(packed, attention_mask=padded, **fa) == [mask]
     assert packed_attention_leaks(two_rows, use_cache=True, attention_mask=padded.expand(2, 10),
-                                  **fa) == [cache, mask, flash_rows]
-    assert packed_attention_leaks(packed[0], use_cache=True) == [cache]  # (B, L) ids
+                                  **fa) == [cache, mask]
+    assert packed_attention_leaks(packed, use_cache=True, **fa) == [cache]  # the cache joins
+    # without the text row (the model then finds no packed sequences)
+    assert packed_attention_leaks(packed[0]) == [text_row]
+    assert packed_attention_leaks(packed[1:]) == [text_row]
+    assert packed_attention_leaks(packed[0], use_cache=True) == [cache]
+    assert packed_attention_leaks(packed[1:], **fa) == [text_row]
+    # an example's text positions with a gap: transformers splits it there
+    gap = packed.clone()
+    gap[0, 0, 3:5] += 1
+    assert packed_attention_leaks(gap) == [split]
+    # MRoPE rows that stay at one value over an image are no new example
+    image = torch.tensor([[0, 1, 2, 2, 2, 2, 4, 5, 0, 1]]).expand(3, 1, 10)
+    assert packed_attention_leaks(torch.cat([torch.arange(10).view(1, 1, 10), image])) == []
     assert packed_attention_leaks(None, use_cache=True) == []
-
-
-def test_packed_attention_leaks_reads_nothing_without_a_reason(monkeypatch):
-    reads = []
-    restarts = packing._row_restarts
-    monkeypatch.setattr(packing, "_row_restarts",
-                        lambda *a: reads.append(1) or restarts(*a))
-    packed = torch.cat([torch.arange(5), torch.arange(3)]).expand(4, 2, 8)
-    assert packed_attention_leaks(packed, attn_implementation="sdpa") == [] and reads == []
-    assert packed_attention_leaks(packed, use_cache=True) and reads == [1]
 
 
 def test_leak_warnings_come_once(fresh_warnings):

@@ -23,7 +23,10 @@ from test_packing import make_examples
 
 import posenc_torch.hf as hf
 from posenc_torch import packing
-from posenc_torch.hf import _vision, _vision_methods
+from hf_towers import _same as same
+from hf_towers import check_method
+
+from posenc_torch.hf import _digests, _handle, _vision, _vision_methods
 from posenc_torch.hf._handle import PatchHandle
 
 pytestmark = pytest.mark.any_transformers
@@ -151,13 +154,12 @@ def test_a_changed_vision_function_gets_no_kwargs(monkeypatch):
         index, cu = real(grid_thw, spatial_merge_size, window_size, patch_size, kwargs)
         return index.flip(0), cu
 
+    assert hf.precompute_vision_kwargs(model.config, GRIDS["image"])  # (the plan is kept)
     monkeypatch.setattr(module, "get_vision_window_index", get_vision_window_index)
-    monkeypatch.setattr(_vision, "_PLANS", type(_vision._PLANS)())
-    monkeypatch.setattr(_vision, "_WARNED", set())
+    monkeypatch.setattr(_handle, "_WARNED", set())
     with pytest.warns(hf.UnsupportedModelWarning, match="get_vision_window_index"):
         assert hf.precompute_vision_kwargs(model.config, GRIDS["image"]) == {}
     monkeypatch.setattr(module, "get_vision_window_index", real)
-    monkeypatch.setattr(_vision, "_PLANS", type(_vision._PLANS)())
     assert hf.precompute_vision_kwargs(model.config, GRIDS["image"])
 
 
@@ -177,7 +179,7 @@ def test_bad_grids_name_the_row():
 @pytest.mark.transformers4
 def test_no_kwargs_under_4_57(monkeypatch):
     model = tiny_qwen("qwen2_vl")
-    monkeypatch.setattr(_vision, "_WARNED", set())
+    monkeypatch.setattr(_handle, "_WARNED", set())
     with pytest.warns(hf.UnsupportedModelWarning, match="takes no precomputed"):
         assert hf.precompute_vision_kwargs(model.config, GRIDS["image"]) == {}
 
@@ -243,9 +245,35 @@ def test_a_route_whose_function_changed_falls_back(monkeypatch):
     changed = features(model, "image", pix, grids)
     with hf.patch("qwen2_vl") as handle:
         assert torch.equal(features(model, "image", pix, grids), changed)
-        # a function of another module, not vision_utils': not routed at all
+        # a function whose code is not verified: not routed at all
         assert "qwen2_vl.get_vision_position_ids" not in handle.targets
         assert handle.calls["qwen2_vl.get_vision_attention_seqlens"] > 0
+
+
+@v5
+def test_an_empty_grid_list_goes_to_transformers():
+    """Under patch() a grid list with no rows reaches transformers' function: its result or
+    its error, as without the patch."""
+    module = importlib.import_module("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+    empty = torch.zeros(0, 3, dtype=torch.int64)
+    calls = {"get_vision_position_ids": (empty, 2),
+             "get_vision_attention_seqlens": (empty, tiny_qwen("qwen2_5_vl").config),
+             "get_vision_window_index": (empty, 2, 112, 14)}
+
+    def outcome(fn, args):
+        try:
+            return fn(*args), None
+        except Exception as e:  # noqa: BLE001 -- compared by type and message
+            return None, (type(e), str(e))
+
+    expected = {name: outcome(getattr(module, name), args) for name, args in calls.items()}
+    with hf.patch("qwen2_5_vl") as handle:
+        for name, args in calls.items():
+            got, error = outcome(getattr(module, name), args)
+            want, want_error = expected[name]
+            assert error == want_error, name
+            assert error is not None or same(got, want), name
+            assert handle.fallbacks[f"qwen2_5_vl.{name}"] == 1, name
 
 
 # ---------------------------------------------------------------------------------------
@@ -264,7 +292,7 @@ GRIDS_4_57 = {"image": torch.tensor([[1, 8, 12], [1, 2, 2], [1, 4, 6]]),
 
 
 def _method_targets(handle) -> set[str]:
-    return {t for t in handle.targets if t.split(".", 1)[1] in _vision_methods.FORMS}
+    return {t for t in handle.targets if t.split(".", 1)[1] in _vision_methods.METHODS}
 
 
 def _tower_step(tower, pix, grids):
@@ -321,17 +349,17 @@ def test_patch_routes_the_4_57_tower_methods(model_type):
 @pytest.mark.parametrize("model_type", ["glm4v", "glm4v_moe"])
 def test_the_glm4v_method_matches_though_patch_leaves_the_type(model_type):
     """patch() leaves GLM-4V to transformers under 4.57 (its decoder's multimodal rotary
-    is refused, and with it the type); its tower's rot_pos_emb is a known form and passes
-    the check, and installed alone it gives the tower's own output."""
+    is refused, and with it the type); its tower's rot_pos_emb is verified (its digest, and
+    the check on tiny towers), and installed alone it gives the tower's own output."""
     model = tiny(model_type)
     tower = model.model.visual
     with pytest.raises(RuntimeError, match="apply_multimodal_rotary_pos_emb"):
         hf.patch(model_type)
     cls = type(tower)
-    form = _vision_methods.form_of("rot_pos_emb", vars(cls)["rot_pos_emb"])
-    assert form is not None
     original = vars(cls)["rot_pos_emb"]
-    assert _vision_methods._install_check(cls, "rot_pos_emb", form, original) is None
+    entry = _digests.verified(original, cls, "rot_pos_emb")
+    assert check_method(cls, "rot_pos_emb", _vision_methods.REPLACEMENTS[entry.use],
+                        original) is None
     vc = model.config.vision_config
     # (4.57's GLM-4V tower takes videos as one grid row per frame)
     for grids in (GRIDS_4_57["image"], torch.tensor([[1, 4, 8]] * 3 + [[1, 2, 2]])):
@@ -351,7 +379,7 @@ def test_the_glm4v_method_matches_though_patch_leaves_the_type(model_type):
 
 @pytest.mark.transformers4
 def test_a_changed_4_57_method_is_left_to_transformers(monkeypatch):
-    """A method whose source is another (here: the window order reversed) keeps its own
+    """A method whose code is another (here: the window order reversed) keeps its own
     code, with one warning; the type's other methods are still routed."""
     module = importlib.import_module("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
     cls = module.Qwen2_5_VisionTransformerPretrainedModel
@@ -362,7 +390,7 @@ def test_a_changed_4_57_method_is_left_to_transformers(monkeypatch):
         return index.flip(0), cu
 
     monkeypatch.setattr(cls, "get_window_index", get_window_index)
-    with pytest.warns(hf.UnsupportedModelWarning, match="get_window_index .*not a form"):
+    with pytest.warns(hf.UnsupportedModelWarning, match="get_window_index to transformers"):
         handle = hf.patch("qwen2_5_vl")
     with handle:
         assert cls.get_window_index is get_window_index
@@ -370,31 +398,27 @@ def test_a_changed_4_57_method_is_left_to_transformers(monkeypatch):
 
 
 @pytest.mark.transformers4
-def test_a_replacement_that_differs_is_refused(monkeypatch):
-    """The behaviour check: a known form whose replacement gave another result (here the
-    walk's ids with rows and columns swapped) is refused, with the probe's difference."""
-    forms = dict(_vision_methods.FORMS)
-    form = forms["rot_pos_emb"][0]
+def test_the_tower_check_finds_a_replacement_that_differs():
+    """The check that verified the table's method rows (tests/test_hf_digests.py) finds a
+    replacement that gives another result (here the walk's ids with rows and columns
+    swapped)."""
+    module = importlib.import_module("transformers.models.qwen2_vl.modeling_qwen2_vl")
+    cls = module.Qwen2VisionTransformerPretrainedModel
+    right = _vision_methods.REPLACEMENTS["rot_pos_emb"]
+    assert check_method(cls, "rot_pos_emb", right, vars(cls)["rot_pos_emb"]) is None
 
     def swapped(self, grid_thw):
-        return form.replacement(self, grid_thw.flip(-1)[:, [2, 0, 1]])
+        return right.compute(self, grid_thw[:, [0, 2, 1]])
 
-    forms["rot_pos_emb"] = (form._replace(replacement=swapped), *forms["rot_pos_emb"][1:])
-    monkeypatch.setattr(_vision_methods, "FORMS", forms)
-    from posenc_torch.hf import _verdicts
-
-    monkeypatch.setattr(_verdicts, "_VERDICTS", {})
-    with pytest.warns(hf.UnsupportedModelWarning, match="rot_pos_emb.*another result"):
-        handle = hf.patch("qwen2_vl")
-    with handle:
-        assert not _method_targets(handle)
+    wrong = right._replace(compute=swapped)
+    assert "another result" in check_method(cls, "rot_pos_emb", wrong, vars(cls)["rot_pos_emb"])
 
 
 @pytest.mark.transformers4
 def test_4_57_routes_fall_back(monkeypatch):
     """Grids the walk refuses, an empty list, other call forms, compiling, and tower values
-    whose check fails go to the method: the same result or error, counted as fallbacks."""
-    same = _vision_methods._same  # dtypes, shapes, values; lists element by element
+    the replacement does not take go to the method: the same result or error, counted as
+    fallbacks."""
     model = tiny_qwen("qwen2_5_vl")
     tower = model.model.visual
     with hf.patch("qwen2_5_vl") as handle:
@@ -415,9 +439,8 @@ def test_4_57_routes_fall_back(monkeypatch):
         assert same(tower.get_window_index(grids), original(tower, grids))
         monkeypatch.undo()
         assert handle.fallbacks[target] == 3
-        tower.spatial_merge_unit = 3  # not spatial_merge_size ** 2: the check fails
-        with pytest.warns(hf.UnsupportedModelWarning, match="get_window_index"):
-            got = tower.get_window_index(grids)
+        tower.spatial_merge_unit = 3  # not spatial_merge_size ** 2
+        got = tower.get_window_index(grids)
         assert same(got, original(tower, grids)) and handle.fallbacks[target] == 4
 
 
@@ -438,7 +461,6 @@ def test_4_57_routes_on_fuzzed_grids(model_type):
     for bit; get_window_index's boundary list with its repeats, element by element)."""
     from test_vision import batches
 
-    same = _vision_methods._same
     tower = tiny_qwen(model_type).model.visual
     tables = {side: torch.nn.Embedding(side * side, 8) for side in (2, 3, 7, 16, 27, 48)}
     names = sorted(METHODS_4_57[model_type])

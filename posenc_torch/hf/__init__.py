@@ -25,19 +25,18 @@ nothing of it and no transformers, and reaches it only through ``posenc_torch._i
   ``vision_utils`` functions (``_vision``) and the 4.57 towers' ``rot_pos_emb``,
   ``get_window_index`` and ``fast_pos_embed_interpolate`` methods (``_vision_methods``).
 
-How a function is judged (the decision rule, README "Use with transformers"):
+How a function is judged (README, "The decision rule"): by what its code computes, never by
+sampled inputs.
 
-1. A function whose source, or that of a wrapper around it or a helper it calls, can take
-   another path for some inputs (an ``if``, a conditional expression, a loop, a read of
-   ``.shape``, ``.dtype``, ``is_grad_enabled``, ...) is replaced only when its source is
-   one of the known forms (``_forms``), compared as syntax trees, helpers included.
-2. Then, always, the behaviour probe (``_probe``): the original and the replacement run on
-   inputs spanning every dtype combination, head size, sequence length, batch, head
-   grouping, grad mode and magnitude the replacement accepts; any difference refuses it.
-   ``get_rope_index`` is decided on prompts drawn from a fixed seed (``_rope_index``).
-3. A verdict is kept while everything the function's result can depend on stays the same
-   (its code, wrappers, closure, defaults and the globals it reads, ``_verdicts``), and is
-   re-decided on the next ``patch()`` when any of it changed.
+1. A tensor function (the rotary functions) is replaced when the graph torch's tracer
+   captures from it, with every size symbolic, equals the graph of posenc's own reference
+   of one form, with nothing the tracer would fix silently left able to hide a branch
+   (``_graphs``, ``_references``).
+2. An integer walk (``get_rope_index``, the vision helpers and 4.57 tower methods) is
+   replaced when the digest of its normalized code, and of everything it calls, is one the
+   tests verified against posenc's walk (``_digests``, ``verified.json``).
+3. A verdict is kept per content: a rotary verdict on disk, keyed on the code and the
+   globals' values (a second process decides nothing again); a digest per code identity.
 
 A model type that fails is left to transformers with one ``UnsupportedModelWarning``
 naming it and the reason (see ``unsupported_model_types()``); when no requested type

@@ -1,8 +1,11 @@
-"""What ``patch`` installed, and the bookkeeping every replacement shares: the handle,
-its call counters, and when a call goes to the original function."""
+"""What ``patch`` installed, and the one toolkit every replacement uses: the handle with
+its call counters (:meth:`PatchHandle.replace` installs a replacement and decides, per
+call, whether posenc computes it or the original function does), and the one-time
+warnings."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 import types
 import warnings
@@ -11,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from .. import ops as _ops
+from .._checks import InputError
 
 # (module name, attribute) -> the handle whose wrapper is installed there.
 _ACTIVE: dict[tuple[str, str], PatchHandle] = {}
@@ -21,6 +25,27 @@ LOCK = threading.RLock()
 class UnsupportedModelWarning(RuntimeWarning):
     """``patch`` left a model type (or one of its functions) to transformers; the message
     names it and says why."""
+
+
+class Decline(Exception):
+    """Raised by a replacement's computation for a call it does not take (another call
+    form, inputs outside what posenc verified): the original function computes it,
+    counted as a fallback unless ``counted`` is False (the original only returns what
+    posenc computed before, e.g. a precomputed vision entry)."""
+
+    def __init__(self, counted: bool = True) -> None:
+        super().__init__()
+        self.counted = counted
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str, stacklevel: int = 3) -> None:
+    """One ``UnsupportedModelWarning`` per message and process."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, UnsupportedModelWarning, stacklevel=stacklevel)
 
 
 class PatchHandle:
@@ -68,6 +93,41 @@ class PatchHandle:
     def active(self) -> bool:
         """True until ``undo()``."""
         return bool(self._installed)
+
+    def replace(self, owner: object, name: str, compute: Callable, target: str,
+                doc: str) -> None:
+        """Install, in place of ``owner.<name>``, a function with the original's signature
+        that returns ``compute(*args, **kwargs)`` and counts it in ``calls[target]``, or
+        calls the original and counts it in ``fallbacks[target]`` when ``compute`` raises
+        :class:`Decline`, when posenc refuses the inputs (an ``InputError``) and the
+        handle falls back, or under functorch transforms and forward AD."""
+        original = getattr(owner, name) if isinstance(owner, types.ModuleType) else \
+            vars(owner)[name]
+        self._add_counters(target)
+        calls, fallbacks = self._calls.get(target), self._fallbacks.get(target)
+        count, fallback = self.count, self.fallback
+
+        def replacement(*args, **kwargs):
+            counted = count
+            if not to_original():
+                try:
+                    result = compute(*args, **kwargs)
+                except Decline as e:
+                    counted = count and e.counted
+                except InputError:
+                    if not fallback:
+                        raise
+                else:
+                    if count:
+                        bump(calls)
+                    return result
+            if counted:
+                bump(fallbacks)
+            return original(*args, **kwargs)
+
+        replacement.__signature__ = inspect.signature(original)
+        replacement.__doc__ = doc
+        self.install(owner, name, replacement, target)
 
     def install(self, module: types.ModuleType, name: str, replacement: Callable,
                 target: str, listed: bool = True) -> None:

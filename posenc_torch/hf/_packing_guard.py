@@ -1,14 +1,15 @@
-"""A packed batch reaching a Qwen-VL model in a way that lets its examples attend to each
-other is warned about, once per reason (``posenc_torch.packing.packed_attention_leaks``
-says which ways: a KV cache, a 2-D attention mask, several rows under flash-attention
-without ``cu_seq_lens_q``).
+"""A packed batch reaching a Qwen-VL model in a way that does not give each example its own
+attention is warned about, once per reason (``posenc_torch.packing.packed_attention_leaks``
+compares where transformers will start sequences with where the position ids' examples
+start: a KV cache, a 2-D attention mask, flash-attention boundaries missing or other than
+the examples', position ids without the text row, non-consecutive text positions).
 
 ``patch()`` wraps the ``forward`` of the class that owns ``get_rope_index`` (the
 ``<Model>Model`` the ``...ForConditionalGeneration`` calls) for the Qwen-VL types it
 patches.  The wrapper resolves what the language model will do as transformers does:
 ``use_cache=None`` is the text config's ``use_cache``, turned off under gradient
 checkpointing in training, and ``past_key_values`` given means a cache.  It reads the
-position ids only when one of the reasons is present.  Calls traced by ``torch.compile``
+position ids (one device sync) when the call gives them.  Calls traced by ``torch.compile``
 are not checked (the check would read data and break the graph).  The wrapper computes
 nothing itself, so it is not one of the handle's ``targets`` (``undo()`` removes it too).
 """
@@ -41,9 +42,12 @@ def _check(self, arguments: dict) -> None:
         use_cache = False
     use_cache = bool(use_cache) or arguments.get("past_key_values") is not None
     mask = arguments.get("attention_mask")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return  # a mask mapping (prepared by generate): the caller's own
     warn_packed_attention_leaks(
-        position_ids, attention_mask=mask if isinstance(mask, torch.Tensor) else None,
-        use_cache=use_cache, cu_seq_lens_q=arguments.get("cu_seq_lens_q"),
+        position_ids, attention_mask=mask, use_cache=use_cache,
+        cu_seq_lens_q=arguments.get("cu_seq_lens_q"),
+        cu_seq_lens_k=arguments.get("cu_seq_lens_k"),
         attn_implementation=getattr(text.config, "_attn_implementation", None))
 
 

@@ -26,7 +26,7 @@ INSTALLERS: list[Callable[[PatchHandle, tuple[str, ...]], None]] = [
 def support() -> dict[str, str | None]:
     """Per known model type: None if the installed transformers lets posenc patch it, else
     the reason, for the code installed now (the modeling modules are imported once; each
-    function's verdict is kept while it stays the same, see ``_verdicts``)."""
+    function's verdict is kept per content, see ``_graphs``)."""
     reasons: dict[str, str | None] = {}
     for mt in KNOWN_MODEL_TYPES:
         try:

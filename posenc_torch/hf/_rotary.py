@@ -1,9 +1,22 @@
-"""The rotary functions of transformers' attention, replaced: which inputs the posenc
-kernels take, the replacements themselves, and the decision which function of a model
-file is replaced (its source form, the branch rule, the probe)."""
+"""The rotary functions of transformers' attention, replaced: which function of a model
+file is replaced (its graph, ``_references``), which calls posenc computes, and how.
+
+The attention calls ``apply_rotary_pos_emb(q, k, cos, sin)`` (DeepSeek-V3:
+``apply_rotary_pos_emb_interleave``), the vision towers ``apply_rotary_pos_emb_vision(q,
+k, cos, sin)`` and the 4.x Qwen2-VL / Qwen2.5-VL decoders
+``apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section)``, all with positional
+arguments.  The decision is made for exactly that call form, over the inputs a capture
+covers (``_graphs``): the replacement computes a call in that form whose tensors have the
+layout of the form (q, k (B, H, T, D) of one dtype, tables (1 or B, T, W) of one dtype,
+the width W the form takes; the vision and multimodal layouts likewise) and dtypes among
+``_references.DTYPES``; any other call goes to the original function.
+"""
 
 from __future__ import annotations
 
+import dis
+import functools
+import inspect
 import types
 from collections.abc import Callable
 
@@ -12,98 +25,59 @@ import torch
 from .. import rope as _rope
 from .._checks import KERNEL_DEVICES
 from .._tables import MODELS
-from . import _forms, _probe, _transformers, _verdicts
-from ._forms import HALF as _HALF
-from ._forms import Form as _Form
-from ._handle import PatchHandle, bump
-from ._handle import to_original as _to_original
-from ._probe import FLOAT as _FLOAT
-from ._probe import VISION_FLOAT as _VISION_FLOAT
+from . import _references, _transformers
+from ._handle import Decline, PatchHandle
+from ._references import DTYPES, SECTIONS_FORM, TEXT_FORMS, VISION_FORM, Form
 
 TEXT = "apply_rotary_pos_emb"
 MULTIMODAL = "apply_multimodal_rotary_pos_emb"
 VISION = "apply_rotary_pos_emb_vision"
 INTERLEAVE = "apply_rotary_pos_emb_interleave"
 ROTARY_NAMES = (TEXT, MULTIMODAL, VISION, INTERLEAVE)
+_FORMS = {TEXT: TEXT_FORMS, INTERLEAVE: TEXT_FORMS, VISION: (VISION_FORM,),
+          MULTIMODAL: (SECTIONS_FORM,)}
 _VISION_MODEL_TYPES = frozenset(name for name, m in MODELS.items() if m.vision_rotary)
 
 
 # ---------------------------------------------------------------------------------------
-# Which inputs the posenc kernels take.  Plain metadata checks (no data access), so that
+# Which calls posenc computes: plain metadata checks (no data access), so that
 # torch.compile traces them into guards instead of breaking the graph.
 
 
-def _float_cpu(dtypes: tuple, *tensors: object) -> bool:
-    for t in tensors:
-        if (not isinstance(t, torch.Tensor) or t.device.type not in KERNEL_DEVICES
-                or t.dtype not in dtypes):
-            return False
-    return True
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _rotary_width(form: _Form, width: int) -> int:
-    """The width of the tables the posenc op gets, from the width of the caller's cos."""
-    if form.table == "first_half_interleaved":
-        return 2 * (width // 2)
-    if form.table == "doubled":
-        return 2 * width
-    return width
-
-
-def _qk_tables_fit(q, k, cos, sin, unsqueeze_dim, table_dims: int, form: _Form) -> bool:
-    """q, k (B, H, T, D) or (B, T, H, D); cos, sin (..., Bc, T, W) of one dtype."""
-    if not (_is_int(unsqueeze_dim) and unsqueeze_dim in (1, 2, -3, -2)):
+def _fits(form: Form, q, k, cos, sin) -> bool:
+    """The tensors have the layout and dtypes the decision covered for ``form``."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
         return False
-    if q.dim() != 4 or k.dim() != 4 or cos.dim() != table_dims or sin.shape != cos.shape:
+    if (q.dtype != k.dtype or cos.dtype != sin.dtype or (q.dtype, cos.dtype) not in DTYPES
+            or cos.shape != sin.shape):
         return False
-    if sin.dtype != cos.dtype:
+    if form.layout == "vision":  # q, k (N, H, D); cos, sin (N, D)
+        return (q.dim() == 3 and k.dim() == 3 and cos.dim() == 2 and k.shape[0] == q.shape[0]
+                and k.shape[2] == q.shape[2] and cos.shape == (q.shape[0], q.shape[2])
+                and q.shape[2] % 2 == 0)
+    tables = 4 if form.layout == "sections" else 3
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != tables:
         return False
-    seq_dim = 2 if unsqueeze_dim in (1, -3) else 1
-    batch, seq, dim = q.shape[0], q.shape[seq_dim], q.shape[3]
-    rot = _rotary_width(form, cos.shape[-1])
-    width_fits = rot == dim or (form.partial and rot < dim)
-    return (k.shape[0] == batch and k.shape[seq_dim] == seq and k.shape[3] == dim
+    batch, _, seq, dim = q.shape
+    width = cos.shape[-1]
+    if form.layout == "full" or form.layout == "sections":
+        # (the de-interleaving reshape's trace holds from a head size of 4 on)
+        width_fits = width == dim and dim % 2 == 0 and (form.permute != "input" or dim >= 4)
+    elif form.layout == "partial":
+        width_fits = width % 2 == 0 and 2 <= width <= dim
+    else:  # "half": one half of the tables
+        width_fits = 2 * width == dim
+    return (width_fits and k.shape[0] == batch and k.shape[2] == seq and k.shape[3] == dim
             and cos.shape[-3] in (1, batch) and cos.shape[-2] == seq
-            and width_fits and rot % 2 == 0 and rot >= 2)
+            and (tables == 3 or cos.shape[0] == 3))
 
 
-def _text_supported(form: _Form, q, k, cos, sin, unsqueeze_dim) -> bool:
-    if not _float_cpu(_FLOAT, q, k, cos, sin):
-        return False
-    if form.cast == "fp32_to_q" and (q.dtype != k.dtype or torch.float64 in (q.dtype, cos.dtype)):
-        return False  # transformers computes these in fp32 (q.float()); posenc would in fp64
-    return _qk_tables_fit(q, k, cos, sin, unsqueeze_dim, 3, form)
+def _on_kernel_device(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type in KERNEL_DEVICES for t in tensors)
 
 
-def _multimodal_supported(q, k, cos, sin, mrope_section, unsqueeze_dim) -> bool:
-    if not (_float_cpu(_FLOAT, q, k, cos, sin)
-            and _qk_tables_fit(q, k, cos, sin, unsqueeze_dim, 4, _HALF) and cos.shape[0] == 3):
-        return False
-    if not isinstance(mrope_section, (list, tuple)) or len(mrope_section) != 3:
-        return False
-    if not all(_is_int(s) and s >= 0 for s in mrope_section):
-        return False
-    return 2 * sum(mrope_section) == cos.shape[-1]
-
-
-def _vision_supported(q, k, cos, sin) -> bool:
-    if not (_float_cpu(_VISION_FLOAT, q, k) and _float_cpu(_FLOAT, cos, sin)):
-        return False
-    if q.dim() != 3 or k.dim() != 3 or cos.dim() != 2 or sin.shape != cos.shape:
-        return False
-    n, dim = q.shape[0], q.shape[2]
-    return (k.shape[0] == n and k.shape[2] == dim and cos.shape[0] == n
-            and cos.shape[1] == dim and dim % 2 == 0 and dim >= 2)
-
-
-
-
-def _rotate_as(form: _Form, q, k, cos, sin, unsqueeze_dim):
-    """What transformers' function of this form computes, on the posenc op."""
+def rotate_as(form: Form, q, k, cos, sin):
+    """What ``form``'s reference computes, on the posenc op; q, k (B, H, T, D)."""
     if form.table == "first_half_interleaved":
         cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
         sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
@@ -112,8 +86,7 @@ def _rotate_as(form: _Form, q, k, cos, sin, unsqueeze_dim):
     if form.permute == "input":  # channels 0, 2, 4, ... first, then 1, 3, 5, ...
         q = q.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
         k = k.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-    q_out, k_out = _rope.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim,
-                                              pairing=form.pairing)
+    q_out, k_out = _rope.apply_rotary_pos_emb(q, k, cos, sin, pairing=form.pairing)
     if form.permute == "output":
         q_out = q_out.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
         k_out = k_out.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
@@ -124,164 +97,87 @@ def _rotate_as(form: _Form, q, k, cos, sin, unsqueeze_dim):
     return q_out, k_out
 
 
-# ---------------------------------------------------------------------------------------
-# Replacements.  Each takes the call forms transformers uses, counts, and either runs the
-# posenc op or hands the caller's own arguments to the original function.
-
-# ---------------------------------------------------------------------------------------
-# Replacements.  Each takes the call forms transformers uses, counts, and either runs the
-# posenc op or hands the caller's own arguments to the original function.
-
-_TEXT_PARAMS = ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim")
+def _run(form: Form, args: tuple):
+    if form.layout == "sections":
+        return _rope.apply_multimodal_rotary_pos_emb(*args[:4], list(args[4]))
+    if form.layout == "vision":
+        return _rope.apply_rotary_pos_emb_vision(*args)
+    return rotate_as(form, *args)
 
 
-def _text_args(args: tuple, kwargs: dict):
-    """(q, k, cos, sin, unsqueeze_dim) from a call of ``apply_rotary_pos_emb`` in either
-    signature, or None for anything else (left to the original function)."""
-    if len(args) == 4 and not kwargs:  # how transformers' attention calls it
-        return (*args, 1)
-    if len(args) > len(_TEXT_PARAMS):
-        return None
-    bound = dict(zip(_TEXT_PARAMS, args, strict=False))
-    for name, value in kwargs.items():
-        if name not in _TEXT_PARAMS or name in bound:
-            return None
-        bound[name] = value
-    if not all(name in bound for name in _TEXT_PARAMS[:4]):
-        return None
-    unsqueeze_dim = bound.get("unsqueeze_dim", 1)
-    # 4.x: (q, k, cos, sin, position_ids=None, unsqueeze_dim=1) with position_ids unused;
-    # 5.x: (q, k, cos, sin, unsqueeze_dim=1).  A fifth positional int is unsqueeze_dim.
-    if _is_int(bound.get("position_ids")):
-        if "unsqueeze_dim" in bound:
-            return None
-        unsqueeze_dim = bound["position_ids"]
-    return bound["q"], bound["k"], bound["cos"], bound["sin"], unsqueeze_dim
+def _is_default(param: inspect.Parameter, value: object) -> bool:
+    if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+        return not value
+    default = param.default
+    return value is default or (type(value) is type(default) and value == default)
 
 
-def _make_text(original: Callable, handle: PatchHandle, target: str, form: _Form) -> Callable:
-    calls, fallbacks = handle._calls.get(target), handle._fallbacks.get(target)
-    count, fallback = handle.count, handle.fallback
-
-    def apply_rotary_pos_emb(*args, **kwargs):
-        parsed = None if _to_original() else _text_args(args, kwargs)
-        if parsed is None or (fallback and not _text_supported(form, *parsed)):
-            if count:
-                bump(fallbacks)
-            return original(*args, **kwargs)
-        if count:
-            bump(calls)
-        return _rotate_as(form, *parsed)
-
-    return apply_rotary_pos_emb
+def _unread(func: Callable) -> frozenset[str]:
+    """The parameters ``func``'s code never reads (4.x's ``position_ids``): any value of
+    theirs gives the same result, so a call may pass one."""
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return frozenset()
+    read = {ins.argval for ins in dis.get_instructions(code)
+            if ins.opname.startswith(("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE",
+                                      "DELETE_FAST"))}
+    return frozenset(set(inspect.signature(func).parameters) - read - set(code.co_cellvars))
 
 
-def _make_multimodal(original: Callable, handle: PatchHandle, target: str,
-                     form: _Form | None) -> Callable:
-    calls, fallbacks = handle._calls.get(target), handle._fallbacks.get(target)
-    count, fallback = handle.count, handle.fallback
+def _computation(form: Form, original: Callable, fallback: bool) -> Callable:
+    """``compute`` for ``PatchHandle.replace``: calls that give the original's leading
+    parameters (q, k, cos, sin [, mrope_section]) and leave every other that its code reads
+    at its default, i.e. calls of the form the decision captured."""
+    arity = 5 if form.layout == "sections" else 4
+    signature = inspect.signature(original)
+    params = list(signature.parameters.values())
+    unread = _unread(original)
 
-    def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
-        if _to_original() or (fallback and not _multimodal_supported(
-                q, k, cos, sin, mrope_section, unsqueeze_dim)):
-            if count:
-                bump(fallbacks)
-            return original(q, k, cos, sin, mrope_section, unsqueeze_dim=unsqueeze_dim)
-        if count:
-            bump(calls)
-        return _rope.apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section,
-                                                     unsqueeze_dim=unsqueeze_dim)
+    def compute(*args, **kwargs):
+        try:
+            given = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            raise Decline from None  # transformers raises its own error
+        if any(p.name not in given for p in params[:arity]) or not all(
+                p.name in unread or _is_default(p, given[p.name])
+                for p in params[arity:] if p.name in given):
+            raise Decline
+        args = tuple(given[p.name] for p in params[:arity])
+        if form.layout == "sections":
+            sections = args[4]
+            if not (isinstance(sections, (list, tuple)) and len(sections) == 3
+                    and all(type(s) is int and s >= 0 for s in sections)):
+                raise Decline
+        if _fits(form, *args[:4]) and _on_kernel_device(*args[:4]) and (
+                form.layout != "sections" or 2 * sum(args[4]) == args[0].shape[-1]):
+            return _run(form, args)
+        if not fallback:
+            _run(form, args)  # posenc's error for what its kernels do not take
+        raise Decline  # (or what posenc takes but the decision did not cover)
 
-    return apply_multimodal_rotary_pos_emb
-
-
-def _make_vision(original: Callable, handle: PatchHandle, target: str,
-                 form: _Form | None) -> Callable:
-    calls, fallbacks = handle._calls.get(target), handle._fallbacks.get(target)
-    count, fallback = handle.count, handle.fallback
-
-    def apply_rotary_pos_emb_vision(q, k, cos, sin):
-        if _to_original() or (fallback and not _vision_supported(q, k, cos, sin)):
-            if count:
-                bump(fallbacks)
-            return original(q, k, cos, sin)
-        if count:
-            bump(calls)
-        return _rope.apply_rotary_pos_emb_vision(q, k, cos, sin)
-
-    return apply_rotary_pos_emb_vision
-
-
-_FACTORIES = {TEXT: _make_text, INTERLEAVE: _make_text, MULTIMODAL: _make_multimodal,
-              VISION: _make_vision}
+    return compute
 
 
 # ---------------------------------------------------------------------------------------
-# Deciding.
+# Which functions are replaced.
 
 
-def _text_ours(form: _Form) -> tuple[Callable, Callable]:
-    def ours(*args, **kwargs):
-        return _rotate_as(form, *_text_args(args, kwargs))
-
-    def supported(*args, **kwargs):
-        parsed = _text_args(args, kwargs)
-        return parsed is not None and _text_supported(form, *parsed)
-
-    return ours, supported
+def form_of(name: str, func: Callable) -> tuple[Form | None, str | None]:
+    """(the form transformers' rotary function ``name`` is, None) or (None, why not)."""
+    verdict = _references.which_form(func, _FORMS[name], name)
+    if verdict["form"] is None:
+        return None, verdict["reason"]
+    return _references.FORMS_BY_NAME[verdict["form"]], None
 
 
-def _text_verdict(func: Callable) -> tuple[_Form | None, str | None]:
-    """(the form whose posenc path returns what ``func`` returns, None) or (None, why not).
-
-    A function whose source branches (``_forms.branches``) is probed only as the form its
-    source is, and refused when its source is none; a branch-free one is probed as every
-    known form, and takes the first that agrees on every probe case."""
-    syntactic = _forms.form_of(func)
-    branching = _forms.branches(func)
-    if syntactic is None and branching:
-        return None, ("its source is none of the forms posenc_torch knows and can take "
-                      f"another path for inputs no probe reaches ({'; '.join(branching[:3])})")
-    candidates = [syntactic] if syntactic is not None else list(_forms.DISTINCT_FORMS)
-    cases = _probe.text_cases()
-    closest = None  # (cases that agreed, reason, form); the first form on ties
-    for form in candidates:
-        reason, agreed = _probe.first_difference(func, *_text_ours(form), cases)
-        if reason is None:
-            return form, None
-        if closest is None or agreed > closest[0]:
-            closest = (agreed, reason, form)
-    _, reason, form = closest
-    if syntactic is not None:
-        what = "its source has a known form, but it does not compute what that form does"
-    else:
-        what = ("its source is branch-free but none of the forms posenc_torch knows, and it "
-                "computes what none of them does")
-    return None, f"{what}; closest: {_forms.describe(form)}, where {reason}"
-
-
-def _other_verdict(name: str, func: Callable) -> str | None:
-    """None when the vision / multimodal function ``func`` may be replaced, else why not."""
-    if not _forms.is_known(name, func) and _forms.branches(func):
-        return ("its source is not the known form of this function and can take another path "
-                "for inputs no probe reaches")
-    if name == MULTIMODAL:
-        ours, supported, cases = (_rope.apply_multimodal_rotary_pos_emb, _multimodal_supported,
-                                  _probe.multimodal_cases())
-    else:
-        ours, supported, cases = (_rope.apply_rotary_pos_emb_vision, _vision_supported,
-                                  _probe.vision_cases())
-    return _probe.first_difference(func, ours, supported, cases)[0]
-
-
-def verdict(name: str, func: Callable) -> tuple[_Form | None, str | None]:
-    """(form or None, None) when transformers' rotary function ``name`` (``func``, as the
-    model module binds it now) may be replaced, else (None, why not); decided once per
-    behaviour key (``_verdicts``)."""
-    key = _verdicts.behaviour_key(func)
-    if name in (TEXT, INTERLEAVE):
-        return _verdicts.decided("text", key, lambda: _text_verdict(func))
-    return None, _verdicts.decided(name, key, lambda: _other_verdict(name, func))
+@functools.cache  # code objects are immutable
+def global_loads(code: types.CodeType) -> frozenset[str]:
+    """Global names loaded by ``code`` and the functions nested in it."""
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname == "LOAD_GLOBAL"}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= global_loads(const)
+    return frozenset(names)
 
 
 def _code_of(obj: object) -> types.CodeType | None:
@@ -289,9 +185,7 @@ def _code_of(obj: object) -> types.CodeType | None:
         obj = obj.__func__
     if isinstance(obj, property):
         obj = obj.fget
-    if not callable(obj):
-        return None
-    obj = getattr(obj, "__wrapped__", obj)
+    obj = getattr(obj, "__wrapped__", obj)  # a decorated forward: its body makes the calls
     return getattr(obj, "__code__", None)
 
 
@@ -302,10 +196,9 @@ def callers(module: types.ModuleType) -> dict[str, list[str]]:
 
     def scan(qualname: str, obj: object) -> None:
         code = _code_of(obj)
-        if code is None:
-            return
-        for name in _forms.global_loads(code) & found.keys():
-            found[name].append(qualname)
+        if code is not None:
+            for name in global_loads(code) & found.keys():
+                found[name].append(qualname)
 
     for attr, value in vars(module).items():
         if isinstance(value, type) and value.__module__ == module.__name__:
@@ -317,7 +210,7 @@ def callers(module: types.ModuleType) -> dict[str, list[str]]:
     return found
 
 
-def plan(model_type: str, module: types.ModuleType) -> list[tuple[str, _Form | None]]:
+def plan(model_type: str, module: types.ModuleType) -> list[tuple[str, Form]]:
     """The rotary names to replace in ``module``, each with its form; raises
     ``Unsupported`` (with the reason) if the installed code is not one posenc runs."""
     Unsupported = _transformers.Unsupported
@@ -347,7 +240,7 @@ def plan(model_type: str, module: types.ModuleType) -> list[tuple[str, _Form | N
             f"the vision attention in {where} does not call {VISION}"
             f"{'' if hasattr(module, VISION) else ' (absent from the module)'}; this "
             "transformers version is not supported for the vision tower")
-    out: list[tuple[str, _Form | None]] = []
+    out: list[tuple[str, Form]] = []
     for name in called:
         if name not in (TEXT, INTERLEAVE) and not original:
             continue
@@ -355,7 +248,7 @@ def plan(model_type: str, module: types.ModuleType) -> list[tuple[str, _Form | N
         # then reports the conflict).
         func = getattr(module, name)
         func = getattr(func, "posenc_original", func)
-        form, reason = verdict(name, func)
+        form, reason = form_of(name, func)
         if reason is not None:
             raise Unsupported(f"{module.__name__}.{name} (transformers {release}): {reason}")
         out.append((name, form))
@@ -366,10 +259,7 @@ def install(handle: PatchHandle, plans: list[tuple[str, types.ModuleType, list]]
     """Install the replacement of every planned function."""
     for mt, module, names in plans:
         for name, form in names:
-            target = f"{mt}.{name}"
-            original = getattr(module, name)
-            handle._add_counters(target)
-            wrapper = _FACTORIES[name](original, handle, target, form)
-            wrapper.__doc__ = (f"posenc_torch replacement for transformers' {mt} "
-                               f"{name}; see posenc_torch.hf.")
-            handle.install(module, name, wrapper, target)
+            handle.replace(module, name, _computation(form, getattr(module, name),
+                                                      handle.fallback), f"{mt}.{name}",
+                           f"posenc_torch replacement for transformers' {mt} {name} "
+                           f"({form.name}); see posenc_torch.hf.")

@@ -9,8 +9,8 @@ dict, and each returns the tensor it finds there instead of computing it; the mo
 ``get_image_features`` / ``get_video_features`` take those entries prefixed ``image_`` /
 ``video_`` (``accepts_precomputed_kwargs``), so ``model(**batch)`` carries them down.
 
-Which entries, with which arguments, is read off the installed code and checked by
-behaviour, per model (:func:`vision_plan`):
+Which entries, with which arguments, is read off the installed code, per model
+(:func:`vision_plan`):
 
 1. the model is built on the meta device from its config (or the given model is used),
    and every module of its modeling file whose ``forward`` calls one of those functions
@@ -20,12 +20,11 @@ behaviour, per model (:func:`vision_plan`):
    is not given them reads nothing precomputed and is left out).  Anything else, an
    unknown function of that family, or two calls that would read one entry, and the model
    type gets no kwargs (one warning);
-2. every planned call is then run, with those arguments, through the function the module
-   binds (transformers' own, or a replacement installed over it) and through posenc's walk
-   on a fixed set of probe grids (images and videos, merge-divisible sizes that do and do
-   not divide the window, a 1 x 2 x 2 grid, several grids at once): the results must be
-   identical (dtypes, shapes, every integer and every fp32 weight bit).  The verdict is
-   kept while the function and the arguments stay the same (``_verdicts``).
+2. every planned call's function, as the module binds it, must be code the tests
+   verified against posenc's walk of the same name (its digest, ``_digests``).
+
+The plan is kept per model or config object while its vision config stays the same, so a
+collator that calls this on every batch pays for the walks alone.
 
 transformers 4.57 towers compute these in methods and accept no precomputed kwargs: no
 kwargs there (one warning); ``patch()`` routes those methods to the walks instead
@@ -48,9 +47,10 @@ import torch
 
 from .. import _installed
 from .. import vision as _vision
-from . import _transformers, _verdicts
-from ._forms import global_loads
-from ._handle import UnsupportedModelWarning, bump
+from .._checks import InputError
+from . import _digests, _transformers
+from ._handle import Decline, warn_once
+from ._rotary import global_loads
 
 # transformers' function -> (posenc's function, the kwargs entries it pops, its outputs)
 _FUNCTIONS: dict[str, tuple[Callable, tuple[str, ...]]] = {
@@ -70,7 +70,7 @@ _GRID = object()  # the grids' place among a call's arguments
 
 
 class _Refused(Exception):
-    """The plan cannot be read off the installed code, or does not match by behaviour."""
+    """The plan cannot be read off the installed code."""
 
 
 class Call(NamedTuple):
@@ -242,99 +242,65 @@ def _read_plan(model: torch.nn.Module, model_type: str) -> VisionPlan:
 
 
 # ---------------------------------------------------------------------------------------
-# The behaviour check.
-
-
-def _probe_grids(merge: int) -> list[torch.Tensor]:
-    m = merge
-    return [
-        torch.tensor([[1, 2 * m, 2 * m]]),
-        torch.tensor([[1, 1 * m, 1 * m]]),
-        torch.tensor([[1, 8 * m, 12 * m], [3, 4 * m, 6 * m], [1, 2 * m, 2 * m]]),
-        torch.tensor([[16, 2 * m, 4 * m], [1, 10 * m, 6 * m]]),
-        torch.tensor([[2, 14 * m, 18 * m]]),
-    ]
+# The decision, and the plan kept per object.
 
 
 def _unrouted(func: object) -> object:
     return getattr(func, "posenc_original", func)
 
 
-def _identical(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
-    return a == b
-
-
-def _check(plan: VisionPlan, module: types.ModuleType) -> str | None:
-    """None when every planned call gives, through the function ``module`` binds, what
-    posenc's walk gives on the probe grids, else the first difference."""
-    merge = next((v for c in plan.calls for k, v in c.arguments if k == "spatial_merge_size"
-                  and isinstance(v, int)), 1)
+def _verify(plan: VisionPlan, module: types.ModuleType) -> None:
+    """Unverified unless every planned function, as ``module`` binds it, is verified."""
     for call in plan.calls:
-        if call.name == _MAX:
-            continue
-        theirs_fn = getattr(module, call.name)
-        theirs_fn = getattr(theirs_fn, "posenc_original", theirs_fn)  # judge what a route replaced
-        for grids in _probe_grids(merge):
-            args = {k: (grids if v is _GRID else v) for k, v in call.arguments}
-            try:
-                theirs = theirs_fn(**args, kwargs=None)
-            except Exception as e:  # noqa: BLE001 -- reported
-                return f"{call.name}{tuple(args.values())[1:]} raised {type(e).__name__}: {e}"
-            theirs = theirs if isinstance(theirs, tuple) else (theirs,)
-            ours = _run_posenc(call, grids)
-            if len(theirs) != len(ours) or not all(map(_identical, ours, theirs)):
-                return (f"{call.name} with {dict(call.arguments[1:])} gives another result "
-                        f"than posenc's walk for the grids {grids.tolist()}")
-    return None
+        if call.name != _MAX:
+            _digests.verified(_unrouted(getattr(module, call.name)), None, call.name)
 
 
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # config -> plan or reason
-_WARNED: set[str] = set()
+# id(config or model) -> (fingerprint, plan or why none was read); dropped with the object
+_PLANS: dict[int, tuple[tuple, VisionPlan | str]] = {}
+
+
+def _fingerprint(config) -> tuple:
+    """What the plan reads of a config: its vision config's fields, the attention."""
+    vision = getattr(config, "vision_config", config)
+    return (repr(sorted(vars(vision).items(), key=lambda kv: kv[0])),
+            getattr(config, "_attn_implementation", None))
 
 
 def vision_plan(config_or_model: object) -> VisionPlan | None:
-    """The checked plan for this model (its config read once per config object), or None
-    with one ``UnsupportedModelWarning`` per model type and reason."""
+    """The verified plan for this model, or None with one ``UnsupportedModelWarning`` per
+    model type and reason."""
     model = config_or_model if isinstance(config_or_model, torch.nn.Module) else None
-    config = getattr(config_or_model, "config", config_or_model) if model is not None \
-        else config_or_model
+    config = getattr(config_or_model, "config", None) if model is not None else config_or_model
     model_type = getattr(config, "model_type", None)
     if not isinstance(model_type, str):
         raise TypeError(f"config_or_model must be a transformers model or config, got "
                         f"{type(config_or_model).__name__}")
+    fingerprint = _fingerprint(config)
+    known = _PLANS.get(id(config_or_model))
     try:
-        cached = _PLANS.get(config)
-    except TypeError:
-        cached = None
-    if cached is None:
-        try:
-            module = _transformers.modeling_module(model_type)
-            plan = _read_plan(model if model is not None else _meta_model(config), model_type)
-            key = tuple((_verdicts.behaviour_key(_unrouted(getattr(module, c.name, None))), c.name,
-                         c.keys, c.of, tuple((k, getattr(v, "_attn_implementation", None)
-                                              if k == "config" else v)
-                                             for k, v in c.arguments)) for c in plan.calls)
-            reason = _verdicts.decided("vision", key, lambda: _check(plan, module),
-                                       account="vision")
-            cached = plan if reason is None else reason
-        except (_Refused, _transformers.Unsupported, ImportError, AttributeError,
-                TypeError, ValueError) as e:
-            cached = f"{e}"
-        try:
-            _PLANS[config] = cached
-        except TypeError:
-            pass
-    if isinstance(cached, str):
-        message = (f"posenc_torch.hf.precompute_vision_kwargs gives no kwargs for {model_type} "
-                   f"(transformers {_transformers.version()}): {cached}")
-        if message not in _WARNED:
-            _WARNED.add(message)
-            warnings.warn(message, UnsupportedModelWarning, stacklevel=3)
+        module = _transformers.modeling_module(model_type)
+        if known is not None and known[0] == fingerprint:
+            found = known[1]
+        else:
+            try:
+                found = _read_plan(model if model is not None else _meta_model(config),
+                                   model_type)
+            except (_Refused, AttributeError, TypeError, ValueError) as e:
+                found = f"{e}"
+            if known is None:
+                weakref.finalize(config_or_model, _PLANS.pop, id(config_or_model), None)
+            # (building a model may set fields of its config: read them afterwards)
+            _PLANS[id(config_or_model)] = (_fingerprint(config), found)
+        if not isinstance(found, str):
+            _verify(found, module)  # by identity: a function changed since is seen
+    except (_digests.Unverified, _transformers.Unsupported, ImportError) as e:
+        found = f"{e}"
+    if isinstance(found, str):
+        warn_once(f"posenc_torch.hf.precompute_vision_kwargs gives no kwargs for {model_type} "
+                  f"(transformers {_transformers.version()}): {found}", stacklevel=4)
         return None
-    return cached
+    return found
 
 
 def precompute_vision_kwargs(config_or_model: object, image_grid_thw: torch.Tensor | None = None,
@@ -364,7 +330,7 @@ def precompute_vision_kwargs(config_or_model: object, image_grid_thw: torch.Tens
             continue
         try:
             out.update(plan.kwargs(grids, prefix))
-        except (TypeError, ValueError) as e:  # posenc's message names grid_thw[i]
+        except InputError as e:  # posenc's message names grid_thw[i]
             raise type(e)(str(e).replace("grid_thw", f"{prefix}grid_thw")) from None
     return out
 
@@ -375,72 +341,38 @@ _installed.provide("vision_kwargs", precompute_vision_kwargs)
 # ---------------------------------------------------------------------------------------
 # patch(): transformers' own calls of the vision_utils functions routed to the walks.
 #
-# Each replacement keeps transformers' contract: an entry precomputed in ``kwargs`` is
-# popped and returned by the original function, as before.  Otherwise the call goes to
-# posenc's walk when the walk gives what the original gives for the call's arguments (all
-# but the grids), decided once per argument set on the probe grids, and to the original
-# function when it does not, or when the walk refuses the grids (``handle.fallbacks``).
-# The original raising on a grid posenc takes, or posenc raising, falls back too: the
-# patch changes no result and no error.
+# Each route keeps transformers' contract: an entry precomputed in ``kwargs`` is popped and
+# returned by the original function, as before.  A function whose code is verified
+# (its digest) goes to posenc's walk, with the caller's arguments; a grid the walk refuses
+# (posenc's InputError), an empty grid list, another call form or a traced call go to the
+# original function, so the patch changes no result and no error.
 
 
-def _route_key(name: str, original: Callable, params: dict) -> tuple:
-    return (name, _verdicts.behaviour_key(original),
-            tuple((k, getattr(v, "_attn_implementation", None) if k == "config" else v)
-                  for k, v in params.items() if k != "grid_thw"))
-
-
-def _routable(name: str, original: Callable, params: dict) -> bool:
-    arguments = tuple((k, _GRID if k == "grid_thw" else v) for k, v in params.items())
-    call = Call(name, arguments, _FUNCTIONS[name][1])
-    stand_in = types.SimpleNamespace(**{name: original})
-    try:
-        key = _route_key(name, original, params)
-    except TypeError:  # an argument that cannot be a key: not decided, not routed
-        return False
-    return _verdicts.decided("vision-route", key, lambda: _check(
-        VisionPlan("", (call,), False), stand_in), account="vision") is None
-
-
-def _make_route(name: str, original: Callable, handle, target: str) -> Callable:
+def _computation(name: str, original: Callable) -> Callable:
     signature = inspect.signature(original)
-    keys = _FUNCTIONS[name][1]
-    ours = _FUNCTIONS[name][0]
-    calls, fallbacks = handle._calls.get(target), handle._fallbacks.get(target)
-    count = handle.count
+    keys, ours = _FUNCTIONS[name][1], _FUNCTIONS[name][0]
 
-    def routed(*args, **kw):
+    def compute(*args, **kw):
         try:
             arguments = signature.bind(*args, **kw).arguments
         except TypeError:
-            arguments = None
-        given = None if arguments is None else arguments.get("kwargs")
-        if (arguments is None or torch.compiler.is_compiling()
-                or (given is not None and any(given.get(k) is not None for k in keys))):
-            return original(*args, **kw)  # a precomputed entry, or another call form
-        params = {k: v for k, v in arguments.items() if k != "kwargs"}
-        grid = params.get("grid_thw")
-        if (isinstance(grid, torch.Tensor) and _routable(name, original, params)):
-            try:
-                result = ours(**params)
-            except (TypeError, ValueError):
-                result = None
-            if result is not None:
-                if count:
-                    bump(calls)
-                return result
-        if count:
-            bump(fallbacks)
-        return original(*args, **kw)
+            raise Decline from None
+        given = arguments.pop("kwargs", None)
+        if given is not None and any(given.get(k) is not None for k in keys):
+            raise Decline(counted=False)  # an entry posenc precomputed: the original pops it
+        grid = arguments.get("grid_thw")
+        if (torch.compiler.is_compiling() or not isinstance(grid, torch.Tensor)
+                or grid.numel() == 0):
+            raise Decline  # traced, or no grids: transformers' own answer
+        return ours(**arguments)
 
-    routed.__signature__ = signature
-    return routed
+    return compute
 
 
 def install(handle, model_types: tuple[str, ...]) -> None:
     """Route the vision_utils functions the modules of ``model_types`` bind (transformers
     5.x; a 4.57 module binds none of them: its towers' methods are routed by
-    ``_vision_methods.install``)."""
+    ``_vision_methods.install``), each whose code is verified."""
     for mt in model_types:
         try:
             module = _transformers.modeling_module(mt)
@@ -448,12 +380,14 @@ def install(handle, model_types: tuple[str, ...]) -> None:
             continue
         for name in _FUNCTIONS:
             original = vars(module).get(name)
-            if not callable(original) or not (getattr(original, "__module__", "") or "").endswith(
-                    "vision_utils"):
+            if original is None:
                 continue
-            target = f"{mt}.{name}"
-            handle._add_counters(target)
-            wrapper = _make_route(name, original, handle, target)
-            wrapper.__doc__ = (f"posenc_torch route of transformers' {name} for {mt}; see "
-                               "posenc_torch.hf.")
-            handle.install(module, name, wrapper, target)
+            try:
+                _digests.verified(original, None, name)
+            except _digests.Unverified as e:
+                warn_once(f"posenc_torch.hf.patch leaves {name} to transformers: {e}",
+                          stacklevel=4)
+                continue
+            handle.replace(module, name, _computation(name, original), f"{mt}.{name}",
+                           f"posenc_torch route of transformers' {name} for {mt}; see "
+                           "posenc_torch.hf.")
