@@ -7,6 +7,9 @@ HF4    := $(VENV)/hf4
 # transformers 5.x releases beside .venv's 5.17.0, each an overlay like HF4
 HF5_18     := $(VENV)/hf5_18
 HF5_LATEST := $(VENV)/hf5_latest
+# The kernels package (hub kernels) that the newest 5.x accepts, an overlay put on the
+# path after HF5_LATEST (pytest-hub-kernels)
+HUB_KERNELS := $(VENV)/hub_kernels
 STAMP  := $(VENV)/.installed
 # The wheel `make wheel` builds (abi3, against .venv's torch; WHEEL is a shell glob that
 # matches it alone) and the environment that runs it under another torch release.
@@ -22,7 +25,8 @@ COMPAT_NEWEST_STAMP := $(COMPAT_NEWEST)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 PYTEST := $(abspath $(VPY)) -m pytest -q -p no:cacheprovider
 
-.PHONY: all venv wheel build test pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest compat compat-min \
+.PHONY: all venv wheel build test pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest pytest-hub-kernels \
+	compat compat-min \
 	compat-newest abi-audit ctest sanitize fuzz ctest-aarch64 cuda-compile gpu-check bench bench-full \
 	notebooks clean
 
@@ -52,11 +56,12 @@ build: wheel
 # Everything: C tests, the same under ASan + UBSan, a bounded fuzzing run, the C tests on
 # aarch64 under emulation, the CUDA sources compiled (cuda-compile), Python tests on
 # transformers 5.x and the transformers-4.x tests against the 4.57.6 overlay, the
-# position-id tests against the 5.18.0 and newest 5.x overlays, then the same wheel's ABI
-# audit and op tests under torch 2.14.1, under the oldest supported, 2.11.0, and under the
-# newest on the package registry (compat-newest).
+# position-id tests against the 5.18.0 and newest 5.x overlays, the patch beside the newest
+# 5.x's hub kernels, then the same wheel's ABI audit and op tests under torch 2.14.1, under
+# the oldest supported, 2.11.0, and under the newest on the package registry
+# (compat-newest).
 test: build ctest sanitize fuzz ctest-aarch64 cuda-compile pytest pytest-hf4 pytest-hf5_18 \
-	pytest-hf5_latest abi-audit compat compat-min compat-newest
+	pytest-hf5_latest pytest-hub-kernels abi-audit compat compat-min compat-newest
 
 pytest: build
 	cd tests && $(PYTEST) .
@@ -80,6 +85,19 @@ pytest-hf5_latest: build
 	cd tests && PYTHONPATH=$(abspath $(HF5_LATEST)) \
 		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_latest.txt) \
 		$(PYTEST) -m "not transformers4" $(HF5_LATEST_TESTS)
+
+# posenc_torch.hf.patch and transformers' hub kernels (tests/test_hf_kernels.py): the newest
+# 5.x overlay with the kernels release it accepts beside it, which turns its rotary
+# functions into hub-kernel layers and from_pretrained's kernelize on; on the CPU, with a
+# local kernel mapping (POSENC_EXPECT_KERNELS: the tests fail rather than skip without it).
+$(HUB_KERNELS)/.installed: requirements-hub-kernels.txt | $(STAMP)
+	$(VPY) -m pip install -q --no-deps --upgrade --target $(HUB_KERNELS) -r requirements-hub-kernels.txt
+	touch $@
+
+pytest-hub-kernels: build $(HUB_KERNELS)/.installed
+	cd tests && PYTHONPATH=$(abspath $(HF5_LATEST)):$(abspath $(HUB_KERNELS)) POSENC_EXPECT_KERNELS=1 \
+		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_latest.txt) \
+		$(PYTEST) test_hf_kernels.py
 
 $(COMPAT_STAMP): requirements-compat.txt
 	$(PYTHON) -m venv $(COMPAT)
