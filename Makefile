@@ -89,7 +89,9 @@ pytest-hf5_latest: build
 # posenc_torch.hf.patch and transformers' hub kernels (tests/test_hf_kernels.py): the newest
 # 5.x overlay with the kernels release it accepts beside it, which turns its rotary
 # functions into hub-kernel layers and from_pretrained's kernelize on; on the CPU, with a
-# local kernel mapping (POSENC_EXPECT_KERNELS: the tests fail rather than skip without it).
+# local kernel mapping (POSENC_EXPECT_KERNELS: the tests fail rather than skip without it),
+# and the patch tests of the original types (logits, gradients, generate, torch.compile)
+# with those layers in place.
 $(HUB_KERNELS)/.installed: requirements-hub-kernels.txt | $(STAMP)
 	$(VPY) -m pip install -q --no-deps --upgrade --target $(HUB_KERNELS) -r requirements-hub-kernels.txt
 	touch $@
@@ -97,7 +99,7 @@ $(HUB_KERNELS)/.installed: requirements-hub-kernels.txt | $(STAMP)
 pytest-hub-kernels: build $(HUB_KERNELS)/.installed
 	cd tests && PYTHONPATH=$(abspath $(HF5_LATEST)):$(abspath $(HUB_KERNELS)) POSENC_EXPECT_KERNELS=1 \
 		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_latest.txt) \
-		$(PYTEST) test_hf_kernels.py
+		$(PYTEST) test_hf_kernels.py test_hf_patch.py
 
 $(COMPAT_STAMP): requirements-compat.txt
 	$(PYTHON) -m venv $(COMPAT)
