@@ -7,6 +7,9 @@ HF4    := $(VENV)/hf4
 # transformers 5.x releases beside .venv's 5.17.0, each an overlay like HF4
 HF5_18     := $(VENV)/hf5_18
 HF5_LATEST := $(VENV)/hf5_latest
+# The kernels package (hub kernels) that the newest 5.x accepts, an overlay put on the
+# path after HF5_LATEST (pytest-hub-kernels)
+HUB_KERNELS := $(VENV)/hub_kernels
 STAMP  := $(VENV)/.installed
 # The wheel `make wheel` builds (abi3, against .venv's torch; WHEEL is a shell glob that
 # matches it alone) and the environment that runs it under another torch release.
@@ -15,11 +18,16 @@ WHEEL     := $(WHEEL_DIR)/posenc_torch-*-abi3-*.whl
 COMPAT    := .venv-compat
 CPY       := $(COMPAT)/bin/python
 COMPAT_STAMP := $(COMPAT)/.installed
+# The newest torch on the package registry, in an environment of its own (compat-newest).
+COMPAT_NEWEST := .venv-compat-newest
+NPY           := $(COMPAT_NEWEST)/bin/python
+COMPAT_NEWEST_STAMP := $(COMPAT_NEWEST)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 PYTEST := $(abspath $(VPY)) -m pytest -q -p no:cacheprovider
 
-.PHONY: all venv wheel build test pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest compat compat-min \
-	abi-audit ctest sanitize fuzz ctest-aarch64 cuda-compile gpu-check bench bench-full \
+.PHONY: all venv wheel build test pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest pytest-hub-kernels \
+	compat compat-min \
+	compat-newest abi-audit ctest sanitize fuzz ctest-aarch64 cuda-compile gpu-check bench bench-full \
 	notebooks clean
 
 all: build
@@ -48,10 +56,12 @@ build: wheel
 # Everything: C tests, the same under ASan + UBSan, a bounded fuzzing run, the C tests on
 # aarch64 under emulation, the CUDA sources compiled (cuda-compile), Python tests on
 # transformers 5.x and the transformers-4.x tests against the 4.57.6 overlay, the
-# position-id tests against the 5.18.0 and newest 5.x overlays, then the same wheel's ABI
-# audit and op tests under torch 2.14.1 and under the oldest supported, 2.11.0.
+# position-id tests against the 5.18.0 and newest 5.x overlays, the patch beside the newest
+# 5.x's hub kernels, then the same wheel's ABI audit and op tests under torch 2.14.1, under
+# the oldest supported, 2.11.0, and under the newest on the package registry
+# (compat-newest).
 test: build ctest sanitize fuzz ctest-aarch64 cuda-compile pytest pytest-hf4 pytest-hf5_18 \
-	pytest-hf5_latest abi-audit compat compat-min
+	pytest-hf5_latest pytest-hub-kernels abi-audit compat compat-min compat-newest
 
 pytest: build
 	cd tests && $(PYTEST) .
@@ -76,20 +86,60 @@ pytest-hf5_latest: build
 		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_latest.txt) \
 		$(PYTEST) -m "not transformers4" $(HF5_LATEST_TESTS)
 
+# posenc_torch.hf.patch and transformers' hub kernels (tests/test_hf_kernels.py): the newest
+# 5.x overlay with the kernels release it accepts beside it, which turns its rotary
+# functions into hub-kernel layers and from_pretrained's kernelize on; on the CPU, with a
+# local kernel mapping (POSENC_EXPECT_KERNELS: the tests fail rather than skip without it),
+# and the patch tests of the original types (logits, gradients, generate, torch.compile)
+# with those layers in place.
+$(HUB_KERNELS)/.installed: requirements-hub-kernels.txt | $(STAMP)
+	$(VPY) -m pip install -q --no-deps --upgrade --target $(HUB_KERNELS) -r requirements-hub-kernels.txt
+	touch $@
+
+pytest-hub-kernels: build $(HUB_KERNELS)/.installed
+	cd tests && PYTHONPATH=$(abspath $(HF5_LATEST)):$(abspath $(HUB_KERNELS)) POSENC_EXPECT_KERNELS=1 \
+		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_latest.txt) \
+		$(PYTEST) test_hf_kernels.py test_hf_patch.py
+
 $(COMPAT_STAMP): requirements-compat.txt
 	$(PYTHON) -m venv $(COMPAT)
 	$(CPY) -m pip install -q -r requirements-compat.txt
 	touch $@
 
+# The op tests of another torch release: parity, gradcheck, opcheck, torch.compile, the
+# extension's build and ABI facts, and the error table (the classes of the README's
+# "Errors" on every torch, whatever exception type torch delivers from the shim).
+COMPAT_TESTS := test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py \
+	test_errors.py
+
 # The wheel built against .venv's torch, installed without dependencies (it must not
-# replace torch) beside torch 2.14.1, and the op tests run there: parity, gradcheck,
-# opcheck, torch.compile.
+# replace torch) beside torch 2.14.1, and the op tests run there, with the OpenMP-runtime
+# test.
 compat: wheel $(COMPAT_STAMP)
 	$(CPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
 	cd tests && $(abspath $(CPY)) -c "import torch, posenc_torch; print('torch', torch.__version__)"
 	cd tests && $(abspath $(CPY)) -m pytest -q -p no:cacheprovider -m "not transformers4" \
-		test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py \
-		test_runtime.py
+		$(COMPAT_TESTS) test_runtime.py
+
+# The newest torch on the package registry (requirements-compat-newest.txt), past the torch
+# cap of a pip constraints file on the machine (these machines carry one): the cap is lifted
+# for this one install alone (PIP_CONSTRAINT=/dev/null; pip 23 reads an empty value as
+# unset).  The same wheel, the op tests, the OpenMP-runtime test, and the tests in which
+# posenc_torch.hf hands a call posenc refuses to transformers (get_rope_index, the rotary
+# functions, the vision routes).
+COMPAT_NEWEST_HF_TESTS := test_hf_positions.py \
+	test_hf_patch.py::test_unsupported_inputs_go_to_transformers \
+	test_vision_hf.py::test_a_route_whose_function_changed_falls_back
+$(COMPAT_NEWEST_STAMP): requirements-compat-newest.txt
+	$(PYTHON) -m venv $(COMPAT_NEWEST)
+	PIP_CONSTRAINT=/dev/null $(NPY) -m pip install -q -r requirements-compat-newest.txt
+	touch $@
+
+compat-newest: wheel $(COMPAT_NEWEST_STAMP)
+	$(NPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
+	cd tests && $(abspath $(NPY)) -c "import torch, posenc_torch; print('torch', torch.__version__)"
+	cd tests && $(abspath $(NPY)) -m pytest -q -p no:cacheprovider -m "not transformers4" \
+		$(COMPAT_TESTS) test_runtime.py $(COMPAT_NEWEST_HF_TESTS)
 
 # The oldest torch the README promises, 2.11.0 (the package registry's wheel, its NVIDIA
 # libraries taken from .venv-compat's, which have the same sonames), as an overlay put first
@@ -121,8 +171,7 @@ compat-min: wheel $(COMPAT_STAMP) $(TORCH_MIN_DIR)/.installed
 	cd tests && PYTHONPATH=$(abspath $(TORCH_MIN_DIR)) $(abspath $(CPY)) -c \
 		"import torch, posenc_torch; assert torch.__version__.startswith('$(TORCH_MIN)'), torch.__version__; print('torch', torch.__version__)"
 	cd tests && PYTHONPATH=$(abspath $(TORCH_MIN_DIR)) $(abspath $(CPY)) -m pytest -q \
-		-p no:cacheprovider -m "not transformers4" \
-		test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py
+		-p no:cacheprovider -m "not transformers4" $(COMPAT_TESTS)
 
 # The extension must use only the LibTorch stable ABI and the limited Python API (exit 1
 # otherwise); tests/test_shim.py (in `compat`) also holds its minimum torch to 2.11.

@@ -185,7 +185,8 @@ def _code_of(obj: object) -> types.CodeType | None:
         obj = obj.__func__
     if isinstance(obj, property):
         obj = obj.fget
-    obj = getattr(obj, "__wrapped__", obj)  # a decorated forward: its body makes the calls
+    if callable(obj):  # a decorated forward (decorators on decorators): its body calls
+        obj = inspect.unwrap(obj)
     return getattr(obj, "__code__", None)
 
 
@@ -248,8 +249,7 @@ def plan(model_type: str, module: types.ModuleType) -> list[tuple[str, Form]]:
             continue
         # Already replaced by an active handle: judge the function it replaced (patch
         # then reports the conflict).
-        func = getattr(module, name)
-        func = getattr(func, "posenc_original", func)
+        func = function(module, name)
         form, reason = form_of(name, func)
         if reason is not None:
             raise Unsupported(f"{module.__name__}.{name} (transformers {release}): {reason}")
@@ -257,11 +257,22 @@ def plan(model_type: str, module: types.ModuleType) -> list[tuple[str, Form]]:
     return out
 
 
+def function(module: types.ModuleType, name: str) -> Callable:
+    """The function ``module.<name>`` computes when no kernel runs in its place: the one
+    an active handle replaced, the one inside a hub-kernel layer (``kernels``
+    importable), else the attribute itself.  The decision is made on it; the replacement
+    takes the attribute's place (the layer's too, so a kernel that ``kernelize`` attaches
+    to it runs only for the calls posenc hands back)."""
+    func = getattr(module, name)
+    func = getattr(func, "posenc_original", func)
+    return _transformers.hub_kernel_function(func, name) or func
+
+
 def install(handle: PatchHandle, plans: list[tuple[str, types.ModuleType, list]]) -> None:
     """Install the replacement of every planned function."""
     for mt, module, names in plans:
         for name, form in names:
-            handle.replace(module, name, _computation(form, getattr(module, name),
+            handle.replace(module, name, _computation(form, function(module, name),
                                                       handle.fallback), f"{mt}.{name}",
                            f"posenc_torch replacement for transformers' {mt} {name} "
                            f"({form.name}); see posenc_torch.hf.")

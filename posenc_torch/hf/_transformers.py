@@ -1,5 +1,6 @@
 """The one place that imports the installed transformers: its version, a model type's
-modeling module, its default config, and the class of a module that defines a method."""
+modeling module, its default config, the class of a module that defines a method, and the
+function inside a hub-kernel layer that transformers puts in place of a function."""
 
 from __future__ import annotations
 
@@ -61,3 +62,33 @@ def owner_class(module_: types.ModuleType, name: str) -> type:
             f"{version()}), found {[c.__name__ for c in owners]}; this release computes it "
             "in a way posenc_torch does not know")
     return owners[0]
+
+
+def hub_kernel_function(obj: object, name: str) -> types.FunctionType | None:
+    """The function ``name`` inside ``obj`` when ``obj`` is a hub-kernel layer made of it,
+    else None.
+
+    With the ``kernels`` package importable, transformers decorates its rotary functions
+    with ``use_kernel_forward_from_hub("rotary_pos_emb")``, which puts in the function's
+    place an ``nn.Module`` instance (its class names a ``kernel_layer_name``) whose
+    forward calls a kernel where ``kernelize`` gave the calling module one, and the
+    function otherwise: the free variable of that forward that is a function called
+    ``name``.  Unsupported for such a layer without one (another ``kernels`` release)."""
+    import torch
+
+    layer = getattr(type(obj), "kernel_layer_name", None)
+    if layer is None or not isinstance(obj, torch.nn.Module):
+        return None
+    forward = vars(type(obj)).get("forward")
+    found = []
+    for cell in getattr(forward, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, types.FunctionType) and value.__name__ == name:
+            found.append(value)
+    if len(found) != 1:
+        raise Unsupported(f"{name} is a hub-kernel layer ({layer!r}, of the kernels "
+                          f"package) that wraps no function {name} posenc_torch can read")
+    return found[0]
