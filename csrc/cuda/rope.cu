@@ -23,20 +23,20 @@ __global__ void __launch_bounds__(kApplyThreads, (apply_min_blocks<R, T, V, S>()
     rope_apply_kernel(const RopeP p, const ApplyGrid g) {
     extern __shared__ __align__(16) unsigned char smem[];
     ApplyThread<R, T, V, Off, S> th(p, g, blockIdx.x, lane());
-    if constexpr (!is_positions<S>) {
-        if (!th.active) return;
-    }
-    for (int64_t group = blockIdx.x; group < g.groups; group += g.grid, th.next_group(g)) {
-        if constexpr (is_positions<S>) {
+    if constexpr (is_positions<S>) {
+        for (int64_t group = blockIdx.x; group < g.groups; group += g.grid, th.next_group(g)) {
             R *rows = reinterpret_cast<R *>(smem);
             th.positions_load(p, g);
             __syncthreads(); // the previous group's rows are read
             th.positions_rows(p, g, rows);
             __syncthreads();
             th.positions_finish(p, g, rows);
-        } else {
-            th.tables_group(p, g);
         }
+    } else if (th.active) {
+        // no barrier: each thread runs until its own token is past the last (its token
+        // only grows), and needs no group counter
+        for (; th.busy(p); th.next_group(g))
+            th.tables_group(p, g);
     }
 }
 
