@@ -11,12 +11,14 @@
 #              time alone (kernel_ms, L2 flushed between replays); builds first when
 #              builddir-gpu has no build; within BENCH_BUDGET seconds (default 240)
 #   preflight  nvcc (PATH, then /usr/local/cuda/bin, then the toolkit beside the CUDA build
-#              of torch), the CUDA runtime library, Python.h, torch and its CUDA version,
-#              transformers, meson, ninja, the GPU, compute-sanitizer; fails with the reason
-#              when something the build needs is missing
+#              of torch), the CUDA runtime library, the C/C++ compilers, Python.h, torch and
+#              its CUDA version, transformers, meson, ninja, pytest, the GPU,
+#              compute-sanitizer; fails with the reason when something the build needs is
+#              missing
 #   build      builds posenc_torch against this torch with the CUDA kernels (plain meson
-#              build in builddir-gpu, for this GPU's architecture) and stages the package
-#              with the built _C next to it (nothing is installed)
+#              build in builddir-gpu, for this GPU's architecture) and stages it as it is
+#              installed (scripts/gpu_stage.sh: meson install into builddir-gpu/stage, every
+#              module checked there and imported from it; nothing is installed)
 #   math       csrc/cuda/tests/math_device.cu, built with --fmad=false as the kernels are:
 #              rope_math.h on the GPU vs the host, and the kernels' bf16/fp16 conversions
 #              (the hardware instructions and their NaN path) vs the CPU's over all 2^32
@@ -124,7 +126,8 @@ if not torch.version.cuda:
     ok = False
     print("MISSING a CUDA build of torch (this one is CPU-only)")
 from importlib import metadata
-for mod, dist in (("transformers", "transformers"), ("mesonbuild", "meson"), ("ninja", "ninja")):
+for mod, dist in (("transformers", "transformers"), ("mesonbuild", "meson"), ("ninja", "ninja"),
+                  ("pytest", "pytest")):
     try:
         __import__(mod)
         print(dist, metadata.version(dist))
@@ -133,6 +136,9 @@ for mod, dist in (("transformers", "transformers"), ("mesonbuild", "meson"), ("n
         print(f"MISSING {dist}: {exc}")
 print("ninja program:", shutil.which("ninja") or "MISSING (not on PATH)")
 ok = ok and shutil.which("ninja") is not None
+for cc in ("cc", "c++"):  # meson's C and C++ compilers (the C kernels, the shim)
+    print(f"{cc}:", shutil.which(cc) or "MISSING (not on PATH)")
+    ok = ok and shutil.which(cc) is not None
 print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
 sys.exit(0 if ok else 1)
 EOF
@@ -159,18 +165,16 @@ c = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
 print(f'{c[0]}{c[1]}')")}"
 }
 
-# ---- build against this torch, CUDA kernels required, and stage the package
+# ---- build against this torch, CUDA kernels required, and stage the package as installed
 build() {
-    local pkg=builddir-gpu/stage/posenc_torch
     [[ -n $nvcc_path ]] || { echo "no nvcc (see preflight)"; return 1; }
     rm -rf builddir-gpu &&
         "$py" -m mesonbuild.mesonmain setup builddir-gpu -Dbuildtype=release -Dcuda=enabled \
             "-Dgpu_archs=$(archs | tr ' ' ',')" &&
         "$py" -m mesonbuild.mesonmain compile -C builddir-gpu &&
-        mkdir -p "$pkg" && cp posenc_torch/*.py "$pkg/" && cp builddir-gpu/_C*.so "$pkg/" &&
+        PYTHON="$py" scripts/gpu_stage.sh builddir-gpu builddir-gpu/stage &&
         (cd builddir-gpu && PYTHONPATH="$root/builddir-gpu/stage" "$py" -c "import posenc_torch as p
-assert p._C.has_cuda(), 'built without CUDA kernels'
-print('staged', p.__file__)")
+assert p._C.has_cuda(), 'built without CUDA kernels'")
 }
 
 staged() {
