@@ -179,7 +179,7 @@ build() {
         "$py" -m mesonbuild.mesonmain setup builddir-gpu -Dbuildtype=release -Dcuda=enabled \
             "-Dgpu_archs=$(archs | tr ' ' ',')" &&
         "$py" -m mesonbuild.mesonmain compile -C builddir-gpu &&
-        PYTHON="$py" scripts/gpu_stage.sh builddir-gpu builddir-gpu/stage &&
+        PYTHON="$py" bash scripts/gpu_stage.sh builddir-gpu builddir-gpu/stage &&
         (cd builddir-gpu && PYTHONPATH="$root/builddir-gpu/stage" "$py" -c "import posenc_torch as p
 assert p._C.has_cuda(), 'built without CUDA kernels'")
 }
@@ -312,7 +312,7 @@ phases() {
             status=1
             continue
         fi
-        GPU_CHECK_CHILD=1 timeout --kill-after=10 "$left" "$self" "$p" "$out" 2>&1 |
+        GPU_CHECK_CHILD=1 timeout --kill-after=10 "$left" bash "$self" "$p" "$out" 2>&1 |
             tee -a "$out/$log.log"
         rc=${PIPESTATUS[0]}
         if ((rc == 124 || rc == 137)); then
