@@ -33,13 +33,16 @@
  * R/2 further: up to 128 bytes) and, with tables, the chunk's cos and sin (16-byte loads in
  * the vector variants, the dtype a template parameter, the MRoPE axis from the section
  * bounds: 64 more bytes), with a barrier of the warp after them so that the compiler holds
- * none back (scripts/cuda_sass_check.py fails a vector kernel whose machine code waits for a
+ * none back: in the machine code of every vector variant (sm_80, sm_90) a group's q/k and
+ * table loads, twelve with tables, are one memory trip, in at most 123 registers and no
+ * spill (scripts/cuda_sass_check.py fails a vector kernel whose machine code waits for a
  * load before the last q/k or table load is issued).  It then converts the chunk's cos and
  * signed sine one piece (an element pair) at a time, rotates every head of the item with
  * each piece, rounds, and stores each head with 16-byte streaming stores: a piece's q/k
  * words make room for its results, so the registers hold one item's loads.  With positions
  * the threads of each token compute its cos and signed-sine rows into shared memory once
- * (the first item's q/k loads in flight meanwhile) and read their pieces after one barrier;
+ * (the first item's q/k loads in flight meanwhile; the positions and frequencies are loaded
+ * in the same memory trip) and read their pieces after one barrier;
  * with tables nothing is shared and no block barrier is needed.  16-byte accesses when every
  * row (and, with tables, every table row) is 16-byte aligned, all tensors share one dtype,
  * the tables are of that dtype and no chunk straddles two MRoPE sections (else one element
@@ -51,8 +54,10 @@
  * loops, are in cuda/rope_kernels.cuh.
  *
  * Statuses: PE_OK, PE_ERR_ARG (as on the CPU, plus the limit above) and PE_ERR_CUDA when the
- * launch fails (pe_cuda_last_error() then names the CUDA error).  Errors that happen later
- * on the stream surface in CUDA's own error state, as for any kernel.
+ * launch fails (pe_cuda_last_error() then names the CUDA error).  The status is the launch's
+ * own: an error an earlier, unrelated call left pending in CUDA's error state is neither
+ * reported nor cleared.  Errors that happen later on the stream surface in CUDA's own error
+ * state, as for any kernel.
  */
 #ifndef POSENC_CUDA_H
 #define POSENC_CUDA_H
