@@ -248,7 +248,7 @@ cuda-compile: $(STAMP) $(CUDA_TOOLS)/.installed
 	PYTHON=$(abspath $(VPY)) scripts/cuda_compile.sh
 
 # On a machine with an NVIDIA GPU: build against its torch, run the GPU tests and the GPU
-# benchmark, everything into one folder (scripts/gpu_check.sh; README, section GPU).
+# benchmark, everything into one folder (scripts/gpu_check.sh; docs/gpu.md).
 # PHASE=first (the default: preflight, build, math, tests), bench, or one of preflight,
 # build, math, tests, sanitize, all.
 gpu-check:

@@ -2,7 +2,8 @@
 # Compile every CUDA source (csrc/cuda/*.cu) with this machine's nvcc for each GPU
 # architecture, warnings and register spills as errors, so the GPU code keeps compiling on
 # machines without a GPU (CI).  Then check the kernels' machine code (registers, load and
-# store widths, spills, no fused or fast math, instruction counts and the H200 estimate:
+# store widths, spills, no fused or fast math, memory trips, instruction counts and budgets,
+# and the H200 estimate:
 # scripts/cuda_sass_check.py, whose rules are first shown to fire on a deliberately bad
 # kernel, csrc/cuda/tests/sass_bad.cu) and run the kernels' code on the host against the CPU
 # kernels (csrc/cuda/tests/test_emulated.cu, linked with the C kernels of builddir-c; it also
@@ -50,7 +51,8 @@ if "$py" scripts/cuda_sass_check.py "$out/sass_bad.sm_$last.o" >"$out/sass_bad.l
     exit 1
 fi
 for rule in "local memory" "stores narrower than 128" "q/k loads narrower than 128" \
-    "table loads narrower than 128" "fused multiply-add"; do
+    "table loads narrower than 128" "fused multiply-add" "dependent memory trip" \
+    "instruction budget"; do
     grep -q "FAIL $rule" "$out/sass_bad.log" ||
         { cat "$out/sass_bad.log"; echo "cuda-compile: rule not applied: $rule" >&2; exit 1; }
 done

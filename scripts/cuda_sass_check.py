@@ -19,8 +19,11 @@ the SASS, prints one line per kernel, and fails (exit status 1) when:
   instruction (MUFU other than MUFU.RCP: integer division uses both): the per-element math
   must be the CPU's, rounded op by op;
 - an apply kernel has no FMUL or DMUL (the rotation was compiled away);
-- an instruction budget (BUDGETS) is exceeded, or a vector apply variant is estimated to be
-  bound by instruction issue rather than memory on an H200 (see below).
+- a vector variant of the apply kernel uses a loaded value before its group's last q/k or
+  table load is issued (a dependent memory trip, below);
+- an instruction budget is exceeded (every 16-bit V = 8 apply kernel: BUDGET_16BIT_V8), or a
+  vector apply variant is estimated to be bound by instruction issue rather than memory on an
+  H200 (see below).
 
 Per apply kernel it also prints the instruction counts: the whole kernel (every SASS
 instruction, as cuobjdump lists it) and an estimate of one group (one iteration of the
@@ -33,7 +36,16 @@ first FMUL/DMUL after the last barrier on (rotation, rounding, NaN test, address
 stores), per element its unpredicated stores write.  Per SM, issue takes warps *
 instructions / (4 schedulers * 1.98 GHz) and memory bytes / (4.3 TB/s measured copy / 132
 SMs).  Issue at most ISSUE_SHARE of the memory time leaves the kernel memory-bound even at
-that issue efficiency.  --json writes every kernel's figures.
+that issue efficiency.
+
+Memory trips: on the group path up to its first global store (the first item's loads and
+their uses), a load's result is waited for where an instruction first reads one of its
+registers; each load issued after such a wait starts another round trip to memory.  One
+trip is the rule for the vector variants (q/k and table loads; with positions, their pos and
+inv_freq loads follow the q/k loads and may come after a wait).  With B blocks resident per
+SM (by registers) and `trips` trips per group, the kernel stays at copy speed while the
+loaded memory latency is below (B * memory time - issue time) / trips per group: printed as
+the latency bound.  --json writes every kernel's figures.
 
 cuobjdump comes from --cuobjdump, $CUOBJDUMP, the directory of nvcc, PATH, or the
 nvidia-cuda-cuobjdump wheel in .venv/cuda-tools (make cuda-compile installs it there).
@@ -69,10 +81,11 @@ THREADS, HEADS_PER_THREAD = 256, 4
 
 STORAGE = {"float": 4, "double": 8, "Bf16": 2, "F16": 2}
 
-# Instruction budgets: (architecture, kernel name) -> the most SASS instructions allowed.
-# 2,285 = 60% of the 3,808 of the bf16 16-byte apply kernel before the conversions were
-# the hardware's and the tables were read straight into registers.
-BUDGETS = {("sm_90", "rope_apply_kernel<float, Bf16, 8, int, Tables<Bf16> >"): 2285}
+# The most SASS instructions of a 16-bit V = 8 apply kernel (bf16 and fp16, 32- and 64-bit
+# offsets, tables and positions): 60% of the 3,808 of the bf16 tables kernel before the
+# conversions were the hardware's and the tables were read straight into registers.
+BUDGET_16BIT_V8 = 2300
+THREADS_PER_SM = 2048
 
 CONTROL = ("BRA", "BRX", "JMX", "JMP", "EXIT", "RET", "KILL")
 
@@ -388,10 +401,11 @@ def path_length(k: Kernel, path: list[Block]) -> int:
 
 
 def stored_elements(k: Kernel, code: list[Ins]) -> int:
-    """Elements the unpredicated global stores of `code` write."""
+    """Elements the global stores of `code` write: the unpredicated ones, and the 128-bit
+    ones (a vector's partner chunk is stored under a predicate: whether it has one)."""
     es, n = k.storage or 1, 0
     for i in code:
-        if i.base == "STG" and not i.pred:
+        if i.base == "STG" and (not i.pred or i.op.endswith(".128")):
             m = re.search(r"\.(64|128)$", i.op)
             width = int(m.group(1)) // 8 if m else (2 if ".U16" in i.op else 4)
             n += max(1, width // es)
@@ -415,6 +429,106 @@ def rotate_path(k: Kernel) -> tuple[int, int] | None:
     return (path_length(k, tail), stored) if stored else None
 
 
+# ---- memory trips --------------------------------------------------------------------------
+#
+# A load's result is waited for where an instruction first reads one of its registers.  A
+# load issued after such a wait cannot be in flight with the loads before it: the group
+# makes another round trip to memory.  The trips of a group are counted on its path (above)
+# up to its first global store, where its first item's loads and their uses are.
+
+# instructions whose first register operand is read, not written
+NO_DEST = {"ST", "STG", "STS", "STL", "RED", "BRA", "BRX", "JMX", "JMP", "RET", "CALL",
+           "WARPSYNC", "BSYNC", "BSSY", "EXIT", "BAR", "NOP"}
+REG = re.compile(r"(?<![A-Za-z0-9_])R(\d+)(\.64)?")
+
+
+def _operands(args: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in args:
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        depth += ch == "["
+        depth -= ch == "]"
+        cur += ch
+    return [*out, cur.strip()] if cur.strip() else out
+
+
+def _regs(operand: str, pairs: bool) -> set[int]:
+    """The registers an operand names (R2.64, and with `pairs` every register, is two)."""
+    out = set()
+    for m in REG.finditer(operand):
+        n = int(m.group(1))
+        out.update((n, n + 1) if m.group(2) or pairs else (n,))
+    return out
+
+
+def _written(i: Ins) -> set[int]:
+    ops = _operands(i.args)
+    if i.base in NO_DEST or not ops or not REG.match(ops[0]):
+        return set()
+    n = int(REG.match(ops[0]).group(1))
+    if i.base == "LDG":
+        m = re.search(r"\.(64|128)$", i.op)
+        return set(range(n, n + (int(m.group(1)) // 32 if m else 1)))
+    wide = i.base.startswith("D") or ".WIDE" in i.op or ".64" in i.op or ".F64" in i.op
+    return {n, n + 1} if wide else {n}
+
+
+def _read(i: Ins) -> set[int]:
+    ops = _operands(i.args)
+    if not (i.base in NO_DEST or not ops or not REG.match(ops[0])):
+        ops = ops[1:]
+    pairs = i.base.startswith("D")
+    return set().union(*(_regs(o, pairs) for o in ops)) if ops else set()
+
+
+@dataclass
+class Trips:
+    trips: int        # batches of loads, each issued after a wait for an earlier one
+    loads: int        # global loads of the group up to its first store
+    first_wait: int   # loads issued before the first wait
+    late: list[str]   # q/k and table loads issued after a wait (as written in the SASS)
+
+
+def _group_load(k: Kernel, i: Ins) -> bool:
+    """A q/k load (streaming) or, in a tables variant, a table load."""
+    return ".EF" in i.op or (len(k.args) > 4 and k.args[4].startswith("Tables<"))
+
+
+def trips(k: Kernel) -> Trips | None:
+    """The memory trips of the group path up to its first global store."""
+    path = group_path(k)
+    if not path:
+        return None
+    code = [i for b in path for i in b.code]
+    end = next((n for n, i in enumerate(code) if i.base == "STG"), len(code))
+    pending: set[int] = set()
+    count = loads = 0
+    first_wait = None
+    waited = True  # the first load starts the first trip
+    late = []
+    for i in code[:end]:
+        read = _read(i)
+        if pending & read:
+            pending -= read
+            waited = True
+            if first_wait is None:
+                first_wait = loads
+        if i.base != "LDG":
+            pending -= _written(i)
+            continue
+        loads += 1
+        if waited:
+            count += 1
+            waited = False
+        if first_wait is not None and _group_load(k, i):
+            late.append(f"{i.op}{i.args}".strip())
+        pending |= _written(i)
+    return Trips(count, loads, loads if first_wait is None else first_wait, late)
+
+
 # ---- the estimate ---------------------------------------------------------------------------
 
 @dataclass
@@ -426,10 +540,20 @@ class Estimate:
     memory_us: float    # per group
     call_issue_ms: float
     call_memory_ms: float
+    blocks: int = 0     # resident per SM (by registers)
+    trips: int = 0      # memory trips per group
+    latency_us: float = 0.0  # the loaded latency up to which the group stays at copy speed
 
     @property
     def share(self) -> float:
         return self.issue_us / self.memory_us
+
+
+def blocks_per_sm(k: Kernel) -> int:
+    """Blocks of the launch's THREADS resident per SM, as registers allow (allocated per
+    thread in multiples of 8)."""
+    regs = max(8, -(-k.regs // 8) * 8)
+    return max(1, min(THREADS_PER_SM // THREADS, REGISTERS_PER_SM // (regs * THREADS)))
 
 
 def estimate(k: Kernel) -> Estimate | None:
@@ -454,8 +578,11 @@ def estimate(k: Kernel) -> Estimate | None:
     issue = warps * path * per_thread / (SCHEDULERS * CLOCK_HZ)
     memory = tokens * token_bytes / (COPY_BYTES_PER_S / SMS)
     groups = s["t"] / tokens
+    blocks, tr = blocks_per_sm(k), trips(k)
+    n = tr.trips if tr and tr.trips else 1
     return Estimate(path * per_thread, warps, tokens, issue * 1e6, memory * 1e6,
-                    groups / SMS * issue * 1e3, s["t"] * token_bytes / COPY_BYTES_PER_S * 1e3)
+                    groups / SMS * issue * 1e3, s["t"] * token_bytes / COPY_BYTES_PER_S * 1e3,
+                    blocks, n, (blocks * memory - issue) / n * 1e6)
 
 
 def check(kernel: Kernel, arch: str) -> list[str]:
@@ -484,14 +611,20 @@ def check(kernel: Kernel, arch: str) -> list[str]:
             if narrow:
                 errors.append(f"table loads narrower than 128 bits with tables of the "
                               f"kernel's dtype: {narrow}")
+        tr = trips(kernel)
+        if tr and tr.late:
+            errors.append(f"dependent memory trip: a loaded value is used before the group's "
+                          f"last q/k or table load is issued ({tr.trips} trips; issued after "
+                          f"a wait: {'; '.join(tr.late[:3])})")
         est = estimate(kernel)
         if est and est.share > ISSUE_SHARE:
             errors.append(f"estimated issue time {est.issue_us:.2f} us per group is "
                           f"{est.share:.0%} of the memory time {est.memory_us:.2f} us "
                           f"(at most {ISSUE_SHARE:.0%}): bound by instruction issue")
-    limit = BUDGETS.get((arch, kernel.name.removeprefix("void ").split("(")[0]))
-    if limit is not None and len(kernel.code) > limit:
-        errors.append(f"{len(kernel.code)} instructions, budget {limit}")
+    if kernel.is_apply and kernel.storage == 2 and kernel.vector == 8 and \
+            len(kernel.code) > BUDGET_16BIT_V8:
+        errors.append(f"instruction budget: {len(kernel.code)} instructions, at most "
+                      f"{BUDGET_16BIT_V8}")
     return errors
 
 
@@ -503,6 +636,10 @@ def summary(k: Kernel) -> dict:
         if rp:
             out["rotate_path"] = {"instructions": rp[0], "elements": rp[1],
                                   "per_element": round(rp[0] / rp[1], 2)}
+        tr = trips(k)
+        if tr:
+            out["trips"] = {"trips": tr.trips, "loads": tr.loads,
+                            "before_first_wait": tr.first_wait}
         est = estimate(k)
         if est:
             out["group"] = {"instructions_per_thread": est.instr, "warps": est.warps,
@@ -510,7 +647,9 @@ def summary(k: Kernel) -> dict:
                             "memory_us": round(est.memory_us, 3),
                             "issue_share": round(est.share, 3),
                             "t32768_issue_ms": round(est.call_issue_ms, 4),
-                            "t32768_memory_ms": round(est.call_memory_ms, 4)}
+                            "t32768_memory_ms": round(est.call_memory_ms, 4),
+                            "blocks_per_sm": est.blocks,
+                            "latency_bound_us": round(est.latency_us, 2)}
     return out
 
 
@@ -547,6 +686,16 @@ def main() -> int:
                       f"{g['issue_us']:.2f} us vs memory {g['memory_us']:.2f} us per SM "
                       f"({g['issue_share']:.0%}); T=32768: {g['t32768_issue_ms']:.3f} ms issue, "
                       f"{g['t32768_memory_ms']:.3f} ms memory")
+            if "trips" in info and k.vector > 1:
+                t = info["trips"]
+                line = (f"        memory: {t['loads']} loads in {t['trips']} trip"
+                        f"{'s' if t['trips'] > 1 else ''} ({t['before_first_wait']} issued "
+                        f"before the first wait)")
+                if "group" in info:
+                    g = info["group"]
+                    line += (f"; {g['blocks_per_sm']} blocks per SM: copy speed while the "
+                             f"loaded latency is under {g['latency_bound_us']:.2f} us")
+                print(line)
             record.setdefault(arch, []).append(info)
             for e in check(k, arch):
                 print(f"    FAIL {e}")

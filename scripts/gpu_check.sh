@@ -5,23 +5,29 @@
 #   scripts/gpu_check.sh PHASE [OUTDIR]      (or: make gpu-check PHASE=...)
 #
 #   first      preflight, build, math and tests, one after the other, within FIRST_BUDGET
-#              seconds (default 450: one call of at most 8 minutes); the first thing to run
+#              seconds (default 400: with the last phase's stop, under 7 minutes); the
+#              first thing to run
 #   bench      benchmarks/run.py --quick --device cuda --topics gpu: posenc and the two
 #              memory floors at T = 4096 and 32768, forward and backward, each with its GPU
 #              time alone (kernel_ms, L2 flushed between replays); builds first when
-#              builddir-gpu has no build; within BENCH_BUDGET seconds (default 240)
+#              builddir-gpu has no build; within BENCH_BUDGET seconds (default 220: under 4
+#              minutes)
 #   preflight  nvcc (PATH, then /usr/local/cuda/bin, then the toolkit beside the CUDA build
-#              of torch), the CUDA runtime library, Python.h, torch and its CUDA version,
-#              transformers, meson, ninja, the GPU, compute-sanitizer; fails with the reason
-#              when something the build needs is missing
+#              of torch), the CUDA runtime library, the C/C++ compilers, Python.h, torch and
+#              its CUDA version, transformers, meson, ninja, pytest, the GPU,
+#              compute-sanitizer; fails with the reason when something the build needs is
+#              missing
 #   build      builds posenc_torch against this torch with the CUDA kernels (plain meson
-#              build in builddir-gpu, for this GPU's architecture) and stages the package
-#              with the built _C next to it (nothing is installed)
+#              build in builddir-gpu, for this GPU's architecture) and stages it as it is
+#              installed (scripts/gpu_stage.sh: meson install into builddir-gpu/stage, every
+#              module checked there and imported from it; nothing is installed)
 #   math       csrc/cuda/tests/math_device.cu, built with --fmad=false as the kernels are:
 #              rope_math.h on the GPU vs the host, and the kernels' bf16/fp16 conversions
-#              (the hardware instructions and their NaN path) vs the CPU's over all 2^32
-#              fp32 patterns, bit for bit
-#   tests      tests/test_cuda.py (pytest-junit.xml)
+#              (the hardware instructions, the one-value NaN path) vs the CPU's over all
+#              2^32 fp32 patterns
+#   tests      tests/test_cuda.py from the stage: pytest -v (each test's name as it starts,
+#              its result as it ends), every result and its time appended to tests.txt as
+#              the test ends (tests/progress_log.py), the slowest 15 at the end
 #   sanitize   tests/cuda_variants.py (every kernel instantiation once, then a 5,000-token
 #              case) under compute-sanitizer: memcheck with torch's caching allocator off
 #              (PYTORCH_NO_CUDA_MEMORY_CACHING=1, so an overrun meets the end of its own
@@ -29,11 +35,14 @@
 #              the sanitizer's own words, where it refuses the device
 #   all        every phase in order (longer than one call)
 #
-# OUTDIR ($OUT if set, else ./gpu-check-out) gets summary.txt (a line per phase: ok /
-# FAILED / STOPPED / SKIPPED with its duration, appended as each phase ends) and a log per
-# phase written as it runs (first.log: every phase of `first` in order, each headed by its
-# start time, so a run cut short shows where it stopped); tests: pytest-junit.xml; bench:
-# bench/quick.json (rewritten after every case), quick.csv, plots-quick/.
+# OUTDIR ($OUT if set, else ./gpu-check-out) gets few files, written as the run goes (a
+# call of the GPU machine returns at most 8): summary.txt first (the run's start, then a
+# line per phase: ok / FAILED / STOPPED / SKIPPED with its duration, appended as each ends;
+# the phases left when preflight or build fails, SKIPPED on one line); first.log or
+# bench.log (everything the phases print, in order, each phase headed by its start time, so
+# a run cut short shows where it stopped; a phase run alone writes PHASE.log); the results
+# in one file: tests.txt (tests) or quick.json (bench, rewritten after every case; quick.csv
+# is the same table, written at the end).  The summary is printed last as well.
 # Exit status: 0 passed, 1 failed, 2 needs a CUDA device and there is none.
 #   PYTHON=python3  SUITE=quick|full|smoke  GPU_ARCHS="90" (default: this GPU's)
 #   WHEELS=dir: extra wheels to put on the path first (default ./.whl when it has any)
@@ -124,7 +133,8 @@ if not torch.version.cuda:
     ok = False
     print("MISSING a CUDA build of torch (this one is CPU-only)")
 from importlib import metadata
-for mod, dist in (("transformers", "transformers"), ("mesonbuild", "meson"), ("ninja", "ninja")):
+for mod, dist in (("transformers", "transformers"), ("mesonbuild", "meson"), ("ninja", "ninja"),
+                  ("pytest", "pytest")):
     try:
         __import__(mod)
         print(dist, metadata.version(dist))
@@ -133,6 +143,9 @@ for mod, dist in (("transformers", "transformers"), ("mesonbuild", "meson"), ("n
         print(f"MISSING {dist}: {exc}")
 print("ninja program:", shutil.which("ninja") or "MISSING (not on PATH)")
 ok = ok and shutil.which("ninja") is not None
+for cc in ("cc", "c++"):  # meson's C and C++ compilers (the C kernels, the shim)
+    print(f"{cc}:", shutil.which(cc) or "MISSING (not on PATH)")
+    ok = ok and shutil.which(cc) is not None
 print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
 sys.exit(0 if ok else 1)
 EOF
@@ -159,18 +172,16 @@ c = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
 print(f'{c[0]}{c[1]}')")}"
 }
 
-# ---- build against this torch, CUDA kernels required, and stage the package
+# ---- build against this torch, CUDA kernels required, and stage the package as installed
 build() {
-    local pkg=builddir-gpu/stage/posenc_torch
     [[ -n $nvcc_path ]] || { echo "no nvcc (see preflight)"; return 1; }
     rm -rf builddir-gpu &&
         "$py" -m mesonbuild.mesonmain setup builddir-gpu -Dbuildtype=release -Dcuda=enabled \
             "-Dgpu_archs=$(archs | tr ' ' ',')" &&
         "$py" -m mesonbuild.mesonmain compile -C builddir-gpu &&
-        mkdir -p "$pkg" && cp posenc_torch/*.py "$pkg/" && cp builddir-gpu/_C*.so "$pkg/" &&
+        PYTHON="$py" bash scripts/gpu_stage.sh builddir-gpu builddir-gpu/stage &&
         (cd builddir-gpu && PYTHONPATH="$root/builddir-gpu/stage" "$py" -c "import posenc_torch as p
-assert p._C.has_cuda(), 'built without CUDA kernels'
-print('staged', p.__file__)")
+assert p._C.has_cuda(), 'built without CUDA kernels'")
 }
 
 staged() {
@@ -197,12 +208,13 @@ math() {
         csrc/cuda/tests/math_device.cu -o builddir-gpu/math_device && builddir-gpu/math_device
 }
 
-# from tests/ (as make pytest does), so the staged package is imported, not the sources
+# from tests/ (as make pytest does), so the staged package is imported, not the sources;
+# tests.txt gets each result as its test ends (tests/progress_log.py)
 tests() {
     local timeout=()
     "$py" -c "import pytest_timeout" 2>/dev/null && timeout=(--timeout 240)
-    (cd tests && "$py" -m pytest -q -rs -p no:cacheprovider --durations=10 "${timeout[@]}" \
-        test_cuda.py --junitxml="$out/pytest-junit.xml")
+    (cd tests && POSENC_PROGRESS_LOG="$out/tests.txt" "$py" -m pytest -v -rs \
+        -p no:cacheprovider -p progress_log --durations=15 "${timeout[@]}" test_cuda.py)
 }
 
 # compute-sanitizer on a one-allocation program first: where it refuses the device, its own
@@ -236,15 +248,18 @@ sanitize() {
         tests/cuda_variants.py --shared-only
 }
 
+# the results in OUTDIR itself: <suite>.json (rewritten after every case) and .csv, no
+# plots (draw them later from the JSON: benchmarks/plot.py)
 bench() {
-    "$py" benchmarks/run.py "--$suite" --device cuda --topics gpu --out "$out/bench"
+    "$py" benchmarks/run.py "--$suite" --device cuda --topics gpu --no-plots --out "$out"
 }
 
 # run_phase NAME: the phase with its log, duration and summary line; 0 ok, 1 failed, 2 no
 # GPU, 3 skipped
 run_phase() {
-    local name=$1 rc start
+    local name=$1 rc start last
     start=$(date +%s)
+    last=$(mktemp) # the phase's output, for the reason a skipped phase gives last
     echo "==== $name ($(date -u +%H:%M:%S) UTC)"
     (
         case $name in
@@ -267,33 +282,37 @@ run_phase() {
             $name
             ;;
         esac
-    ) 2>&1 | tee "$out/$name.log"
+    ) 2>&1 | tee "$last" | if [[ -n ${GPU_CHECK_CHILD:-} ]]; then cat; else tee "$out/$name.log"; fi
     rc=${PIPESTATUS[0]}
     local took=$(($(date +%s) - start))
     case $rc in
     0) note "ok      $name (${took} s)" ;;
     2) note "STOPPED $name: no CUDA device (${took} s)" ;;
-    3) note "SKIPPED $name: $(tail -n 1 "$out/$name.log") (${took} s)" ;;
+    3) note "SKIPPED $name: $(tail -n 1 "$last") (${took} s)" ;;
     *) note "FAILED  $name (exit status $rc, ${took} s)" ;;
     esac
+    rm -f "$last"
     return "$rc"
 }
 
 # phases PHASE... under BUDGET seconds in all: each a child of this script under `timeout`
 # (so one that hangs is stopped and the next still runs), its output into OUT/<log>.log
 phases() {
-    local budget=$1 log=$2 status=0 start rc left
+    local budget=$1 log=$2 status=0 start rc left p
     shift 2
     start=$(date +%s)
     : >"$out/$log.log"
-    for p in "$@"; do
+    note "$log: $* within $budget s, started $(date -u +%H:%M:%S) UTC"
+    while (($#)); do
+        p=$1
+        shift
         left=$((budget - ($(date +%s) - start)))
         if ((left <= 5)); then
             note "STOPPED $p: not started, the $budget s budget of $phase is spent"
             status=1
             continue
         fi
-        GPU_CHECK_CHILD=1 timeout --kill-after=10 "$left" "$self" "$p" "$out" 2>&1 |
+        GPU_CHECK_CHILD=1 timeout --kill-after=10 "$left" bash "$self" "$p" "$out" 2>&1 |
             tee -a "$out/$log.log"
         rc=${PIPESTATUS[0]}
         if ((rc == 124 || rc == 137)); then
@@ -303,7 +322,10 @@ phases() {
             return 2
         elif ((rc != 0 && rc != 3)); then
             status=1
-            [[ $p == preflight || $p == build ]] && break
+            if [[ $p == preflight || $p == build ]] && (($#)); then
+                note "SKIPPED $*: $p failed"
+                break
+            fi
         fi
     done
     echo "==== summary ($out)" | tee -a "$out/$log.log"
@@ -312,17 +334,13 @@ phases() {
 }
 
 case $phase in
-first) phases "${FIRST_BUDGET:-450}" first preflight build math tests ;;
+first) phases "${FIRST_BUDGET:-400}" first preflight build math tests ;;
 all) phases "${ALL_BUDGET:-3600}" all preflight build math tests sanitize bench ;;
 bench)
     if [[ -n ${GPU_CHECK_CHILD:-} ]]; then
         run_phase bench
     else
-        GPU_CHECK_CHILD=1 timeout --kill-after=10 "${BENCH_BUDGET:-240}" "$self" bench "$out"
-        rc=$?
-        ((rc == 124 || rc == 137)) &&
-            note "STOPPED bench: cut off at its ${BENCH_BUDGET:-240} s budget"
-        exit $rc
+        phases "${BENCH_BUDGET:-220}" bench bench
     fi
     ;;
 *) run_phase "$phase" ;;

@@ -8,32 +8,34 @@ past 2^31 (the 64-bit-offset kernels), and every kernel instantiation launched
 (tests/cuda_variants.py).
 
 Everything here needs an NVIDIA GPU and a build with the CUDA kernels (meson option
-``cuda``); without them the module is skipped with the reason.  ``scripts/gpu_check.sh``
-builds and runs it on a GPU machine.
+``cuda``); without them every test is skipped with the reason, after the module and its
+parameters are collected (tests/test_gpu_stage.py collects it so on the CPU, from the stage
+``scripts/gpu_check.sh`` runs it from on a GPU machine).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply
+from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+    apply_rotary_pos_emb_vision as hf_vision,
+)
 
 import cuda_variants
 import posenc_torch as pt
 import posenc_torch.hf  # noqa: F401  (pt.hf)
 from shapes import Shape
 
-if not pt._C.has_cuda():
-    pytest.skip("posenc_torch was built without its CUDA kernels (needs nvcc and a CUDA build "
-                "of torch at build time; scripts/gpu_check.sh builds them)",
-                allow_module_level=True)
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device: these tests run the CUDA kernels (scripts/gpu_check.sh on a "
-                "GPU machine)", allow_module_level=True)
-
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply  # noqa: E402
-from transformers.models.qwen2_vl.modeling_qwen2_vl import (  # noqa: E402
-    apply_rotary_pos_emb_vision as hf_vision,
-)
+pytestmark = [
+    pytest.mark.skipif(not pt._C.has_cuda(),
+                       reason="posenc_torch was built without its CUDA kernels (needs nvcc and "
+                              "a CUDA build of torch at build time; scripts/gpu_check.sh builds "
+                              "them)"),
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="no CUDA device: these tests run the CUDA kernels "
+                              "(scripts/gpu_check.sh on a GPU machine)"),
+]
 
 CUDA = torch.device("cuda")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <utility>
 
 #include "rope_kernels.cuh"
 
@@ -23,20 +24,20 @@ __global__ void __launch_bounds__(kApplyThreads, (apply_min_blocks<R, T, V, S>()
     rope_apply_kernel(const RopeP p, const ApplyGrid g) {
     extern __shared__ __align__(16) unsigned char smem[];
     ApplyThread<R, T, V, Off, S> th(p, g, blockIdx.x, lane());
-    if constexpr (!is_positions<S>) {
-        if (!th.active) return;
-    }
-    for (int64_t group = blockIdx.x; group < g.groups; group += g.grid, th.next_group(g)) {
-        if constexpr (is_positions<S>) {
+    if constexpr (is_positions<S>) {
+        for (int64_t group = blockIdx.x; group < g.groups; group += g.grid, th.next_group(g)) {
             R *rows = reinterpret_cast<R *>(smem);
             th.positions_load(p, g);
             __syncthreads(); // the previous group's rows are read
             th.positions_rows(p, g, rows);
             __syncthreads();
             th.positions_finish(p, g, rows);
-        } else {
-            th.tables_group(p, g);
         }
+    } else if (th.active) {
+        // no barrier: each thread runs until its own token is past the last (its token
+        // only grows), and needs no group counter
+        for (; th.busy(p); th.next_group(g))
+            th.tables_group(p, g);
     }
 }
 
@@ -63,9 +64,21 @@ __global__ void rope_tables_kernel(const RopeP p, pe_dtype out_dt, char *cos, ch
 
 thread_local cudaError_t last_error = cudaSuccess;
 
-int launched() {
-    const cudaError_t err = cudaGetLastError();
+// One launch of `kernel` on `stream`: PE_OK, or PE_ERR_CUDA with this launch's own error for
+// pe_cuda_last_error().  The launch call returns its own error, so an error that an earlier,
+// unrelated call left pending in CUDA's error state is neither reported as this launch's nor
+// cleared when this launch succeeds (a failed launch clears the state it set).
+template <typename... Params, typename... Args>
+int launch(void (*kernel)(Params...), unsigned grid, unsigned threads, size_t shared,
+           cudaStream_t stream, Args &&...args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = shared;
+    cfg.stream = stream;
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
     if (err == cudaSuccess) return PE_OK;
+    (void)cudaGetLastError();
     last_error = err;
     return PE_ERR_CUDA;
 }
@@ -113,10 +126,8 @@ int pe_cuda_rope_apply(const pe_rope_args *a, cudaStream_t stream) {
             using Off = typename decltype(off)::type;
             using S = typename decltype(src)::type;
             constexpr int V = decltype(v)::value;
-            rope_apply_kernel<R, T, V, Off, S>
-                <<<static_cast<unsigned>(g.grid), kApplyThreads, apply_shared_bytes<R, S>(g),
-                   stream>>>(p, g);
-            return launched();
+            return launch(rope_apply_kernel<R, T, V, Off, S>, static_cast<unsigned>(g.grid),
+                          kApplyThreads, apply_shared_bytes<R, S>(g), stream, p, g);
         });
 }
 
@@ -133,8 +144,7 @@ int pe_cuda_rope_table_grad(const pe_rope_args *a, const void *grad_q,
             const unsigned grid = grid_for(gp.p.src.table_batch * gp.p.T, 32);
             const unsigned threads =
                 gp.p.R >= 256 ? 256u : static_cast<unsigned>((gp.p.R + 31) / 32 * 32);
-            rope_table_grad_kernel<R, G, X><<<grid, threads, 0, stream>>>(gp);
-            return launched();
+            return launch(rope_table_grad_kernel<R, G, X>, grid, threads, 0, stream, gp);
         });
 }
 
@@ -142,9 +152,8 @@ int pe_cuda_rope_tables(const pe_rope_args *a, pe_dtype out_dtype, void *cos, vo
                         cudaStream_t stream) {
     return run_tables(a, out_dtype, cos, sin, [&](const RopeP &p) {
         const size_t shm = 2 * static_cast<size_t>(p.R) * sizeof(float);
-        rope_tables_kernel<<<grid_for(p.src.pos_batch * p.T, 32), kApplyThreads, shm, stream>>>(
-            p, out_dtype, static_cast<char *>(cos), static_cast<char *>(sin));
-        return launched();
+        return launch(rope_tables_kernel, grid_for(p.src.pos_batch * p.T, 32), kApplyThreads, shm,
+                      stream, p, out_dtype, static_cast<char *>(cos), static_cast<char *>(sin));
     });
 }
 

@@ -30,8 +30,10 @@ constexpr int kApplyThreads = 256;
 
 #if defined(__CUDA_ARCH__)
 #define PE_UNROLL _Pragma("unroll")
+#define PE_NO_UNROLL _Pragma("unroll 1")
 #else
 #define PE_UNROLL
+#define PE_NO_UNROLL
 #endif
 
 struct Lane {
@@ -51,9 +53,11 @@ template <typename T> struct Tag {
 // test_emulated.cu compares the instructions' documented semantics (their model,
 // cvt_model.h, which the host build runs in their place) with the CPU's functions over all
 // 2^32 fp32 bit patterns; math_device.cu compares the instructions themselves on a GPU.  A
-// NaN result is stored with the CPU's encoding instead (pe_bf16_of_nan, pe_f16_of_nan): for
-// one value by a select, for a vector on a path the warp takes only when one of its lanes
-// has a NaN (warp_any).
+// NaN result: one value (the element-by-element variants) is stored with the CPU's encoding
+// (pe_bf16_of_nan, pe_f16_of_nan, by a select); a vector stores the instruction's NaN.  NaN
+// bits are outside the contract (posenc_cuda.h), and NVIDIA's arithmetic has already made
+// any NaN its canonical one; a fix-up in the vectors cost registers and code (two NaN tests
+// per element pair, and a rare path that kept values alive across the rotation).
 
 struct Bf16 {};
 struct F16 {};
@@ -111,6 +115,18 @@ PE_HD bool warp_any(bool p) {
     return __any_sync(__activemask(), p);
 #else
     return p;
+#endif
+}
+
+// A barrier of the warp's threads that are here (__syncwarp, which orders memory): the
+// compilers may move no load or shared-memory read across it.  After an item's loads it
+// keeps every load issued before any is used (ptxas would otherwise hold some back to save
+// registers, and the thread would wait for memory twice: scripts/cuda_sass_check.py, memory
+// trips); between the pieces of an item it keeps each piece's work, and the registers it
+// needs, from being started early.  Two instructions (VOTE, WARPSYNC).
+PE_HD void warp_fence() {
+#if defined(__CUDA_ARCH__)
+    __syncwarp(__activemask());
 #endif
 }
 
@@ -205,6 +221,19 @@ PE_HD double rot(double x, double c, double xp, double ss) {
     return pe_rot_f64(x, c, xp, ss);
 }
 
+// The bytes of {hi, lo} (8 bytes, lo first) that the four nibbles of sel name (prmt).
+PE_HD uint32_t byte_perm(uint32_t lo, uint32_t hi, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+    return __byte_perm(lo, hi, sel);
+#else
+    const uint64_t x = static_cast<uint64_t>(hi) << 32 | lo;
+    uint32_t r = 0;
+    for (int i = 0; i < 4; ++i)
+        r |= static_cast<uint32_t>(x >> (8 * ((sel >> (4 * i)) & 7)) & 0xffu) << (8 * i);
+    return r;
+#endif
+}
+
 // ---- 16-byte access: four 32-bit words, loaded and stored whole --------------------------
 
 struct W16 {
@@ -265,8 +294,8 @@ PE_HD uint64_t f64_bits(double d) {
 #endif
 }
 
-// n values of R from `row` (shared memory), 16 bytes at a time where n * sizeof(R) allows
-// (the caller keeps `row` 16-byte aligned then).
+// n values of R from `row` (shared memory) in 16-byte words, or one 8-byte word for a pair of
+// floats, where n * sizeof(R) allows (the caller keeps `row` aligned to that).
 template <typename R, int n> PE_HD void read_row(const R *row, R (&out)[n]) {
 #if defined(__CUDA_ARCH__)
     if constexpr ((n * sizeof(R)) % 16 == 0) {
@@ -281,6 +310,9 @@ PE_UNROLL
                 out[k] = v.x, out[k + 1] = v.y;
             }
         }
+    } else if constexpr (n == 2 && std::is_same_v<R, float>) {
+        const float2 v = *reinterpret_cast<const float2 *>(row);
+        out[0] = v.x, out[1] = v.y;
     } else
 #endif
     {
@@ -290,25 +322,17 @@ PE_UNROLL
     }
 }
 
-template <typename R, int V> PE_HD bool any_nan(const R (&x)[V]) {
-    bool nan = false;
-PE_UNROLL
-    for (int k = 0; k + 1 < V; k += 2) // one unordered comparison per pair
-        nan |= !(x[k] == x[k] && x[k + 1] == x[k + 1]);
-    if constexpr (V % 2) nan |= x[V - 1] != x[V - 1];
-    return nan;
-}
-
 // How a thread reads and writes V elements of one row.  T: the storage dtype of every
 // tensor in and out (void: each tensor its own dtype, one element at a time, V = 1).
 // raw: what a load returned (the 16 bytes, one stored element, or for T = void the value
-// converted to R); get converts element k of it for the rotation; pack rounds V results to
-// a raw for the store.  kRare: pack leaves NaN to fix_nan (the 16-bit vectors).
+// converted to R); get converts element k of it for the rotation; set rounds the P results
+// of elements k.. k+P-1 into a raw (P: 2 in the vectors, an adjacent pair), pack all V;
+// partner gives the element an element rotates with.
 template <typename R, typename T, int V> struct Unit { // 16 bytes
     using S = typename Io<T>::storage;
     using raw = W16;
     static_assert(V * sizeof(S) == 16, "a vector unit is 16 bytes");
-    static constexpr bool kRare = sizeof(S) == 2;
+    static constexpr int P = 2;
     PE_HD static raw load(pe_dtype, const char *base, int64_t i) {
         return load16_stream(reinterpret_cast<const S *>(base) + i);
     }
@@ -329,44 +353,79 @@ template <typename R, typename T, int V> struct Unit { // 16 bytes
         else
             return static_cast<R>(cvt_f32_f16(static_cast<uint16_t>(v.w[k >> 1] >> (16 * (k & 1)))));
     }
+    PE_HD static void set(raw &v, int k, const R (&x)[P]) { // k even
+        if constexpr (std::is_same_v<T, float>) {
+            v.w[k] = pe_f32_bits(static_cast<float>(x[0]));
+            v.w[k + 1] = pe_f32_bits(static_cast<float>(x[1]));
+        } else if constexpr (std::is_same_v<T, double>) {
+PE_UNROLL
+            for (int i = 0; i < 2; ++i) {
+                const uint64_t u = f64_bits(static_cast<double>(x[i]));
+                v.w[2 * i] = static_cast<uint32_t>(u);
+                v.w[2 * i + 1] = static_cast<uint32_t>(u >> 32);
+            }
+        } else if constexpr (std::is_same_v<T, Bf16>) {
+            v.w[k >> 1] = cvt_bf16x2(x[0], x[1]);
+        } else {
+            v.w[k >> 1] = cvt_f16x2(x[0], x[1]);
+        }
+    }
     PE_HD static raw pack(const R (&x)[V]) {
         raw v;
 PE_UNROLL
-        for (int k = 0; k < 4; ++k) {
-            if constexpr (std::is_same_v<T, float>) {
-                v.w[k] = pe_f32_bits(static_cast<float>(x[k]));
-            } else if constexpr (std::is_same_v<T, double>) {
-                if (k < 2) {
-                    const uint64_t u = f64_bits(static_cast<double>(x[k]));
-                    v.w[2 * k] = static_cast<uint32_t>(u);
-                    v.w[2 * k + 1] = static_cast<uint32_t>(u >> 32);
-                }
-            } else if constexpr (std::is_same_v<T, Bf16>) {
-                v.w[k] = cvt_bf16x2(x[2 * k], x[2 * k + 1]);
-            } else {
-                v.w[k] = cvt_f16x2(x[2 * k], x[2 * k + 1]);
-            }
-        }
+        for (int k = 0; k < V; k += P)
+            set(v, k, {x[k], x[k + 1]});
         return v;
     }
-    // the CPU's encoding for each NaN of x (pack's is the instruction's)
-    PE_HD static void fix_nan(raw &v, const R (&x)[V]) {
-        if constexpr (kRare) {
+    // Element k of the partner chunk pz (step > 0), or the other element of its pair, k^1
+    // of v (step = 0: adjacent pairs inside the chunk).  One byte permutation per word,
+    // its selector (partner_sel) data rather than a branch: one path for both pairings.
+    PE_HD static uint32_t partner_sel(int step) {
+        if constexpr (sizeof(S) == 2)
+            return step ? 0x7654u : 0x1032u; // pz's word, or v's halves exchanged
+        else
+            return step ? 0x7654u : 0x3210u; // pz's word, or v's word of element k^1
+    }
+    PE_HD static R partner(const raw &v, const raw &pz, int k, uint32_t sel) {
+        raw w;
+        if constexpr (sizeof(S) == 2) {
+            w.w[k >> 1] = byte_perm(v.w[k >> 1], pz.w[k >> 1], sel);
+        } else if constexpr (sizeof(S) == 4) {
+            w.w[k] = byte_perm(v.w[k ^ 1], pz.w[k], sel);
+        } else {
+            w.w[2 * k] = byte_perm(v.w[2 * (k ^ 1)], pz.w[2 * k], sel);
+            w.w[2 * k + 1] = byte_perm(v.w[2 * (k ^ 1) + 1], pz.w[2 * k + 1], sel);
+        }
+        return get(w, k);
+    }
+    // v with its pairs' elements exchanged (swap), then the signs of its even and odd
+    // elements flipped: exact negation (the CPU's too negates a sine by its sign bit).  Once
+    // per item, on the words as loaded.
+    PE_HD static raw sign_pairs(const raw &v, bool neg_even, bool neg_odd, bool swap) {
+        raw o;
+        if constexpr (sizeof(S) == 2) {
+            const uint32_t flip = (neg_even ? 0x8000u : 0u) | (neg_odd ? 0x80000000u : 0u);
 PE_UNROLL
-            for (int k = 0; k < V; ++k) {
-                if (x[k] == x[k]) continue;
-                const uint32_t u = pe_f32_bits(x[k]), sh = 16u * (k & 1);
-                const uint32_t h = std::is_same_v<T, Bf16> ? pe_bf16_of_nan(u) : pe_f16_of_nan(u);
-                v.w[k >> 1] = (v.w[k >> 1] & ~(0xffffu << sh)) | h << sh;
+            for (int k = 0; k < 4; ++k)
+                o.w[k] = byte_perm(v.w[k], 0, swap ? 0x1032u : 0x3210u) ^ flip;
+        } else {
+            constexpr int n = sizeof(S) / 4; // words per element: the sign in its last
+            const uint32_t sign = 0x80000000u;
+PE_UNROLL
+            for (int k = 0; k < 4; ++k) {
+                const int e = k / n; // this word's element; the pair's other's word:
+                const uint32_t w = swap ? v.w[(e ^ 1) * n + k % n] : v.w[k];
+                const bool neg = k % n == n - 1 && (e % 2 ? neg_odd : neg_even);
+                o.w[k] = w ^ (neg ? sign : 0u);
             }
         }
+        return o;
     }
 };
 
 template <typename R, typename T> struct Unit<R, T, 1> { // one element, one dtype
     using S = typename Io<T>::storage;
     using raw = S;
-    static constexpr bool kRare = false;
     PE_HD static raw load(pe_dtype, const char *base, int64_t i) {
         return reinterpret_cast<const S *>(base)[i];
     }
@@ -382,15 +441,30 @@ template <typename R, typename T> struct Unit<R, T, 1> { // one element, one dty
         else
             return Io<T>::template load<R>(v);
     }
+    static constexpr int P = 1;
     PE_HD static raw pack(const R (&x)[1]) {
         return Io<T>::store(x[0]);
     }
-    PE_HD static void fix_nan(raw &, const R (&)[1]) {}
+    PE_HD static void set(raw &v, int, const R (&x)[1]) {
+        v = pack(x);
+    }
+    // one element: adjacent pairs too have a partner element (step 1)
+    PE_HD static uint32_t partner_sel(int) {
+        return 0;
+    }
+    PE_HD static R partner(const raw &, const raw &pz, int, uint32_t) {
+        return get(pz, 0);
+    }
+    PE_HD static raw sign_pairs(const raw &v, bool neg, bool, bool) {
+        if constexpr (std::is_same_v<S, uint16_t>)
+            return neg ? static_cast<uint16_t>(v ^ 0x8000u) : v;
+        else
+            return neg ? -v : v;
+    }
 };
 
 template <typename R> struct Unit<R, void, 1> { // one element, any dtype in and out
     using raw = R;
-    static constexpr bool kRare = false;
     PE_HD static raw load(const pe_dtype dt, const char *base, int64_t i) {
         return load_dyn<R>(base, i, dt);
     }
@@ -403,15 +477,27 @@ template <typename R> struct Unit<R, void, 1> { // one element, any dtype in and
     PE_HD static R get(const raw &v, int) {
         return v;
     }
+    static constexpr int P = 1;
     PE_HD static raw pack(const R (&x)[1]) {
         return x[0];
     }
-    PE_HD static void fix_nan(raw &, const R (&)[1]) {}
+    PE_HD static void set(raw &v, int, const R (&x)[1]) {
+        v = x[0];
+    }
+    PE_HD static uint32_t partner_sel(int) {
+        return 0;
+    }
+    PE_HD static R partner(const raw &, const raw &pz, int, uint32_t) {
+        return pz;
+    }
+    PE_HD static raw sign_pairs(const raw &v, bool neg, bool, bool) {
+        return neg ? -v : v;
+    }
 };
 
 // Heads one thread carries: their loads are all in flight at once (4 heads x 32 bytes of a
-// half-pairing chunk and its partner), and the chunk's cos and signed-sine values stay in
-// registers across them.
+// half-pairing chunk and its partner, with the chunk's 64 bytes of cos and sin), and each
+// piece of the chunk's values is converted once for all of them.
 constexpr int kHeadsPerThread = 4;
 
 // ---- MRoPE axes: which position axis a frequency slot reads -----------------------------
@@ -620,108 +706,127 @@ PE_UNROLL
     return r;
 }
 
-// A chunk's cos and signed sines in registers: ca, sa at its elements e.. e+V-1 and, with a
-// partner chunk (step > 0), cz, sz at e+step..: out = x c + x_partner ss then reads
+// The cos and signed-sine values of elements k.. k+P-1 of a chunk (P = 2: an adjacent
+// pair; 1 in the one-element variants): ca, sa at e+k.. and cz, sz at e+step+k.. (the
+// partner chunk; with step = 0 the chunk itself, computed and not stored).  out = x c +
+// x_partner ss then reads
 //   forward:    ss(e) = -s(e),        ss(e+step) = +s(e+step)
 //   transpose:  ss(e) = +s(e+step),   ss(e+step) = -s(e)
 // (half pairs, and adjacent pairs one at a time), and for adjacent pairs inside a chunk
-// (step = 0; k even is a pair's first)
+// (step = 0; k even is a pair's first, x_partner is x[k^1])
 //   forward:    ss[k] = -s[k], ss[k+1] = +s[k+1]
 //   transpose:  ss[k] = +s[k+1], ss[k+1] = -s[k]
-template <typename R, int V> struct Vals {
-    R ca[V], sa[V], cz[V], sz[V];
+template <typename R, int P> struct Piece {
+    R ca[P], sa[P], cz[P], sz[P];
 };
 
-// V values of a table at element e of the token's row (axis c.ax).
-template <typename U, typename R, int V>
-PE_HD void table_chunk(const SourceP &src, const char *table, int64_t row, int e, const Chunk &c,
-                       R (&out)[V]) {
-    const typename U::raw w =
-        U::load_table(src.table_dt, table, row + c.ax * src.table_s[0] + e);
-PE_UNROLL
-    for (int k = 0; k < V; ++k)
-        out[k] = U::get(w, k);
-}
+// A chunk's cos and sin as loaded (16 bytes each in the vector variants): cos at e and
+// e+step, the sines in the order the signed sines take them (above; with step = 0 the same
+// words twice, from the cache).  Loaded apart from their conversion (TableVals) so that a
+// thread issues them with its heads' q/k loads and waits for none before all are issued.
+template <typename U> struct TableRaw {
+    typename U::raw c[2], s[2];
+};
 
-template <typename U, typename R, int V>
-PE_HD void table_vals(const RopeP &p, const ApplyGrid &g, const Rows &rows, const Chunk &c,
-                      Vals<R, V> &v) {
+template <typename U>
+PE_HD TableRaw<U> load_tables(const RopeP &p, const ApplyGrid &g, const Rows &rows,
+                              const Chunk &c) {
     const SourceP &src = p.src;
+    const int64_t row = rows.table + c.ax * src.table_s[0];
+    const int e = c.e, f = c.e + g.step;
     const bool tr = p.transpose;
-    const int step = g.step;
-    table_chunk<U>(src, src.cos, rows.table, c.e, c, v.ca);
-    if (step) {
-        table_chunk<U>(src, src.cos, rows.table, c.e + step, c, v.cz);
-        table_chunk<U>(src, src.sin, rows.table, tr ? c.e + step : c.e, c, v.sa);
-        table_chunk<U>(src, src.sin, rows.table, tr ? c.e : c.e + step, c, v.sz);
-        const R sign_a = tr ? R(1) : R(-1);
-PE_UNROLL
-        for (int k = 0; k < V; ++k) {
-            v.sa[k] = mul(v.sa[k], sign_a);
-            v.sz[k] = mul(v.sz[k], -sign_a);
-        }
-    } else if constexpr (V > 1) {
-        R s[V];
-        table_chunk<U>(src, src.sin, rows.table, c.e, c, s);
-        const R sign_first = tr ? R(1) : R(-1);
-PE_UNROLL
-        for (int k = 0; k < V; k += 2) {
-            v.sa[k] = mul(tr ? s[k + 1] : s[k], sign_first);
-            v.sa[k + 1] = mul(tr ? s[k] : s[k + 1], -sign_first);
-        }
-    }
+    TableRaw<U> w;
+    w.c[0] = U::load_table(src.table_dt, src.cos, row + e);
+    w.c[1] = U::load_table(src.table_dt, src.cos, row + f);
+    w.s[0] = U::load_table(src.table_dt, src.sin, row + (tr ? f : e));
+    w.s[1] = U::load_table(src.table_dt, src.sin, row + (tr ? e : f));
+    return w;
 }
 
-// The same values from a token's rows in shared memory (already signed: positions_rows).
-template <typename R, int V>
-PE_HD void shared_vals(const R *c_row, const R *ss_row, int step, const Chunk &c,
-                       Vals<R, V> &v) {
-    read_row<R, V>(c_row + c.e, v.ca);
-    read_row<R, V>(ss_row + c.e, v.sa);
-    if (step) {
-        read_row<R, V>(c_row + c.e + step, v.cz);
-        read_row<R, V>(ss_row + c.e + step, v.sz);
+// A chunk's pieces from its loaded tables: the sines signed once, on the words (TableVals's
+// constructor), then each piece converted when it is rotated (the words of the pieces done
+// are free again).
+template <typename U, typename R> struct TableVals {
+    static constexpr int P = U::P;
+    TableRaw<U> w; // the sines signed (and for adjacent pairs ordered) as ss takes them
+
+    PE_HD TableVals(const RopeP &p, const ApplyGrid &g, const TableRaw<U> &loaded) : w(loaded) {
+        const bool tr = p.transpose;
+        // ss at e + k: -s forward, +s transposed; for adjacent pairs inside the chunk the
+        // odd elements the other way and, transposed, each pair's sines exchanged
+        w.s[0] = U::sign_pairs(w.s[0], !tr, g.step ? !tr : tr, !g.step && tr);
+        w.s[1] = U::sign_pairs(w.s[1], tr, tr, false); // ss at e + step + k
     }
-}
+
+    PE_HD Piece<R, P> operator()(int k) const {
+        Piece<R, P> v;
+PE_UNROLL
+        for (int i = 0; i < P; ++i) {
+            v.ca[i] = U::get(w.c[0], k + i);
+            v.cz[i] = U::get(w.c[1], k + i);
+            v.sa[i] = U::get(w.s[0], k + i);
+            v.sz[i] = U::get(w.s[1], k + i);
+        }
+        return v;
+    }
+};
+
+// The same pieces from a token's rows in shared memory (already signed: positions_rows).
+template <typename R, int P> struct SharedVals {
+    const R *c_row, *ss_row;
+    int e, f; // the chunk's first element and its partner's
+
+    PE_HD Piece<R, P> operator()(int k) const {
+        Piece<R, P> v;
+        read_row<R, P>(c_row + e + k, v.ca);
+        read_row<R, P>(ss_row + e + k, v.sa);
+        read_row<R, P>(c_row + f + k, v.cz);
+        read_row<R, P>(ss_row + f + k, v.sz);
+        return v;
+    }
+};
 
 #if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDA_ARCH__)
 #pragma GCC diagnostic push
-// A head's loads and a chunk's values are read under the conditions they were made under,
-// which GCC (the emulation's host build) cannot see; zeroing them first would cost the
-// device an instruction for every register.
+// A head's loads and results are read under the conditions they were made under, which
+// GCC (the emulation's host build) cannot see; zeroing them first would cost the device an
+// instruction for every register.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 // ---- one thread of an apply kernel.  Off: the integer type of element offsets inside a
-// token (int32_t when every one fits).  Per group: the token's row pointers once; then for
-// each of the thread's items, every load of its heads issued, then each head rotated,
-// rounded and stored.
+// token (int32_t when every one fits).  Per group: the token's row pointers once; then per
+// item of the thread, every load of it issued (its heads' q and k, and with tables its
+// chunk's cos and sin), then one piece at a time converted and every head of the item
+// rotated with it, then the heads rounded and stored.  So the q/k words of a piece make way
+// for its results, and a piece's table values live only while it is rotated: the registers
+// hold one item's loads, not its loads and all of its values.
 
 template <typename R, typename T, int V, typename Off, typename S> struct ApplyThread {
     using U = Unit<R, T, V>;
     using raw = typename U::raw;
-    static constexpr int NH = kHeadsPerThread;
+    static constexpr int NH = kHeadsPerThread, P = U::P;
     // the thread's share of every group: its token, its lane of that token's, its first
-    // chunk (j0, c0) and head group
-    int token, lane, j0, r0;
+    // chunk j0 and head group r0 (the chunk itself, chunk_of(j0), is computed again for each
+    // group rather than held in registers)
+    int token, j0, r0; // its lane is r0 chunks + j0
     bool active;
-    Chunk c0;
-    int64_t b, t;     // the token of the current group (b >= B: past the last token)
+    int64_t b, t;     // the token of the current group (b >= B: past the last, or idle)
     raw a[NH]{}, z[NH]{}; // positions: the first item's loads, held across the barrier
 
     PE_HD ApplyThread(const RopeP &p, const ApplyGrid &g, int64_t block, Lane l) {
         token = l.id / g.lanes;
-        lane = l.id - token * g.lanes;
+        const int lane = l.id - token * g.lanes;
         j0 = lane % g.chunks;
         r0 = lane / g.chunks;
         active = token < g.tokens && r0 < g.head_groups;
-        c0 = chunk_of<V>(p, g, j0);
         split_token(g.T, block * g.tokens + token, &b, &t);
+        if (!active) b = p.B; // never busy: one test per group, one register less
     }
 
     PE_HD bool busy(const RopeP &p) const {
-        return active && b < p.B;
+        return b < p.B;
     }
 
     // the next group of this block: `grid` groups on
@@ -731,96 +836,134 @@ template <typename R, typename T, int V, typename Off, typename S> struct ApplyT
         if (t >= g.T) t -= g.T, ++b;
     }
 
-    // head h of the call: q's head h, or k's head h - hq (w = 1); selects, not an index into
-    // the parameters or the rows (which would put them in local memory)
+    // Head h of the call (< heads): q's head h, or k's head h - hq (w = 1); selects, not an
+    // index into the parameters or the rows (which would put them in local memory).  Its
+    // element offset, in or out.
+    PE_HD static const TensorP &tensor_of(const RopeP &p, const ApplyGrid &g, int h) {
+        return p.x[h >= g.hq];
+    }
+    PE_HD static Off offset_of(const ApplyGrid &g, const Chunk &c, int h, int64_t stride) {
+        const Off hh = static_cast<Off>(h >= g.hq ? h - g.hq : h);
+        return hh * static_cast<Off>(stride) + c.e;
+    }
+
+    // kPair: the partner chunk too, xz (rotated items): at e + step, with step = 0 (adjacent
+    // pairs inside the chunk) the chunk again, from the cache.  Unconditional: a load under a
+    // predicate would keep its register's old value, and so that register, alive.
+    template <bool kPair>
+    PE_HD void load_head(const RopeP &p, const ApplyGrid &g, const Rows &rows, const Chunk &c,
+                         int h, raw &xa, raw &xz) const {
+        const TensorP &x = tensor_of(p, g, h);
+        const char *row = h >= g.hq ? rows.in[1] : rows.in[0];
+        const Off off = offset_of(g, c, h, x.in_s[2]);
+        xa = U::load(x.in_dt, row, off);
+        if constexpr (kPair) xz = U::load(x.in_dt, row, off + g.step);
+    }
+
+    PE_HD void store_head(const RopeP &p, const ApplyGrid &g, const Rows &rows, const Chunk &c,
+                          int h, const raw &wa, const raw &wz) const {
+        const TensorP &x = tensor_of(p, g, h);
+        char *row = h >= g.hq ? rows.out[1] : rows.out[0];
+        const Off off = offset_of(g, c, h, x.out_s[2]);
+        U::store(x.out_dt, row, off, wa); // a pass-through chunk: as loaded, the bits themselves
+        if (g.step && !c.pass) U::store(x.out_dt, row, off + g.step, wz);
+    }
+
+    // the item (chunk c, head group r): heads r, r + Hs, ... below `heads`; in place of the
+    // heads past them the last head again (rotated, never stored): no branch, and the loops
+    // over a piece's heads need no exit
+    template <bool kPair>
     PE_HD void load_heads(const RopeP &p, const ApplyGrid &g, const Rows &rows, const Chunk &c,
                           int r, raw (&xa)[NH], raw (&xz)[NH]) const {
 PE_UNROLL
         for (int s = 0; s < NH; ++s) {
             const int h = r + s * g.head_groups;
-            if (h >= g.heads) break;
-            const bool w = h >= g.hq;
-            const TensorP &x = p.x[w];
-            const Off hh = static_cast<Off>(w ? h - g.hq : h);
-            const char *row = w ? rows.in[1] : rows.in[0];
-            const Off off = hh * static_cast<Off>(x.in_s[2]) + c.e;
-            xa[s] = U::load(x.in_dt, row, off);
-            if (g.step && !c.pass) xz[s] = U::load(x.in_dt, row, off + g.step);
+            load_head<kPair>(p, g, rows, c, h < g.heads ? h : g.heads - 1, xa[s], xz[s]);
         }
     }
 
-    // vals(v) gives the chunk's values: a copy of those in registers (tables), or read from
-    // shared memory again for each head (positions: fewer registers held across the heads)
-    template <typename Vals_of>
-    PE_HD void store_heads(const RopeP &p, const ApplyGrid &g, const Rows &rows, const Chunk &c,
-                           int r, const raw (&xa)[NH], const raw (&xz)[NH],
-                           Vals_of &&vals) const {
+    PE_HD void load_item(const RopeP &p, const ApplyGrid &g, const Rows &rows, const Chunk &c,
+                         int r, raw (&xa)[NH], raw (&xz)[NH]) const {
+        if (c.pass)
+            load_heads<false>(p, g, rows, c, r, xa, xz);
+        else
+            load_heads<true>(p, g, rows, c, r, xa, xz);
+    }
+
+    // A pass-through item: its heads stored as loaded (the bits themselves when T is one
+    // dtype).
+    PE_HD void copy_item(const RopeP &p, const ApplyGrid &g, const Rows &rows, const Chunk &c,
+                         int r, const raw (&xa)[NH]) const {
 PE_UNROLL
         for (int s = 0; s < NH; ++s) {
             const int h = r + s * g.head_groups;
             if (h >= g.heads) break;
-            const bool w = h >= g.hq;
-            const TensorP &x = p.x[w];
-            const pe_dtype dt = x.out_dt;
-            const Off hh = static_cast<Off>(w ? h - g.hq : h);
-            char *row = w ? rows.out[1] : rows.out[0];
-            const Off off = hh * static_cast<Off>(x.out_s[2]) + c.e;
-            if (c.pass) { // as loaded: the bits themselves when T is one dtype
-                U::store(dt, row, off, xa[s]);
-                continue;
-            }
-            Vals<R, V> v;
-            vals(v);
-            R oa[V], oz[V];
-            if (g.step) {
-PE_UNROLL
-                for (int k = 0; k < V; ++k) {
-                    const R x0 = U::get(xa[s], k), x1 = U::get(xz[s], k);
-                    oa[k] = rot(x0, v.ca[k], x1, v.sa[k]);
-                    oz[k] = rot(x1, v.cz[k], x0, v.sz[k]);
-                }
-                raw wa = U::pack(oa), wz = U::pack(oz);
-                if constexpr (U::kRare) {
-                    if (warp_any(any_nan(oa) || any_nan(oz))) U::fix_nan(wa, oa), U::fix_nan(wz, oz);
-                }
-                U::store(dt, row, off, wa);
-                U::store(dt, row, off + g.step, wz);
-            } else if constexpr (V > 1) {
-PE_UNROLL
-                for (int k = 0; k < V; ++k)
-                    oa[k] = rot(U::get(xa[s], k), v.ca[k], U::get(xa[s], k ^ 1), v.sa[k]);
-                raw wa = U::pack(oa);
-                if constexpr (U::kRare) {
-                    if (warp_any(any_nan(oa))) U::fix_nan(wa, oa);
-                }
-                U::store(dt, row, off, wa);
-            }
+            store_head(p, g, rows, c, h, xa[s], xa[s]);
         }
     }
 
-    // Tables: the whole group, this thread's items.  (The loops test at the top, or do the
-    // next iteration's set-up after their exit test: nothing of an iteration that does not
-    // run is done.)
+    // A rotated item: its heads rotated from their loads (xa, and xz: the partner chunks)
+    // with the chunk's values vals(k), rounded and stored.
+    template <typename Vals>
+    PE_HD void rotate_item(const RopeP &p, const ApplyGrid &g, const Rows &rows, const Chunk &c,
+                           int r, const raw (&xa)[NH], const raw (&xz)[NH],
+                           const Vals &vals) const {
+        raw wa[NH], wz[NH];
+        const uint32_t sel = U::partner_sel(g.step);
+PE_UNROLL
+        for (int k = 0; k < V; k += P) {
+            if (k) warp_fence(); // one piece at a time
+            const Piece<R, P> v = vals(k);
+PE_UNROLL
+            for (int s = 0; s < NH; ++s) {
+                R oa[P], oz[P];
+PE_UNROLL
+                for (int i = 0; i < P; ++i) {
+                    const R x0 = U::get(xa[s], k + i);
+                    const R x1 = U::partner(xa[s], xz[s], k + i, sel);
+                    oa[i] = rot(x0, v.ca[i], x1, v.sa[i]);
+                    oz[i] = rot(x1, v.cz[i], x0, v.sz[i]);
+                }
+                U::set(wa[s], k, oa); // with step = 0 oz is computed, not stored
+                U::set(wz[s], k, oz);
+            }
+        }
+PE_UNROLL
+        for (int s = 0; s < NH; ++s) {
+            const int h = r + s * g.head_groups;
+            if (h >= g.heads) break;
+            store_head(p, g, rows, c, h, wa[s], wz[s]);
+        }
+    }
+
+    // Tables: the whole group, this thread's items (chunk j, head group r), each with its
+    // own loads of the tables (a thread with several items reads its chunk's again, from
+    // the cache, rather than hold them in registers across its items).
     PE_HD void tables_group(const RopeP &p, const ApplyGrid &g) const {
         if (!busy(p)) return;
         const Rows rows = rows_of<T>(p, b, t);
-        Chunk c = c0;
-        for (int j = j0;;) {
-            Vals<R, V> v;
-            if (!c.pass) table_vals<U>(p, g, rows, c, v);
-            for (int r = r0; r < g.head_groups; r += g.rstep) {
-                raw xa[NH], xz[NH];
-                load_heads(p, g, rows, c, r, xa, xz);
-                store_heads(p, g, rows, c, r, xa, xz, [&](Vals<R, V> &out) { out = v; });
+        Chunk c = chunk_of<V>(p, g, j0);
+        for (int j = j0, r = r0;;) {
+            raw xa[NH], xz[NH];
+            if (c.pass) {
+                load_heads<false>(p, g, rows, c, r, xa, xz);
+                copy_item(p, g, rows, c, r, xa);
+            } else {
+                const TableRaw<U> w = load_tables<U>(p, g, rows, c);
+                load_heads<true>(p, g, rows, c, r, xa, xz);
+                warp_fence(); // every load issued before the first use
+                rotate_item(p, g, rows, c, r, xa, xz, TableVals<U, R>(p, g, w));
             }
+            if ((r += g.rstep) < g.head_groups) continue;
             if ((j += g.jstep) >= g.chunks) break;
+            r = r0;
             c = chunk_of<V>(p, g, j);
         }
     }
 
     // Positions, phase 1 (before the barrier): the first item's loads.
     PE_HD void positions_load(const RopeP &p, const ApplyGrid &g) {
-        if (busy(p)) load_heads(p, g, rows_of<T>(p, b, t), c0, r0, a, z);
+        if (busy(p)) load_item(p, g, rows_of<T>(p, b, t), chunk_of<V>(p, g, j0), r0, a, z);
     }
 
     // Positions, phase 2: the thread's share of its token's rows in shared memory, at smem +
@@ -831,7 +974,7 @@ PE_UNROLL
         if (!busy(p)) return;
         R *c = smem + 2 * static_cast<int64_t>(token) * g.row_stride, *ss = c + g.row_stride;
         const int nslot = static_cast<int>(p.R / 2);
-        for (int i = lane; i < nslot; i += g.lanes) {
+        for (int i = r0 * g.chunks + j0; i < nslot; i += g.lanes) {
             float cv, sv;
             slot_sincos(p.src, b, t, i, &cv, &sv);
             const int e0 = p.pairing == PE_PAIR_HALF ? i : 2 * i;
@@ -842,24 +985,26 @@ PE_UNROLL
         }
     }
 
-    // Positions, phase 3 (after the barrier): the rows' values, every item rotated.
+    // Positions, phase 3 (after the barrier): the rows' values, every item rotated (the
+    // first with the loads of phase 1).
     PE_HD void positions_finish(const RopeP &p, const ApplyGrid &g, const R *smem) {
         if (!busy(p)) return;
         const Rows rows = rows_of<T>(p, b, t);
         const R *c_row = smem + 2 * static_cast<int64_t>(token) * g.row_stride;
-        Chunk c = c0; // its first item's loads are in hand
-        for (int j = j0;;) {
-            const auto vals = [&](Vals<R, V> &v) {
-                shared_vals<R, V>(c_row, c_row + g.row_stride, g.step, c, v);
-            };
-            for (int r = r0;;) {
-                store_heads(p, g, rows, c, r, a, z, vals);
-                if ((r += g.rstep) >= g.head_groups) break;
-                load_heads(p, g, rows, c, r, a, z);
+        Chunk c = chunk_of<V>(p, g, j0);
+        for (int j = j0, r = r0;;) {
+            const SharedVals<R, P> vals{c_row, c_row + g.row_stride, c.e, c.e + g.step};
+            if (c.pass)
+                copy_item(p, g, rows, c, r, a);
+            else
+                rotate_item(p, g, rows, c, r, a, z, vals);
+            if ((r += g.rstep) >= g.head_groups) {
+                if ((j += g.jstep) >= g.chunks) break;
+                r = r0;
+                c = chunk_of<V>(p, g, j);
             }
-            if ((j += g.jstep) >= g.chunks) break;
-            c = chunk_of<V>(p, g, j);
-            load_heads(p, g, rows, c, r0, a, z);
+            load_item(p, g, rows, c, r, a, z);
+            warp_fence(); // every load issued before the first use
         }
     }
 };

@@ -1,7 +1,7 @@
 // rope_math.h on the GPU against the same functions on the host: every entry of the math
 // sweep (math_sweep.h) must give the same digest.  And the kernels' conversions on the GPU,
-// the hardware instructions (cvt.rn.bf16x2.f32, cvt.rn.f16x2.f32, cvt.f32.f16) with their NaN
-// path, against the CPU's functions (rope_math.h, integer code, run on the GPU too) over all
+// the hardware instructions (cvt.rn.bf16x2.f32, cvt.rn.f16x2.f32, cvt.f32.f16), alone and with
+// the one-value NaN path, against the CPU's functions (rope_math.h, integer code, run on the GPU too) over all
 // 2^32 fp32 bit patterns and all 2^16 fp16 patterns: what the host emulation can only show
 // for the instructions' model.  Needs a CUDA device; exit status 0 when everything agrees, 1
 // on a mismatch, 2 when CUDA fails.  Build with --fmad=false, as the kernels are.
@@ -22,21 +22,23 @@ __global__ void sweep_kernel(uint64_t *out, uint32_t n) {
         out[i] = pe_math_sweep(i);
 }
 
-// Patterns 8 i .. 8 i + 7 through a vector of the kernels (pack, then the NaN path), and each
-// through the one-value rounding, against the CPU's function.
+// Patterns 8 i .. 8 i + 7 through a vector of the kernels (pack) and each through the
+// one-value rounding, against the CPU's function: the same bits, and for a NaN the vector a
+// NaN (the instruction's), the one value the CPU's encoding.
 template <typename T> __device__ unsigned conversion_errors(uint64_t base) {
     using U = Unit<float, T, 8>;
     float x[8];
     for (int k = 0; k < 8; ++k)
         x[k] = pe_bits_f32(static_cast<uint32_t>(base + k));
-    typename U::raw w = U::pack(x);
-    if (pe_cuda::warp_any(pe_cuda::any_nan(x))) U::fix_nan(w, x);
+    const typename U::raw w = U::pack(x);
     unsigned bad = 0;
     for (int k = 0; k < 8; ++k) {
         const bool bf = std::is_same_v<T, Bf16>;
         const uint16_t cpu = bf ? pe_f32_to_bf16(x[k]) : pe_f32_to_f16(x[k]);
         const uint16_t one = bf ? pe_cuda::round_bf16(x[k]) : pe_cuda::round_f16(x[k]);
-        bad += static_cast<uint16_t>(w.w[k >> 1] >> (16 * (k & 1))) != cpu;
+        const uint16_t vec = static_cast<uint16_t>(w.w[k >> 1] >> (16 * (k & 1)));
+        const bool nan = (vec & 0x7fffu) > (bf ? 0x7f80u : 0x7c00u);
+        bad += x[k] == x[k] ? vec != cpu : !nan;
         bad += one != cpu;
     }
     return bad;
