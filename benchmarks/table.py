@@ -30,6 +30,7 @@ OP_NAMES = {
     "rope_call": "one decode call",
     "mrope_position_ids": "`compute_mrope_position_ids` vs `get_rope_index`",
     "packed_position_ids": "`compute_packed_mrope_position_ids` vs a `get_rope_index` loop",
+    "vision_all": "vision tower positions (`posenc_torch.vision`, all four walks)",
 }
 
 
