@@ -121,16 +121,7 @@ class Kernel:
         m = re.search(r"<(.*)>\s*\(", self.name)
         if not m:
             return []
-        out, depth, cur = [], 0, ""
-        for ch in m.group(1):
-            if ch == "," and depth == 0:
-                out.append(cur.strip())
-                cur = ""
-                continue
-            depth += ch == "<"
-            depth -= ch == ">"
-            cur += ch
-        return [*out, cur.strip()]
+        return _split_top_level(m.group(1), "<", ">")
 
     @property
     def is_apply(self) -> bool:
@@ -442,17 +433,24 @@ NO_DEST = {"ST", "STG", "STS", "STL", "RED", "BRA", "BRX", "JMX", "JMP", "RET", 
 REG = re.compile(r"(?<![A-Za-z0-9_])R(\d+)(\.64)?")
 
 
-def _operands(args: str) -> list[str]:
+def _split_top_level(text: str, opening: str, closing: str) -> list[str]:
+    """``text`` split at the commas outside ``opening``...``closing`` brackets, each piece
+    stripped (the last one too, even when empty)."""
     out, depth, cur = [], 0, ""
-    for ch in args:
+    for ch in text:
         if ch == "," and depth == 0:
             out.append(cur.strip())
             cur = ""
             continue
-        depth += ch == "["
-        depth -= ch == "]"
+        depth += ch == opening
+        depth -= ch == closing
         cur += ch
-    return [*out, cur.strip()] if cur.strip() else out
+    return [*out, cur.strip()]
+
+
+def _operands(args: str) -> list[str]:
+    out = _split_top_level(args, "[", "]")
+    return out if out[-1] else out[:-1]
 
 
 def _regs(operand: str, pairs: bool) -> set[int]:

@@ -54,6 +54,19 @@ def test_first_without_a_cuda_torch_stops_at_preflight_with_the_summary_first(tm
     assert run.stdout.rstrip().endswith(summary[-1])
 
 
+def pytest_with_progress_log(where, *args: str) -> tuple:
+    """pytest run in ``where`` with tests/progress_log.py as a plugin writing
+    ``where/tests.txt``: (that path, the finished process)."""
+    log = where / "tests.txt"
+    env = dict(os.environ, POSENC_PROGRESS_LOG=str(log),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests"),
+                                                        os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                          "-p", "progress_log", *args], cwd=where, env=env,
+                         capture_output=True, text=True, timeout=120)
+    return log, run
+
+
 def test_the_progress_log_keeps_every_finished_test_when_the_run_is_killed(tmp_path):
     (tmp_path / "test_sample.py").write_text(textwrap.dedent(f"""
         import os, signal, pytest
@@ -80,13 +93,7 @@ def test_the_progress_log_keeps_every_finished_test_when_the_run_is_killed(tmp_p
         def test_never_reached():
             pass
     """))
-    log = tmp_path / "tests.txt"
-    env = dict(os.environ, POSENC_PROGRESS_LOG=str(log),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests"),
-                                                        os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
-                          "-p", "progress_log", "test_sample.py"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    log, run = pytest_with_progress_log(tmp_path, "-v", "test_sample.py")
     assert run.returncode == -signal.SIGKILL, run.stdout + run.stderr
     assert "test_sample.py::test_killed" in run.stdout  # -v: the name as it starts
     lines = log.read_text().splitlines()
@@ -107,13 +114,7 @@ def test_the_progress_log_keeps_every_finished_test_when_the_run_is_killed(tmp_p
 def test_the_progress_log_ends_with_the_counts(tmp_path):
     (tmp_path / "test_two.py").write_text("def test_a():\n    pass\n\n"
                                           "def test_b():\n    pass\n")
-    log = tmp_path / "tests.txt"
-    env = dict(os.environ, POSENC_PROGRESS_LOG=str(log),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests"),
-                                                        os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "-p", "progress_log", "test_two.py"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    log, run = pytest_with_progress_log(tmp_path, "-q", "test_two.py")
     assert run.returncode == 0, run.stdout + run.stderr
     lines = log.read_text().splitlines()
     assert len(lines) == 4 and re.match(r"# 2 passed in \d+\.\d s \(exit status 0\)$", lines[-1])
