@@ -38,6 +38,55 @@ class Decline(Exception):
         self.counted = counted
 
 
+class CallArguments:
+    """How a function binds the arguments of a call, read once from its signature.
+
+    :meth:`bind` gives what ``inspect.Signature.bind(*args, **kwargs).arguments`` gives
+    (defaults not applied; ``*args`` / ``**kwargs`` parameters only when they receive
+    something) with plain tuple and dict operations, which ``torch.compile`` traces in any
+    frame (``inspect``'s mapping proxies stop a graph where the frame mutated a dict).
+    """
+
+    def __init__(self, func: Callable) -> None:
+        kind = inspect.Parameter
+        params = list(inspect.signature(func).parameters.values())
+        self.positional = tuple(p.name for p in params
+                                if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD))
+        self.keyword = frozenset(p.name for p in params
+                                 if p.kind in (kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY))
+        self.required = tuple(p.name for p in params if p.default is kind.empty
+                              and p.kind not in (kind.VAR_POSITIONAL, kind.VAR_KEYWORD))
+        self.var_positional = next((p.name for p in params
+                                    if p.kind is kind.VAR_POSITIONAL), None)
+        self.var_keyword = next((p.name for p in params if p.kind is kind.VAR_KEYWORD), None)
+
+    def bind(self, args: tuple, kwargs: dict) -> dict | None:
+        """{parameter name: value} of the call ``func(*args, **kwargs)``, or None where
+        Python would raise TypeError (too many or too few arguments, an unknown or
+        repeated keyword)."""
+        count = len(self.positional)
+        if len(args) > count and self.var_positional is None:
+            return None
+        bound = dict(zip(self.positional, args, strict=False))  # (args may be fewer)
+        if len(args) > count:
+            bound[self.var_positional] = tuple(args[count:])
+        extra = {}
+        for name, value in kwargs.items():
+            if name in self.keyword:
+                if name in bound:
+                    return None
+                bound[name] = value
+            elif self.var_keyword is not None:  # (a positional-only name too)
+                extra[name] = value
+            else:
+                return None
+        if any(name not in bound for name in self.required):
+            return None
+        if extra:
+            bound[self.var_keyword] = extra
+        return bound
+
+
 _WARNED: set[str] = set()
 
 

@@ -25,7 +25,6 @@ a ``tokens_per_second`` that 5.17 cannot use (not a Python int).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -34,7 +33,7 @@ from .. import _installed
 from .. import positions as _positions
 from .._tables import CONVENTIONS, MROPE_MODELS
 from . import _digests, _transformers
-from ._handle import Decline, warn_once
+from ._handle import CallArguments, Decline, warn_once
 
 #: The model types whose get_rope_index is replaced.
 MODEL_TYPES = tuple(MROPE_MODELS)
@@ -120,13 +119,12 @@ def _walk(self, arguments: dict, model: str, convention: str):
 
 
 def _computation(original: Callable, model: str, convention: str) -> Callable:
-    signature = inspect.signature(original)
+    binding = CallArguments(original)
 
     def compute(self, *args, **kwargs):
-        try:
-            arguments = signature.bind(self, *args, **kwargs).arguments
-        except TypeError:
-            raise Decline from None  # transformers raises its own error
+        arguments = binding.bind((self, *args), kwargs)
+        if arguments is None:
+            raise Decline  # transformers raises its own error
         return _walk(self, arguments, model, convention)
 
     return compute

@@ -26,7 +26,7 @@ from .. import rope as _rope
 from .._checks import KERNEL_DEVICES
 from .._tables import MODELS
 from . import _references, _transformers
-from ._handle import Decline, PatchHandle
+from ._handle import CallArguments, Decline, PatchHandle
 from ._references import DTYPES, SECTIONS_FORM, TEXT_FORMS, VISION_FORM, Form
 
 TEXT = "apply_rotary_pos_emb"
@@ -105,13 +105,6 @@ def _run(form: Form, args: tuple):
     return rotate_as(form, *args)
 
 
-def _is_default(param: inspect.Parameter, value: object) -> bool:
-    if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-        return not value
-    default = param.default
-    return value is default or (type(value) is type(default) and value == default)
-
-
 def _unread(func: Callable) -> frozenset[str]:
     """The parameters ``func``'s code never reads (4.x's ``position_ids``): any value of
     theirs gives the same result, so a call may pass one."""
@@ -124,25 +117,42 @@ def _unread(func: Callable) -> frozenset[str]:
     return frozenset(set(inspect.signature(func).parameters) - read - set(code.co_cellvars))
 
 
+def _defaults(func: Callable, arity: int) -> tuple[tuple[str, bool, object], ...]:
+    """(name, variadic, default) of each parameter after the first ``arity`` that
+    ``func``'s code reads: a call must leave these at their default (``*args`` /
+    ``**kwargs``: empty)."""
+    unread = _unread(func)
+    return tuple((p.name, p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD), p.default)
+                 for p in list(inspect.signature(func).parameters.values())[arity:]
+                 if p.name not in unread)
+
+
+def _is_default(value: object, variadic: bool, default: object) -> bool:
+    if variadic:
+        return not value
+    return value is default or (type(value) is type(default) and value == default)
+
+
 def _computation(form: Form, original: Callable, fallback: bool) -> Callable:
     """``compute`` for ``PatchHandle.replace``: calls that give the original's leading
     parameters (q, k, cos, sin [, mrope_section]) and leave every other that its code reads
-    at its default, i.e. calls of the form the decision captured."""
+    at its default, i.e. calls of the form the decision captured.  Everything it does per
+    call is a plain tuple, dict or tensor-metadata operation, so ``torch.compile`` traces
+    it in any frame."""
     arity = 5 if form.layout == "sections" else 4
-    signature = inspect.signature(original)
-    params = list(signature.parameters.values())
-    unread = _unread(original)
+    binding = CallArguments(original)
+    leading = binding.positional[:arity]
+    defaults = _defaults(original, arity)
 
     def compute(*args, **kwargs):
-        try:
-            given = signature.bind(*args, **kwargs).arguments
-        except TypeError:
-            raise Decline from None  # transformers raises its own error
-        if any(p.name not in given for p in params[:arity]) or not all(
-                p.name in unread or _is_default(p, given[p.name])
-                for p in params[arity:] if p.name in given):
+        given = binding.bind(args, kwargs)
+        if given is None:
+            raise Decline  # transformers raises its own error
+        if any(name not in given for name in leading) or not all(
+                _is_default(given[name], variadic, default)
+                for name, variadic, default in defaults if name in given):
             raise Decline
-        args = tuple(given[p.name] for p in params[:arity])
+        args = tuple(given[name] for name in leading)
         if form.layout == "sections":
             sections = args[4]
             if not (isinstance(sections, (list, tuple)) and len(sections) == 3

@@ -49,7 +49,7 @@ from .. import _installed
 from .. import vision as _vision
 from .._checks import InputError
 from . import _digests, _transformers
-from ._handle import Decline, warn_once
+from ._handle import CallArguments, Decline, warn_once
 from ._rotary import global_loads
 
 # transformers' function -> (posenc's function, the kwargs entries it pops, its outputs)
@@ -349,14 +349,13 @@ _installed.provide("vision_kwargs", precompute_vision_kwargs)
 
 
 def _computation(name: str, original: Callable) -> Callable:
-    signature = inspect.signature(original)
+    binding = CallArguments(original)
     keys, ours = _FUNCTIONS[name][1], _FUNCTIONS[name][0]
 
     def compute(*args, **kw):
-        try:
-            arguments = signature.bind(*args, **kw).arguments
-        except TypeError:
-            raise Decline from None
+        arguments = binding.bind(args, kw)
+        if arguments is None:
+            raise Decline
         given = arguments.pop("kwargs", None)
         if given is not None and any(given.get(k) is not None for k in keys):
             raise Decline(counted=False)  # an entry posenc precomputed: the original pops it

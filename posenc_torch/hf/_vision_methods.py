@@ -35,7 +35,6 @@ wrote), or tower values (merge size, window, patch size, table side) that are no
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -43,7 +42,7 @@ import torch
 
 from .. import vision as _vision
 from . import _digests, _transformers
-from ._handle import Decline, warn_once
+from ._handle import CallArguments, Decline, warn_once
 
 # ---------------------------------------------------------------------------------------
 # The replacements (``self`` is the vision tower).
@@ -173,13 +172,12 @@ def _ints(tower: object, chains: tuple[str, ...]) -> bool:
 
 
 def _computation(replacement: Replacement, original: Callable) -> Callable:
-    signature = inspect.signature(original)
+    binding = CallArguments(original)
 
     def compute(*args, **kw):
-        try:
-            arguments = signature.bind(*args, **kw).arguments
-        except TypeError:
-            raise Decline from None
+        arguments = binding.bind(args, kw)
+        if arguments is None:
+            raise Decline
         tower, grid = arguments.get("self"), arguments.get("grid_thw")
         if (torch.compiler.is_compiling() or not isinstance(grid, torch.Tensor)
                 or grid.dim() != 2 or grid.shape[0] == 0 or grid.is_floating_point()
