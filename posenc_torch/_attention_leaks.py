@@ -32,7 +32,7 @@ BOUNDARY_LEAK = (
     "cu_seq_lens, so examples attend to each other or are cut; pass the boundaries "
     "posenc_torch.packing computes (return_flash_attn_kwargs=True)")
 TEXT_ROW_LEAK = (
-    "packed position ids without the text-position row ((batch, seq) or (3, batch, seq)) "
+    "packed position ids without the text-position row ((batch, seq), (1 or 3, batch, seq)) "
     "reach a Qwen-VL model: transformers finds packed sequences only in the text row of the "
     "(4, batch, seq) layout, so the examples of a row attend to each other; pass the 4-row "
     "position ids of posenc_torch.compute_packed_mrope_position_ids")
@@ -64,8 +64,10 @@ def packed_attention_leaks(
 
     The arguments are those a Qwen-VL model's ``forward`` receives (transformers 4.57 and
     5.x):
-        position_ids:        (4, B, L) with the text positions in row 0, (3, B, L) or
-                             (B, L); None: not packed
+        position_ids:        (4, B, L) with the text positions in row 0; (3, B, L),
+                             (1, B, L) (one row for every axis, as ``generate`` passes
+                             when it continues from a cache) or (B, L), without a text
+                             row; None: not packed
         attention_mask:      as passed to the model; a 2-D (B, L) mask counts, any other
                              (a 4-D mask) is the caller's own: never a reason
         use_cache:           whether the call builds or reads a KV cache: ``use_cache``
@@ -107,12 +109,12 @@ def packed_attention_leaks(
             raise InputTypeError(f"{name} must be an integer tensor, got {t.dtype}")
     if position_ids is None:
         return []
-    check_tensor("position_ids", position_ids, (2, 3), "(3 or 4, batch, seq) or (batch, seq)")
+    check_tensor("position_ids", position_ids, (2, 3), "(1, 3 or 4, batch, seq) or (batch, seq)")
     if not _is_integer(position_ids):
         raise InputTypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
-    if position_ids.dim() == 3 and position_ids.shape[0] not in (3, 4):
-        raise InputValueError(f"position_ids must be (3 or 4, batch, seq) or (batch, seq), got "
-                              f"shape {tuple(position_ids.shape)}")
+    if position_ids.dim() == 3 and position_ids.shape[0] not in (1, 3, 4):
+        raise InputValueError(f"position_ids must be (1, 3 or 4, batch, seq) or (batch, seq), "
+                              f"got shape {tuple(position_ids.shape)}")
     if attention_mask is not None and attention_mask.dim() != 2:
         return []  # the caller's own mask
     rows = position_ids if position_ids.dim() == 3 else position_ids.unsqueeze(0)

@@ -563,7 +563,7 @@ CASES = [
      "position_ids must be"),
     ("leaks/position-no-rows", lambda: _leaks(position_ids=torch.zeros(0, 2, 5, dtype=torch.long),
                                               use_cache=True), ValueError,
-     r"position_ids must be \(3 or 4, batch, seq\) or \(batch, seq\), got shape \(0, 2, 5\)"),
+     r"position_ids must be \(1, 3 or 4, batch, seq\) or \(batch, seq\), got shape \(0, 2, 5\)"),
     ("leaks/mask-meta", lambda: _leaks(attention_mask=torch.ones(2, 5, device="meta")),
      ValueError, "attention_mask is on meta but position_ids is on cpu"),
     ("leaks/mask-meta-flash", lambda: _leaks(attention_mask=torch.ones(2, 5, device="meta"),

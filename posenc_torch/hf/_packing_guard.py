@@ -10,7 +10,9 @@ patches.  The wrapper resolves what the language model will do as transformers d
 ``use_cache=None`` is the text config's ``use_cache``, turned off under gradient
 checkpointing in training, and ``past_key_values`` given means a cache.  It reads the
 position ids (one device sync) when the call gives them.  Calls traced by ``torch.compile``
-are not checked (the check would read data and break the graph).  The wrapper computes
+are not checked (the check would read data and break the graph).  The wrapper only warns:
+arguments it cannot read (a shape of position ids it does not know, say) leave it silent,
+and the call goes on to transformers as it came.  The wrapper computes
 nothing itself, so it is not one of the handle's ``targets`` (``undo()`` removes it too).
 """
 
@@ -23,6 +25,7 @@ import torch
 
 from ..packing import warn_packed_attention_leaks
 from . import _transformers
+from ._handle import CallArguments
 from ._rope_index import MODEL_TYPES
 
 _NAME = "forward"
@@ -52,22 +55,22 @@ def _check(self, arguments: dict) -> None:
 
 
 def _make(original: Callable) -> Callable:
-    signature = inspect.signature(original)
-    var_kw = next((p.name for p in signature.parameters.values()
-                   if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    binding = CallArguments(original)
 
     def forward(self, *args, **kwargs):
         if not torch.compiler.is_compiling():
-            try:
-                arguments = signature.bind(self, *args, **kwargs).arguments
-            except TypeError:
-                arguments = None  # transformers raises its own error
-            if arguments is not None:
-                extra = arguments.get(var_kw, {}) if var_kw else {}
-                _check(self, {**extra, **arguments})
+            arguments = binding.bind((self, *args), kwargs)
+            if arguments is not None:  # (else transformers raises its own error)
+                extra = arguments.get(binding.var_keyword, {}) if binding.var_keyword else {}
+                try:
+                    _check(self, {**extra, **arguments})
+                except Warning:
+                    raise  # the caller turned warnings into errors
+                except Exception:  # noqa: BLE001  a guard warns; it never stops a call
+                    pass
         return original(self, *args, **kwargs)
 
-    forward.__signature__ = signature
+    forward.__signature__ = inspect.signature(original)
     return forward
 
 
