@@ -70,11 +70,12 @@ pytest-hf4: build
 	cd tests && PYTHONPATH=$(abspath $(HF4)) POSENC_EXPECT_TRANSFORMERS=4 $(PYTEST) -m "transformers4 or any_transformers" .
 
 # Position ids (packed rows and batches too), the get_rope_index patch, which functions are
-# patched (test_hf_decisions; the verified digests: test_hf_digests) and the vision towers'
-# helpers (test_vision) against the other transformers 5.x releases (the version of each
-# requirements file exactly); the newest also runs the tiny model of every supported type.
+# patched (test_hf_decisions; the verified digests: test_hf_digests), the vision towers'
+# helpers (test_vision) and generation patched against plain (test_hf_generate) against the
+# other transformers 5.x releases (the version of each requirements file exactly); the
+# newest also runs the tiny model of every supported type.
 HF5_TESTS := test_positions.py test_hf_positions.py test_packed_positions.py test_packing.py \
-	test_hf_decisions.py test_hf_digests.py test_vision.py test_vision_hf.py
+	test_hf_decisions.py test_hf_digests.py test_vision.py test_vision_hf.py test_hf_generate.py
 HF5_LATEST_TESTS := $(HF5_TESTS) test_hf_models.py
 pytest-hf5_18: build
 	cd tests && PYTHONPATH=$(abspath $(HF5_18)) \
@@ -90,8 +91,8 @@ pytest-hf5_latest: build
 # 5.x overlay with the kernels release it accepts beside it, which turns its rotary
 # functions into hub-kernel layers and from_pretrained's kernelize on; on the CPU, with a
 # local kernel mapping (POSENC_EXPECT_KERNELS: the tests fail rather than skip without it),
-# and the patch tests of the original types (logits, gradients, generate, torch.compile)
-# with those layers in place.
+# the patch tests of the original types (logits, gradients, generate, torch.compile) and
+# generation patched against plain (test_hf_generate) with those layers in place.
 $(HUB_KERNELS)/.installed: requirements-hub-kernels.txt | $(STAMP)
 	$(VPY) -m pip install -q --no-deps --upgrade --target $(HUB_KERNELS) -r requirements-hub-kernels.txt
 	touch $@
@@ -99,7 +100,7 @@ $(HUB_KERNELS)/.installed: requirements-hub-kernels.txt | $(STAMP)
 pytest-hub-kernels: build $(HUB_KERNELS)/.installed
 	cd tests && PYTHONPATH=$(abspath $(HF5_LATEST)):$(abspath $(HUB_KERNELS)) POSENC_EXPECT_KERNELS=1 \
 		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_latest.txt) \
-		$(PYTEST) test_hf_kernels.py test_hf_patch.py
+		$(PYTEST) test_hf_kernels.py test_hf_patch.py test_hf_generate.py
 
 $(COMPAT_STAMP): requirements-compat.txt
 	$(PYTHON) -m venv $(COMPAT)
@@ -124,10 +125,10 @@ compat: wheel $(COMPAT_STAMP)
 # The newest torch on the package registry (requirements-compat-newest.txt), past the torch
 # cap of a pip constraints file on the machine (these machines carry one): the cap is lifted
 # for this one install alone (PIP_CONSTRAINT=/dev/null; pip 23 reads an empty value as
-# unset).  The same wheel, the op tests, the OpenMP-runtime test, and the tests in which
+# unset).  The same wheel, the op tests, the OpenMP-runtime test, the tests in which
 # posenc_torch.hf hands a call posenc refuses to transformers (get_rope_index, the rotary
-# functions, the vision routes).
-COMPAT_NEWEST_HF_TESTS := test_hf_positions.py \
+# functions, the vision routes), and generation patched against plain (test_hf_generate).
+COMPAT_NEWEST_HF_TESTS := test_hf_positions.py test_hf_generate.py \
 	test_hf_patch.py::test_unsupported_inputs_go_to_transformers \
 	test_vision_hf.py::test_a_route_whose_function_changed_falls_back
 $(COMPAT_NEWEST_STAMP): requirements-compat-newest.txt
