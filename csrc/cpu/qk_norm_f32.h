@@ -1,0 +1,223 @@
+/*
+ * The fp32 core of the fused per-head RMSNorm + RoPE (posenc.h, pe_qk_norm_rope): rows of
+ * tokens i0 .. i0+n-1, forward or backward, for fp32 / bf16 / fp16 tensors.  Compiled once
+ * per instruction set into qk_norm_<isa>.c (the vector width of the loads, stores and of the
+ * compiler's vectorized loops); the arithmetic is the same in every variant because each
+ * loop is element-wise or keeps torch's own lanes (qk_sum_f32), and nothing is fused
+ * (-ffp-contract=off).  qk_norm.c runs the tiles over threads.
+ */
+#ifndef POSENC_QK_NORM_F32_H
+#define POSENC_QK_NORM_F32_H
+
+#include <math.h>
+
+#include "simd.h"
+
+/* v rounded to dt and back (the identity for fp32): where transformers' norm rounds. */
+PE_INLINE float qk_round(float v, pe_dtype dt) {
+    if (dt == PE_BFLOAT16) return pe_bf16_to_f32(pe_f32_to_bf16(v));
+    if (dt == PE_FLOAT16) return pe_f16_to_f32(pe_f32_to_f16(v));
+    return v;
+}
+
+/* torch's utils::CeilLog2 */
+static inline int64_t qk_ceil_log2(int64_t x) {
+    return x <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(x - 1));
+}
+
+/*
+ * The sum of v[0..n-1] as torch's cascade_sum adds a contiguous row (SumKernel.cpp:
+ * vectorized_inner_sum -> row_sum -> multi_row_sum, 4 accumulators, 4 cascade levels) with
+ * vectors of W lanes; the order is spelled out in posenc.h.  Inlined with W constant, the
+ * lane loops vectorize without changing the order.
+ */
+PE_INLINE float qk_sum_f32(const float *restrict v, int64_t n, int W) {
+    if (n < W) W = 1;
+    const int64_t nvec = n / W, groups = nvec / 4;
+    float acc[4][4][16] = {{{0}}}; /* level, accumulator, lane */
+    const int64_t lp = qk_ceil_log2(groups) / 4 > 4 ? qk_ceil_log2(groups) / 4 : 4;
+    const int64_t step = (int64_t)1 << lp, mask = step - 1;
+    int64_t i = 0;
+    while (i + step <= groups) {
+        for (int64_t j = 0; j < step; ++j, ++i)
+            for (int k = 0; k < 4; ++k)
+                for (int l = 0; l < W; ++l) acc[0][k][l] += v[(4 * i + k) * W + l];
+        for (int j = 1; j < 4; ++j) {
+            for (int k = 0; k < 4; ++k)
+                for (int l = 0; l < W; ++l) {
+                    acc[j][k][l] += acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0.0f;
+                }
+            if (i & (mask << (j * lp))) break;
+        }
+    }
+    for (; i < groups; ++i)
+        for (int k = 0; k < 4; ++k)
+            for (int l = 0; l < W; ++l) acc[0][k][l] += v[(4 * i + k) * W + l];
+    for (int j = 1; j < 4; ++j)
+        for (int k = 0; k < 4; ++k)
+            for (int l = 0; l < W; ++l) acc[0][k][l] += acc[j][k][l];
+    for (int64_t r = 4 * groups; r < nvec; ++r) /* vectors left over: accumulator 0 */
+        for (int l = 0; l < W; ++l) acc[0][0][l] += v[r * W + l];
+    for (int k = 1; k < 4; ++k)
+        for (int l = 0; l < W; ++l) acc[0][0][l] += acc[0][k][l];
+    float s = 0.0f;
+    for (int64_t e = nvec * W; e < n; ++e) s += v[e];
+    if (W == 1) return acc[0][0][0]; /* scalar_inner_sum: the row sum itself */
+    for (int l = 0; l < W; ++l) s += acc[0][0][l];
+    return s;
+}
+
+PE_INLINE float qk_sum_lanes_f32(const float *restrict v, int64_t n, int W) {
+    switch (W) { /* a constant width per call site, for the vectorizer */
+    case 8: return qk_sum_f32(v, n, 8);
+    case 16: return qk_sum_f32(v, n, 16);
+    case 4: return qk_sum_f32(v, n, 4);
+    default: return qk_sum_f32(v, n, 1);
+    }
+}
+
+/* The cos row c of token (b, t) and the signed sine ss of the forward (sign(e) s[e]) or of
+ * the transpose (-sign(e) s[p(e)]); s is scratch. */
+PE_INLINE void qk_tables_f32(const pe_qk_norm_args *a, int64_t b, int64_t t, int transpose,
+                             float *restrict c, float *restrict ss, float *restrict s) {
+    const int64_t R = a->rot_dim, h = R / 2;
+    const int64_t off = ((a->table_batch == 1 ? 0 : b) * a->table_stride[0] +
+                         t * a->table_stride[1]) * (int64_t)pe_dtype_size(a->dtype);
+    load_row(c, (const char *)a->cos + off, a->dtype, R);
+    load_row(s, (const char *)a->sin + off, a->dtype, R);
+    if (a->pairing == PE_PAIR_HALF) {
+        for (int64_t e = 0; e < h; ++e) ss[e] = transpose ? s[e + h] : -s[e];
+        for (int64_t e = h; e < R; ++e) ss[e] = transpose ? -s[e - h] : s[e];
+    } else {
+        for (int64_t e = 0; e < R; e += 2) {
+            ss[e] = transpose ? s[e + 1] : -s[e];
+            ss[e + 1] = transpose ? -s[e] : s[e + 1];
+        }
+    }
+}
+
+/* o = the rotation of x (forward or transpose, by ss) on the R rotary channels, x past R. */
+PE_INLINE void qk_rotate_f32(const float *restrict x, float *restrict o, const float *restrict c,
+                             const float *restrict ss, int64_t R, int64_t D, pe_pairing p) {
+    if (p == PE_PAIR_HALF) {
+        const int64_t h = R / 2;
+        for (int64_t e = 0; e < h; ++e) o[e] = pe_rot_f32(x[e], c[e], x[e + h], ss[e]);
+        for (int64_t e = h; e < R; ++e) o[e] = pe_rot_f32(x[e], c[e], x[e - h], ss[e]);
+    } else {
+        for (int64_t e = 0; e < R; e += 2) {
+            o[e] = pe_rot_f32(x[e], c[e], x[e + 1], ss[e]);
+            o[e + 1] = pe_rot_f32(x[e + 1], c[e + 1], x[e], ss[e + 1]);
+        }
+    }
+    for (int64_t e = R; e < D; ++e) o[e] = x[e];
+}
+
+/* Scratch rows of one thread (fp32): the two weights, cos, signed sine, sine, and five rows. */
+typedef struct qk_rows_f32 {
+    float *w[2], *c, *ss, *s, *x, *t, *y, *o, *g;
+} qk_rows_f32;
+
+PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, const float *restrict w, const char *xr,
+                              char *orow, float *rstd, qk_rows_f32 *m) {
+    const int64_t D = a->head_dim;
+    const pe_dtype dt = a->dtype;
+    float *restrict x = m->x, *restrict t = m->t, *restrict y = m->y;
+    load_row(x, xr, dt, D);
+    for (int64_t e = 0; e < D; ++e) t[e] = x[e] * x[e];
+    const float mean = qk_sum_lanes_f32(t, D, a->sum_lanes) / (float)D;
+    const float r = 1.0f / sqrtf(mean + (float)a->eps);
+    *rstd = r;
+    switch (a->form) {
+    case PE_NORM_WEIGHT:
+        for (int64_t e = 0; e < D; ++e) y[e] = qk_round(w[e] * qk_round(x[e] * r, dt), dt);
+        break;
+    case PE_NORM_ONE_PLUS_WEIGHT:
+        for (int64_t e = 0; e < D; ++e) y[e] = qk_round(x[e] * r * (1.0f + w[e]), dt);
+        break;
+    default: /* PE_NORM_WEIGHT_F32 */
+        for (int64_t e = 0; e < D; ++e) y[e] = qk_round(w[e] * (x[e] * r), dt);
+        break;
+    }
+    qk_rotate_f32(y, m->o, m->c, m->ss, a->rot_dim, D, a->pairing);
+    store_row(orow, m->o, dt, D);
+}
+
+PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, const float *restrict w, const char *xr,
+                               const char *grow, char *dxrow, char *wprow, float r,
+                               qk_rows_f32 *m) {
+    const int64_t D = a->head_dim;
+    const pe_dtype dt = a->dtype;
+    float *restrict x = m->x, *restrict t = m->t, *restrict gy = m->y, *restrict gn = m->o;
+    float *restrict wp = m->g;
+    load_row(m->g, grow, dt, D);
+    qk_rotate_f32(m->g, gy, m->c, m->ss, a->rot_dim, D, a->pairing);
+    for (int64_t e = 0; e < D; ++e) gy[e] = qk_round(gy[e], dt);
+    load_row(x, xr, dt, D);
+    switch (a->form) {
+    case PE_NORM_WEIGHT:
+        for (int64_t e = 0; e < D; ++e) {
+            gn[e] = qk_round(gy[e] * w[e], dt);
+            wp[e] = qk_round(gy[e] * qk_round(x[e] * r, dt), dt);
+        }
+        break;
+    case PE_NORM_ONE_PLUS_WEIGHT:
+        for (int64_t e = 0; e < D; ++e) {
+            gn[e] = gy[e] * (1.0f + w[e]);
+            wp[e] = gy[e] * (x[e] * r);
+        }
+        break;
+    default: /* PE_NORM_WEIGHT_F32 */
+        for (int64_t e = 0; e < D; ++e) {
+            gn[e] = gy[e] * w[e];
+            wp[e] = gy[e] * (x[e] * r);
+        }
+        break;
+    }
+    store_row(wprow, wp, a->form == PE_NORM_WEIGHT ? dt : PE_FLOAT32, D);
+    for (int64_t e = 0; e < D; ++e) t[e] = gn[e] * x[e];
+    const float gv = (-0.5f * qk_sum_lanes_f32(t, D, a->sum_lanes)) * ((r * r) * r);
+    const float gx2 = gv / (float)D;
+    for (int64_t e = 0; e < D; ++e) t[e] = gn[e] * r + gx2 * (2.0f * x[e]);
+    store_row(dxrow, t, dt, D);
+}
+
+/* Tokens i0 .. i0+n-1 (i = b T + t), all heads of q then k; scratch of qk_scratch_bytes. */
+PE_INLINE void qk_norm_rows_f32(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
+                                void *scratch) {
+    const int64_t D = a->head_dim, R = a->rot_dim, T = a->seq;
+    const pe_dtype dt = a->dtype;
+    const size_t es = pe_dtype_size(dt);
+    const size_t wes = backward && a->form != PE_NORM_WEIGHT ? 4 : es;
+    float *f = (float *)scratch;
+    qk_rows_f32 m = {{f, f + D}, f + 2 * D, f + 2 * D + R, f + 2 * D + 2 * R, 0, 0, 0, 0, 0};
+    m.x = m.s + R;
+    m.t = m.x + D;
+    m.y = m.t + D;
+    m.o = m.y + D;
+    m.g = m.o + D;
+    const pe_qk_norm_tensor *xs[2] = {&a->q, &a->k};
+    for (int w = 0; w < 2; ++w)
+        if (xs[w]->heads) load_row(m.w[w], xs[w]->weight, dt, D);
+    for (int64_t i = i0; i < i0 + n; ++i) {
+        const int64_t b = i / T, t = i % T;
+        qk_tables_f32(a, b, t, backward, m.c, m.ss, m.s);
+        for (int w = 0; w < 2; ++w) {
+            const pe_qk_norm_tensor *x = xs[w];
+            for (int64_t h = 0; h < x->heads; ++h) {
+                const char *xr = pe_row(x->x, x->x_stride, es, b, t, h);
+                char *orow = (char *)pe_row(x->out, x->out_stride, es, b, t, h);
+                float *rstd = (float *)pe_row(x->rstd, x->rstd_stride, 4, b, t, h);
+                if (!backward) {
+                    qk_forward_row(a, m.w[w], xr, orow, rstd, &m);
+                } else {
+                    const char *gr = pe_row(x->grad, x->grad_stride, es, b, t, h);
+                    char *wp = (char *)pe_row(x->wprod, x->wprod_stride, wes, b, t, h);
+                    qk_backward_row(a, m.w[w], xr, gr, orow, wp, *rstd, &m);
+                }
+            }
+        }
+    }
+}
+
+#endif /* POSENC_QK_NORM_F32_H */
