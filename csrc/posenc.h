@@ -210,8 +210,8 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
  *   gr = sum of fl(gn[e] * x[e]) (the forward's order);  gv = fl(-0.5 gr) * ((r r) r);
  *   dx[e] = rnd(gn[e] r + (gv / D) (2 x[e])).
  * The weight gradient is the sum of wprod over rows, which the caller leaves to torch
- * (its reduction order depends on the layout autograd's product has); wprod is written
- * in wprod_dtype (the tensor's dtype for PE_NORM_WEIGHT, else fp32; fp64 for fp64).
+ * (its order of additions depends on the layout of autograd's product); wprod is written
+ * in the tensors' dtype for PE_NORM_WEIGHT, else in fp32 (fp64 for fp64).
  *
  * Shapes: q (B, T, Hq, D), k (B, T, Hk, D), any strides with unit channel stride; tables
  * cos, sin (Bc, T, R), Bc in {1, B}, unit channel stride, of the tensors' dtype; weights

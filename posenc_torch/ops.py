@@ -98,9 +98,8 @@ def _qk_norm_rope_fake(q, k, cos, sin, q_weight, k_weight, eps, form, pairing, s
 def _qk_norm_rope_backward_fake(grad_q, grad_k, q, k, cos, sin, q_weight, k_weight, q_rstd,
                                 k_rstd, eps, form, pairing, sum_lanes, heads_first):
     check_same_device(grad_q=grad_q, grad_k=grad_k, q=q, k=k, cos=cos, sin=sin)
-    wd = q.dtype if form == 0 else (torch.float64 if q.dtype == torch.float64 else torch.float32)
-    return (q.new_empty(q.shape), k.new_empty(k.shape), q.new_empty(q.shape, dtype=wd),
-            k.new_empty(k.shape, dtype=wd))
+    return (q.new_empty(q.shape), k.new_empty(k.shape), q_weight.new_empty(q_weight.shape),
+            k_weight.new_empty(k_weight.shape))
 
 
 @torch.library.register_fake("posenc::sinusoidal")
@@ -243,12 +242,13 @@ torch.library.register_autograd("posenc::rope_fused", _rope_fused_backward,
 
 # ---------------------------------------------------------------------------------------
 # Fused per-head q/k RMSNorm + RoPE (posenc::qk_norm_rope).  The forward saves q, k and one
-# scale per row (rstd); the backward op returns the gradients of q and k and the per-element
-# products of the weight gradients, laid out as autograd's product in transformers' chain
-# (contiguous in q's shape: the gradient of a rotation comes back contiguous), which torch
-# then sums with the call autograd makes (sum_to: a sum over the token and head dims), so
-# the weight gradients are autograd's bit for bit.  Gradients of cos/sin, and a backward
-# that is itself differentiable (create_graph), come from the same chain in torch ops.
+# scale per row (rstd).  The backward op returns the gradients of q, k and both weights: the
+# weights' per-element products are written as autograd's product in transformers' chain is
+# laid out (contiguous in q's shape: the gradient of a rotation comes back contiguous) and
+# summed inside the op by torch's sum with the call autograd makes (sum_to: over the token
+# and head dims), so the weight gradients are autograd's bit for bit, under torch.compile
+# too (Inductor never re-generates that sum).  Gradients of cos/sin, and a backward that is
+# itself differentiable (create_graph), come from the same chain in torch ops.
 
 #: norm= of apply_qk_norm_rope -> the op's form (posenc.h, pe_norm_form)
 QK_NORM_FORMS = {"weight": 0, "one_plus_weight": 1, "weight_f32": 2}
@@ -319,11 +319,9 @@ def _qk_norm_rope_backward(ctx, grad_q, grad_k, _grad_q_rstd=None, _grad_k_rstd=
             got = iter(torch.autograd.grad(outs, wanted, (grad_q, grad_k), create_graph=True,
                                            allow_unused=True))
         return tuple(next(got) if n else None for n in need[:6]) + none
-    dq, dk, prod_q, prod_k = qk_norm_rope_backward(
+    dq, dk, dq_weight, dk_weight = qk_norm_rope_backward(
         grad_q, grad_k, q, k, cos, sin, q_weight, k_weight, q_rstd, k_rstd, eps, form,
         pairing, sum_lanes, heads_first)
-    dq_weight = prod_q.sum((0, 1, 2)).to(q_weight.dtype) if need[4] else None
-    dk_weight = prod_k.sum((0, 1, 2)).to(k_weight.dtype) if need[5] else None
     dcos = dsin = None
     if need[2] or need[3]:  # the rotation's own autograd, over the recomputed norm
         with torch.enable_grad():
@@ -337,8 +335,8 @@ def _qk_norm_rope_backward(ctx, grad_q, grad_k, _grad_q_rstd=None, _grad_k_rstd=
             dcos, dsin = torch.autograd.grad(outs, (c, s), (grad_q, grad_k))
         dcos = dcos if need[2] else None
         dsin = dsin if need[3] else None
-    return (dq if need[0] else None, dk if need[1] else None, dcos, dsin, dq_weight,
-            dk_weight) + none
+    return (dq if need[0] else None, dk if need[1] else None, dcos, dsin,
+            dq_weight if need[4] else None, dk_weight if need[5] else None) + none
 
 
 torch.library.register_autograd("posenc::qk_norm_rope", _qk_norm_rope_backward,
@@ -731,8 +729,8 @@ def qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, form, pairing, sum_lan
 
 def qk_norm_rope_backward(grad_q, grad_k, q, k, cos, sin, q_weight, k_weight, q_rstd, k_rstd,
                           eps, form, pairing, sum_lanes, heads_first):
-    """posenc::qk_norm_rope_backward -> (dq, dk, q_weight products, k_weight products); not
-    differentiable itself (a create_graph backward takes the torch-ops chain instead)."""
+    """posenc::qk_norm_rope_backward -> (dq, dk, dq_weight, dk_weight); not differentiable
+    itself (a create_graph backward takes the torch-ops chain instead)."""
     args = (grad_q, grad_k, q, k, cos, sin, q_weight, k_weight, q_rstd, k_rstd, eps, form,
             pairing, sum_lanes, heads_first)
     fast = _fast

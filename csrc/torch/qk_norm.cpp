@@ -1,5 +1,5 @@
 // posenc::qk_norm_rope and qk_norm_rope_backward: the per-head RMSNorm + RoPE of q and k
-// (posenc.h, pe_qk_norm_rope).  Validate -> fill pe_qk_norm_args -> run the CPU kernel.
+// (posenc.h, pe_qk_norm_rope) and its gradients (q, k and the two weights).  Validate -> fill pe_qk_norm_args -> run the CPU kernel.
 // CPU only: CUDA tensors are refused (NotImplementedError from Python, see
 // posenc_torch/ops.py) until the CUDA kernels have run on a GPU.
 #include <cmath>
@@ -213,7 +213,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward_impl(
     strides_of(p.a.q.wprod_stride, wq.m, p.L);
     strides_of(p.a.k.wprod_stride, wk.m, p.L);
     check_status(pe_qk_norm_rope_backward(&p.a), "posenc::qk_norm_rope_backward");
-    return {dq.t, dk.t, wq.t, wk.t};
+    // The weights' gradients: the products summed over the token and head dims by torch's
+    // own sum, the call autograd's sum_to makes on its product of this layout, then
+    // rounded to the weight dtype as autograd rounds a gradient of another dtype.
+    const std::array<int64_t, 3> rows{0, 1, 2};
+    const auto weight_grad = [&](const Tensor& prod) {
+        Tensor g = torch::stable::sum(prod, IntList(rows.data(), rows.size()), false);
+        return converted(g, scalar_type(p.qm.dtype));
+    };
+    return {dq.t, dk.t, weight_grad(wq.t), weight_grad(wk.t)};
 }
 
 }  // namespace posenc
