@@ -68,7 +68,38 @@ PE_INLINE float qk_sum_f32(const float *restrict v, int64_t n, int W) {
     return s;
 }
 
+#ifdef __AVX2__
+/* qk_sum_f32 for W = 8, n a multiple of 8 and fewer than 64 vectors (no cascade carry), in
+ * registers: the same additions in the same order (the accumulators start from +0 and get
+ * the joined levels' +0 added, as torch's do, which turns a -0 into +0). */
+PE_INLINE float qk_sum8_f32(const float *restrict v, int64_t n) {
+    const int64_t nvec = n / 8, groups = nvec / 4;
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 a0 = zero, a1 = zero, a2 = zero, a3 = zero;
+    for (int64_t i = 0; i < groups; ++i) {
+        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(v + 32 * i));
+        a1 = _mm256_add_ps(a1, _mm256_loadu_ps(v + 32 * i + 8));
+        a2 = _mm256_add_ps(a2, _mm256_loadu_ps(v + 32 * i + 16));
+        a3 = _mm256_add_ps(a3, _mm256_loadu_ps(v + 32 * i + 24));
+    }
+    a0 = _mm256_add_ps(a0, zero);
+    a1 = _mm256_add_ps(a1, zero);
+    a2 = _mm256_add_ps(a2, zero);
+    a3 = _mm256_add_ps(a3, zero);
+    for (int64_t r = 4 * groups; r < nvec; ++r) a0 = _mm256_add_ps(a0, _mm256_loadu_ps(v + 8 * r));
+    a0 = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), a2), a3);
+    float lane[8];
+    _mm256_storeu_ps(lane, a0);
+    float s = 0.0f;
+    for (int l = 0; l < 8; ++l) s += lane[l];
+    return s;
+}
+#endif
+
 PE_INLINE float qk_sum_lanes_f32(const float *restrict v, int64_t n, int W) {
+#ifdef __AVX2__
+    if (W == 8 && n % 8 == 0 && n < 8 * 64) return qk_sum8_f32(v, n);
+#endif
     switch (W) { /* a constant width per call site, for the vectorizer */
     case 8: return qk_sum_f32(v, n, 8);
     case 16: return qk_sum_f32(v, n, 16);
@@ -113,6 +144,38 @@ PE_INLINE void qk_rotate_f32(const float *restrict x, float *restrict o, const f
     for (int64_t e = R; e < D; ++e) o[e] = x[e];
 }
 
+#ifdef PE_VW
+/* v rounded to dt and back, a vector at a time (through the dtype's own store and load). */
+PE_INLINE pe_vf vf_round(pe_vf v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) return v;
+    char tmp[2 * PE_VW];
+    vx_store(tmp, v, dt);
+    return vx_load(tmp, dt);
+}
+#endif
+
+/* y = the normalized and weighted row (the form's roundings), a vector at a time. */
+PE_INLINE void qk_scale_row(float *restrict y, const float *restrict x, const float *restrict w,
+                            float r, int64_t D, pe_norm_form form, pe_dtype dt) {
+    int64_t e = 0;
+#ifdef PE_VW
+    const pe_vf rr = vf_set1(r), one = vf_set1(1.0f);
+    for (; e + PE_VW <= D; e += PE_VW) {
+        const pe_vf n = vf_mul(vf_load(x + e), rr), wv = vf_load(w + e);
+        pe_vf out;
+        if (form == PE_NORM_WEIGHT) out = vf_round(vf_mul(wv, vf_round(n, dt)), dt);
+        else if (form == PE_NORM_ONE_PLUS_WEIGHT) out = vf_round(vf_mul(n, vf_add(one, wv)), dt);
+        else out = vf_round(vf_mul(wv, n), dt);
+        vx_store((char *)(y + e), out, PE_FLOAT32);
+    }
+#endif
+    for (; e < D; ++e) {
+        if (form == PE_NORM_WEIGHT) y[e] = qk_round(w[e] * qk_round(x[e] * r, dt), dt);
+        else if (form == PE_NORM_ONE_PLUS_WEIGHT) y[e] = qk_round(x[e] * r * (1.0f + w[e]), dt);
+        else y[e] = qk_round(w[e] * (x[e] * r), dt);
+    }
+}
+
 /* Scratch rows of one thread (fp32): the two weights, cos, signed sine, sine, and five rows. */
 typedef struct qk_rows_f32 {
     float *w[2], *c, *ss, *s, *x, *t, *y, *o, *g;
@@ -128,17 +191,7 @@ PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, const float *restrict w,
     const float mean = qk_sum_lanes_f32(t, D, a->sum_lanes) / (float)D;
     const float r = 1.0f / sqrtf(mean + (float)a->eps);
     *rstd = r;
-    switch (a->form) {
-    case PE_NORM_WEIGHT:
-        for (int64_t e = 0; e < D; ++e) y[e] = qk_round(w[e] * qk_round(x[e] * r, dt), dt);
-        break;
-    case PE_NORM_ONE_PLUS_WEIGHT:
-        for (int64_t e = 0; e < D; ++e) y[e] = qk_round(x[e] * r * (1.0f + w[e]), dt);
-        break;
-    default: /* PE_NORM_WEIGHT_F32 */
-        for (int64_t e = 0; e < D; ++e) y[e] = qk_round(w[e] * (x[e] * r), dt);
-        break;
-    }
+    qk_scale_row(y, x, w, r, D, a->form, dt);
     qk_rotate_f32(y, m->o, m->c, m->ss, a->rot_dim, D, a->pairing);
     store_row(orow, m->o, dt, D);
 }
@@ -148,37 +201,54 @@ PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, const float *restrict w
                                qk_rows_f32 *m) {
     const int64_t D = a->head_dim;
     const pe_dtype dt = a->dtype;
+    const pe_norm_form form = a->form;
     float *restrict x = m->x, *restrict t = m->t, *restrict gy = m->y, *restrict gn = m->o;
     float *restrict wp = m->g;
     load_row(m->g, grow, dt, D);
     qk_rotate_f32(m->g, gy, m->c, m->ss, a->rot_dim, D, a->pairing);
-    for (int64_t e = 0; e < D; ++e) gy[e] = qk_round(gy[e], dt);
     load_row(x, xr, dt, D);
-    switch (a->form) {
-    case PE_NORM_WEIGHT:
-        for (int64_t e = 0; e < D; ++e) {
-            gn[e] = qk_round(gy[e] * w[e], dt);
-            wp[e] = qk_round(gy[e] * qk_round(x[e] * r, dt), dt);
+    int64_t e = 0;
+#ifdef PE_VW
+    const pe_vf rr = vf_set1(r), one = vf_set1(1.0f);
+    for (; e + PE_VW <= D; e += PE_VW) {
+        const pe_vf g = vf_round(vf_load(gy + e), dt), xv = vf_load(x + e), wv = vf_load(w + e);
+        const pe_vf n = vf_mul(xv, rr);
+        pe_vf gv, pv;
+        if (form == PE_NORM_WEIGHT) {
+            gv = vf_round(vf_mul(g, wv), dt);
+            pv = vf_round(vf_mul(g, vf_round(n, dt)), dt);
+        } else {
+            gv = vf_mul(g, form == PE_NORM_ONE_PLUS_WEIGHT ? vf_add(one, wv) : wv);
+            pv = vf_mul(g, n);
         }
-        break;
-    case PE_NORM_ONE_PLUS_WEIGHT:
-        for (int64_t e = 0; e < D; ++e) {
-            gn[e] = gy[e] * (1.0f + w[e]);
-            wp[e] = gy[e] * (x[e] * r);
-        }
-        break;
-    default: /* PE_NORM_WEIGHT_F32 */
-        for (int64_t e = 0; e < D; ++e) {
-            gn[e] = gy[e] * w[e];
-            wp[e] = gy[e] * (x[e] * r);
-        }
-        break;
+        vx_store((char *)(gn + e), gv, PE_FLOAT32);
+        vx_store((char *)(wp + e), pv, PE_FLOAT32);
+        vx_store((char *)(t + e), vf_mul(gv, xv), PE_FLOAT32);
     }
-    store_row(wprow, wp, a->form == PE_NORM_WEIGHT ? dt : PE_FLOAT32, D);
-    for (int64_t e = 0; e < D; ++e) t[e] = gn[e] * x[e];
+#endif
+    for (; e < D; ++e) {
+        const float g = qk_round(gy[e], dt), n = x[e] * r;
+        if (form == PE_NORM_WEIGHT) {
+            gn[e] = qk_round(g * w[e], dt);
+            wp[e] = qk_round(g * qk_round(n, dt), dt);
+        } else {
+            gn[e] = g * (form == PE_NORM_ONE_PLUS_WEIGHT ? 1.0f + w[e] : w[e]);
+            wp[e] = g * n;
+        }
+        t[e] = gn[e] * x[e];
+    }
+    store_row(wprow, wp, form == PE_NORM_WEIGHT ? dt : PE_FLOAT32, D);
     const float gv = (-0.5f * qk_sum_lanes_f32(t, D, a->sum_lanes)) * ((r * r) * r);
     const float gx2 = gv / (float)D;
-    for (int64_t e = 0; e < D; ++e) t[e] = gn[e] * r + gx2 * (2.0f * x[e]);
+    e = 0;
+#ifdef PE_VW
+    const pe_vf g2 = vf_set1(gx2), two = vf_set1(2.0f);
+    for (; e + PE_VW <= D; e += PE_VW)
+        vx_store((char *)(t + e),
+                 vf_add(vf_mul(vf_load(gn + e), rr), vf_mul(g2, vf_mul(two, vf_load(x + e)))),
+                 PE_FLOAT32);
+#endif
+    for (; e < D; ++e) t[e] = gn[e] * r + gx2 * (2.0f * x[e]);
     store_row(dxrow, t, dt, D);
 }
 

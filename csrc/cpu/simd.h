@@ -30,6 +30,7 @@
 typedef __m512 pe_vf;
 PE_INLINE pe_vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
 PE_INLINE pe_vf vf_zero(void) { return _mm512_setzero_ps(); }
+PE_INLINE pe_vf vf_set1(float v) { return _mm512_set1_ps(v); }
 PE_INLINE pe_vf vf_add(pe_vf a, pe_vf b) { return _mm512_add_ps(a, b); }
 PE_INLINE pe_vf vf_sub(pe_vf a, pe_vf b) { return _mm512_sub_ps(a, b); }
 PE_INLINE pe_vf vf_mul(pe_vf a, pe_vf b) { return _mm512_mul_ps(a, b); }
@@ -132,6 +133,7 @@ PE_INLINE void vx_store_n(char *p, pe_vf v, pe_dtype dt, int64_t n) {
 typedef __m256 pe_vf;
 PE_INLINE pe_vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
 PE_INLINE pe_vf vf_zero(void) { return _mm256_setzero_ps(); }
+PE_INLINE pe_vf vf_set1(float v) { return _mm256_set1_ps(v); }
 PE_INLINE pe_vf vf_add(pe_vf a, pe_vf b) { return _mm256_add_ps(a, b); }
 PE_INLINE pe_vf vf_sub(pe_vf a, pe_vf b) { return _mm256_sub_ps(a, b); }
 PE_INLINE pe_vf vf_mul(pe_vf a, pe_vf b) { return _mm256_mul_ps(a, b); }
