@@ -245,6 +245,17 @@ TARGETS = (
            "apply_rotary_pos_emb <= 12 us a call (absolute time, no floor)",
            {"op": "rope_call", "extra": "grad recording", "method": "posenc"},
            "us", 12.0, "max", label="thr={threads}"),
+    Target("7. vision towers: position ids + attention seqlens + window index + interpolation "
+           "taps (posenc_torch.vision) >= 30x faster than transformers 5.x's vision_utils, "
+           "each batch",
+           {"op": "vision_all", "method": "hf_eager",
+            "extra": lambda e: e.endswith(",transformers5")},
+           "posenc_speedup", 30.0, "min", label="{extra}"),
+    Target("7b. (for information) the same against transformers 4.57.6's methods (rot_pos_emb, "
+           "get_window_index, fast_pos_embed_interpolate, forward's cu_seqlens) >= 30x",
+           {"op": "vision_all", "method": "hf_eager",
+            "extra": lambda e: e.endswith(",transformers4")},
+           "posenc_speedup", 30.0, "min", label="{extra}"),
     Target("8a. q/k norm + rotary (apply_qk_norm_rope), T>=4096: forward <= 1.3x the clone "
            "floor of q and k",
            {"op": "qk_norm_rope", "seq": _LONG, "device": "cpu", "method": "posenc",
@@ -264,17 +275,6 @@ TARGETS = (
     Target("8e. q/k norm + rotary: bytes saved for backward per q/k element in bf16 <= 2.5",
            {"op": "qk_norm_rope", "method": "posenc", "mode": "fwdbwd", "dtype": "bf16"},
            "saved_bytes_per_element", 2.5, "max", label="{model} T={seq}"),
-    Target("7. vision towers: position ids + attention seqlens + window index + interpolation "
-           "taps (posenc_torch.vision) >= 30x faster than transformers 5.x's vision_utils, "
-           "each batch",
-           {"op": "vision_all", "method": "hf_eager",
-            "extra": lambda e: e.endswith(",transformers5")},
-           "posenc_speedup", 30.0, "min", label="{extra}"),
-    Target("7b. (for information) the same against transformers 4.57.6's methods (rot_pos_emb, "
-           "get_window_index, fast_pos_embed_interpolate, forward's cu_seqlens) >= 30x",
-           {"op": "vision_all", "method": "hf_eager",
-            "extra": lambda e: e.endswith(",transformers4")},
-           "posenc_speedup", 30.0, "min", label="{extra}"),
 )
 
 

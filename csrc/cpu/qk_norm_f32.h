@@ -181,10 +181,9 @@ typedef struct qk_rows_f32 {
     float *w[2], *c, *ss, *s, *x, *t, *y, *o, *g;
 } qk_rows_f32;
 
-PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, const float *restrict w, const char *xr,
-                              char *orow, float *rstd, qk_rows_f32 *m) {
+PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict w,
+                              const char *xr, char *orow, float *rstd, qk_rows_f32 *m) {
     const int64_t D = a->head_dim;
-    const pe_dtype dt = a->dtype;
     float *restrict x = m->x, *restrict t = m->t, *restrict y = m->y;
     load_row(x, xr, dt, D);
     for (int64_t e = 0; e < D; ++e) t[e] = x[e] * x[e];
@@ -196,11 +195,10 @@ PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, const float *restrict w,
     store_row(orow, m->o, dt, D);
 }
 
-PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, const float *restrict w, const char *xr,
-                               const char *grow, char *dxrow, char *wprow, float r,
-                               qk_rows_f32 *m) {
+PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict w,
+                               const char *xr, const char *grow, char *dxrow, char *wprow,
+                               float r, qk_rows_f32 *m) {
     const int64_t D = a->head_dim;
-    const pe_dtype dt = a->dtype;
     const pe_norm_form form = a->form;
     float *restrict x = m->x, *restrict t = m->t, *restrict gy = m->y, *restrict gn = m->o;
     float *restrict wp = m->g;
@@ -252,11 +250,11 @@ PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, const float *restrict w
     store_row(dxrow, t, dt, D);
 }
 
-/* Tokens i0 .. i0+n-1 (i = b T + t), all heads of q then k; scratch of qk_scratch_bytes. */
-PE_INLINE void qk_norm_rows_f32(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
-                                void *scratch) {
+/* Tokens i0 .. i0+n-1 (i = b T + t), all heads of q then k, tensors of dtype dt (a->dtype,
+ * passed as a constant so that each dtype gets its own loops). */
+PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
+                               void *scratch, pe_dtype dt) {
     const int64_t D = a->head_dim, R = a->rot_dim, T = a->seq;
-    const pe_dtype dt = a->dtype;
     const size_t es = pe_dtype_size(dt);
     const size_t wes = backward && a->form != PE_NORM_WEIGHT ? 4 : es;
     float *f = (float *)scratch;
@@ -279,14 +277,25 @@ PE_INLINE void qk_norm_rows_f32(const pe_qk_norm_args *a, int64_t i0, int64_t n,
                 char *orow = (char *)pe_row(x->out, x->out_stride, es, b, t, h);
                 float *rstd = (float *)pe_row(x->rstd, x->rstd_stride, 4, b, t, h);
                 if (!backward) {
-                    qk_forward_row(a, m.w[w], xr, orow, rstd, &m);
+                    qk_forward_row(a, dt, m.w[w], xr, orow, rstd, &m);
                 } else {
                     const char *gr = pe_row(x->grad, x->grad_stride, es, b, t, h);
                     char *wp = (char *)pe_row(x->wprod, x->wprod_stride, wes, b, t, h);
-                    qk_backward_row(a, m.w[w], xr, gr, orow, wp, *rstd, &m);
+                    qk_backward_row(a, dt, m.w[w], xr, gr, orow, wp, *rstd, &m);
                 }
             }
         }
+    }
+}
+
+/* The tile function of qk_norm_<isa>.c: tokens i0 .. i0+n-1, with pe_qk_scratch_bytes of
+ * scratch. */
+PE_INLINE void qk_norm_rows_f32(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
+                                void *scratch) {
+    switch (a->dtype) {
+    case PE_BFLOAT16: qk_norm_rows_dt(a, i0, n, backward, scratch, PE_BFLOAT16); break;
+    case PE_FLOAT16: qk_norm_rows_dt(a, i0, n, backward, scratch, PE_FLOAT16); break;
+    default: qk_norm_rows_dt(a, i0, n, backward, scratch, PE_FLOAT32); break;
     }
 }
 
