@@ -109,6 +109,9 @@ MODELS: dict[str, Model] = {
               note="interleaved MRoPE"),
         Model("Qwen2-VL-ViT", 16, 16, 80, 10000.0,
               note="vision tower: (patches, heads, 80), apply_rotary_pos_emb_vision"),
+        Model("Qwen3-Next-80B-A3B", 16, 2, 256, 10000000.0,
+              note="the Qwen3.5 / Qwen3-Next attention: (1 + w) q/k norm, rotary 64 of 256"),
+        Model("Gemma-3-12B", 16, 8, 256, 1000000.0, note="(1 + w) q/k norm"),
     )
 }
 
@@ -197,6 +200,7 @@ METHODS: dict[str, Method] = {
         Method("hf_compile", "torch.compile(transformers)", "peer"),
         Method("liger", "Liger-Kernel", "peer", needs_cuda=True),
         Method("posenc_op", "torch.ops.posenc.rope alone (dispatcher call)", "posenc"),
+        Method("hf_norm_posenc_rotary", "transformers q/k norm + posenc_torch rotary", "peer"),
         Method("copy", "clone q,k (allocating floor)", "floor"),
         Method("copy_into", "copy_ into preallocated q,k (bandwidth floor)", "floor"),
     )
@@ -268,6 +272,7 @@ class Result:
     posenc_speedup: float | None = None
     ratio_to_copy_into: float | None = None  # time / copy_-floor time (paired)
     kernel_ms: float | None = None  # GPU time of one call alone (CUDA-graph replay)
+    saved_bytes_per_element: float | None = None  # kept for backward per q/k element (qknorm)
 
     @classmethod
     def for_case(cls, case: Case, method: str, status: str, **kw) -> Result:

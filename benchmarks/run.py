@@ -38,6 +38,7 @@ import bench_mrope  # noqa: E402
 import bench_overhead  # noqa: E402
 import bench_packing  # noqa: E402
 import bench_positions  # noqa: E402
+import bench_qk_norm  # noqa: E402
 import bench_rope  # noqa: E402
 import bench_rotary_step  # noqa: E402
 import bench_vision  # noqa: E402
@@ -49,6 +50,7 @@ TOPICS = {m.TOPIC: m for m in (
     bench_mrope,
     bench_positions,
     bench_rotary_step,
+    bench_qk_norm,
     bench_overhead,
     bench_layer,
     bench_packing,
@@ -254,6 +256,25 @@ TARGETS = (
            {"op": "vision_all", "method": "hf_eager",
             "extra": lambda e: e.endswith(",transformers4")},
            "posenc_speedup", 30.0, "min", label="{extra}"),
+    Target("8a. q/k norm + rotary (apply_qk_norm_rope), T>=4096: forward <= 1.3x the clone "
+           "floor of q and k",
+           {"op": "qk_norm_rope", "seq": _LONG, "device": "cpu", "method": "posenc",
+            "mode": "fwd"},
+           "ratio_to_copy", 1.3, "max", label="{model} T={seq} {dtype}"),
+    Target("8b. q/k norm + rotary, T>=4096: forward+backward >= 10x faster than transformers "
+           "eager",
+           {"op": "qk_norm_rope", "seq": _LONG, "method": "hf_eager", "mode": "fwdbwd"},
+           "posenc_speedup", 10.0, "min", label="{model} T={seq} {dtype}"),
+    Target("8c. ... >= 4x faster than transformers' norm + posenc rotary",
+           {"op": "qk_norm_rope", "seq": _LONG, "method": "hf_norm_posenc_rotary",
+            "mode": "fwdbwd"},
+           "posenc_speedup", 4.0, "min", label="{model} T={seq} {dtype}"),
+    Target("8d. ... >= 2x faster than torch.compile of transformers' norm + rotary",
+           {"op": "qk_norm_rope", "seq": _LONG, "method": "hf_compile", "mode": "fwdbwd"},
+           "posenc_speedup", 2.0, "min", label="{model} T={seq} {dtype}"),
+    Target("8e. q/k norm + rotary: bytes saved for backward per q/k element in bf16 <= 2.5",
+           {"op": "qk_norm_rope", "method": "posenc", "mode": "fwdbwd", "dtype": "bf16"},
+           "saved_bytes_per_element", 2.5, "max", label="{model} T={seq}"),
 )
 
 

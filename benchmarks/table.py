@@ -27,6 +27,7 @@ OP_NAMES = {
     "mrope": "MRoPE, 4.x tables `apply_multimodal_rotary_pos_emb`",
     "mrope_fused": "fused `apply_rope` vs rotary module + apply",
     "rotary_step": "rotary step, ids to rotated q, k",
+    "qk_norm_rope": "q/k norm + rotary (`apply_qk_norm_rope`)",
     "rope_call": "one decode call",
     "mrope_position_ids": "`compute_mrope_position_ids` vs `get_rope_index`",
     "packed_position_ids": "`compute_packed_mrope_position_ids` vs a `get_rope_index` loop",

@@ -172,6 +172,89 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
                       uint8_t *axis_of_slot);
 
 /* ---------------------------------------------------------------------------------------
+ * Per-head q/k RMSNorm followed by RoPE (the attention prologue of Qwen3, Qwen3-VL,
+ * Qwen3.5, Gemma 3, OLMo, ...)
+ * ---------------------------------------------------------------------------------------
+ * Each row x of q and k (one token, one head; D channels) is normalized over its D
+ * channels, scaled by the tensor's weight w (D values) and rotated as pe_rope_apply's
+ * forward does, in one pass, without writing the normalized row:
+ *
+ *   ss = sum of fl(x[e] * x[e]) in torch's CPU order (below);  mean = ss / D (a true
+ *   division);  r = 1 / sqrt(mean + fl32(eps)) (two roundings: torch's CPU rsqrt);
+ *   n[e] = x[e] * r;  y[e] by form (rnd() rounds to the tensor's dtype, the identity for
+ *   fp32):
+ *     PE_NORM_WEIGHT           y = rnd(w * rnd(n))          Llama / Qwen3 / Qwen3-VL
+ *     PE_NORM_ONE_PLUS_WEIGHT  y = rnd(n * fl(1 + w))       Gemma 3 / Qwen3.5 / Qwen3-Next
+ *     PE_NORM_WEIGHT_F32       y = rnd(w * n)               OLMo per-head (weight in fp32)
+ *   out[e] = y[e] c[e] + sign(e) y[p(e)] s[e] for the R rotary channels (pairings as for
+ *   RoPE), y[e] past R; one rounding at the store;  rstd[row] = r.
+ *
+ * All products and sums are fp32 and unfused for fp32 / bf16 / fp16 tensors (the forms'
+ * 16-bit roundings are where transformers' norm modules round), fp64 tensors compute in
+ * fp64.  The sum of squares follows torch's cascade_sum over a contiguous row (SumKernel
+ * vectorized_inner_sum) with sum_lanes lanes (the width of torch's Vectorized<float> in
+ * the sum kernel it runs: 8 on x86-64 for every capability, 4 for NEON):
+ *     the first V = D / W whole vectors v_i of W lanes, taken 4 at a time: vector 4j + k
+ *     goes into accumulator k (a cascade of 4 levels carries every 16 groups); the
+ *     accumulators' levels are joined, the V % 4 vectors left over are added to
+ *     accumulator 0, then ((a0 + a1) + a2) + a3; the result's lanes are then added in
+ *     order to the sum of the D % W tail values (from 0.0, in order).  D < W: W = 1.
+ *
+ * Backward (pe_qk_norm_rope_backward), with g the gradient of out and x, r as saved: the
+ * same steps autograd runs through transformers' norm and the rotation, rounded where
+ * autograd rounds:
+ *   gy = the transpose rotation of g (pe_rope_apply's), rounded to the dtype;
+ *   PE_NORM_WEIGHT           gn = rnd(gy * w),           wprod = rnd(gy * rnd(n))
+ *   PE_NORM_ONE_PLUS_WEIGHT  gn = gy * fl(1 + w),        wprod = gy * n   (fp32)
+ *   PE_NORM_WEIGHT_F32       gn = gy * w,                wprod = gy * n   (fp32)
+ *   gr = sum of fl(gn[e] * x[e]) (the forward's order);  gv = fl(-0.5 gr) * ((r r) r);
+ *   dx[e] = rnd(gn[e] r + (gv / D) (2 x[e])).
+ * The weight gradient is the sum of wprod over rows, which the caller leaves to torch
+ * (its order of additions depends on the layout of autograd's product); wprod is written
+ * in the tensors' dtype for PE_NORM_WEIGHT, else in fp32 (fp64 for fp64).
+ *
+ * Shapes: q (B, T, Hq, D), k (B, T, Hk, D), any strides with unit channel stride; tables
+ * cos, sin (Bc, T, R), Bc in {1, B}, unit channel stride, of the tensors' dtype; weights
+ * D contiguous values of the tensors' dtype; rstd (B, T, H) fp32 (fp64 for fp64) with
+ * the given strides.  Outputs must not overlap inputs.  PE_ERR_ARG for sizes out of range
+ * (as for RoPE), an unknown form, dtype or pairing, sum_lanes not in {1, 4, 8, 16}, or a
+ * NULL pointer where data is read or written.  Threads take blocks of tokens.
+ */
+typedef enum pe_norm_form {
+    PE_NORM_WEIGHT = 0,
+    PE_NORM_ONE_PLUS_WEIGHT = 1,
+    PE_NORM_WEIGHT_F32 = 2,
+} pe_norm_form;
+
+/* One normalized and rotated tensor (q or k); strides are (b, t, h) in elements. */
+typedef struct pe_qk_norm_tensor {
+    int64_t heads;
+    const void *x;       int64_t x_stride[3];
+    const void *weight;  /* D values */
+    void *out;           int64_t out_stride[3];    /* forward: the result; backward: dx */
+    void *rstd;          int64_t rstd_stride[3];   /* forward: written; backward: read */
+    const void *grad;    int64_t grad_stride[3];   /* backward: gradient of the result */
+    void *wprod;         int64_t wprod_stride[3];  /* backward: weight-gradient products */
+} pe_qk_norm_tensor;
+
+typedef struct pe_qk_norm_args {
+    int64_t batch, seq, head_dim, rot_dim; /* B, T, D, R */
+    pe_pairing pairing;
+    pe_norm_form form;
+    pe_dtype dtype;            /* q, k, weights, tables, outputs, gradients */
+    double eps;
+    int sum_lanes;
+    const void *cos, *sin;
+    int64_t table_batch;       /* Bc */
+    int64_t table_stride[2];   /* b, t */
+    pe_qk_norm_tensor q, k;    /* k.heads may be 0 */
+    int nthreads;
+} pe_qk_norm_args;
+
+int pe_qk_norm_rope(const pe_qk_norm_args *a);
+int pe_qk_norm_rope_backward(const pe_qk_norm_args *a);
+
+/* ---------------------------------------------------------------------------------------
  * Position ids for multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and the vision tower
  * ---------------------------------------------------------------------------------------
  * pe_mrope_position_ids computes what transformers' get_rope_index of each model computes:

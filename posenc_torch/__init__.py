@@ -18,6 +18,7 @@ from .positions import (
     compute_packed_mrope_position_ids,
     compute_mrope_position_ids,
 )
+from .qk_norm import apply_qk_norm_rope
 from .rope import (
     apply_multimodal_rotary_pos_emb,
     apply_rope,
@@ -35,6 +36,7 @@ __all__ = [
     "apply_multimodal_rotary_pos_emb",
     "apply_rotary_pos_emb_vision",
     "apply_rope",
+    "apply_qk_norm_rope",
     "compute_mrope_cos_sin",
     "compute_mrope_position_ids",
     "compute_mrope_decode_position_ids",

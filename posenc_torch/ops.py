@@ -85,6 +85,23 @@ def _rope_tables_fake(position_ids, inv_freq, mrope_section, interleaved, attent
     return (position_ids.new_empty(shape, dtype=dtype), position_ids.new_empty(shape, dtype=dtype))
 
 
+@torch.library.register_fake("posenc::qk_norm_rope")
+def _qk_norm_rope_fake(q, k, cos, sin, q_weight, k_weight, eps, form, pairing, sum_lanes,
+                       heads_first):
+    check_same_device(q=q, k=k, cos=cos, sin=sin, q_weight=q_weight, k_weight=k_weight)
+    rd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (_output_like(q, q.dtype), _output_like(k, k.dtype),
+            q.new_empty(q.shape[:-1], dtype=rd), k.new_empty(k.shape[:-1], dtype=rd))
+
+
+@torch.library.register_fake("posenc::qk_norm_rope_backward")
+def _qk_norm_rope_backward_fake(grad_q, grad_k, q, k, cos, sin, q_weight, k_weight, q_rstd,
+                                k_rstd, eps, form, pairing, sum_lanes, heads_first):
+    check_same_device(grad_q=grad_q, grad_k=grad_k, q=q, k=k, cos=cos, sin=sin)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), q_weight.new_empty(q_weight.shape),
+            k_weight.new_empty(k_weight.shape))
+
+
 @torch.library.register_fake("posenc::sinusoidal")
 def _sinusoidal_fake(num_positions, dim, base, dtype):
     return torch.empty((num_positions, dim), dtype=dtype)
@@ -221,6 +238,110 @@ def _rope_fused_backward(ctx, grad_q, grad_k):
 
 torch.library.register_autograd("posenc::rope_fused", _rope_fused_backward,
                                 setup_context=_rope_fused_setup_context)
+
+
+# ---------------------------------------------------------------------------------------
+# Fused per-head q/k RMSNorm + RoPE (posenc::qk_norm_rope).  The forward saves q, k and one
+# scale per row (rstd).  The backward op returns the gradients of q, k and both weights: the
+# weights' per-element products are written as autograd's product in transformers' chain is
+# laid out (contiguous in q's shape: the gradient of a rotation comes back contiguous) and
+# summed inside the op by torch's sum with the call autograd makes (sum_to: over the token
+# and head dims), so the weight gradients are autograd's bit for bit, under torch.compile
+# too (Inductor never re-generates that sum).  Gradients of cos/sin, and a backward that is
+# itself differentiable (create_graph), come from the same chain in torch ops.
+
+#: norm= of apply_qk_norm_rope -> the op's form (posenc.h, pe_norm_form)
+QK_NORM_FORMS = {"weight": 0, "one_plus_weight": 1, "weight_f32": 2}
+
+
+def _qk_norm(x: torch.Tensor, w: torch.Tensor, eps: float, form: int) -> torch.Tensor:
+    """transformers' per-head RMSNorm of each form in torch ops (fp64 stays fp64)."""
+    x32 = x if x.dtype == torch.float64 else x.float()
+    n = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if form == 0:
+        return w * n.to(x.dtype)
+    if form == 1:
+        return (n * (1.0 + w.to(x32.dtype))).to(x.dtype)
+    return (w.to(x32.dtype) * n).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, pairing: int) -> torch.Tensor:
+    """The partner term of the rotation: rotate_half (half) or its adjacent-pair form."""
+    if pairing == 0:
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def _rotary(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairing: int,
+            heads_first: bool) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb of one tensor (partial rotary included)."""
+    c, s = cos.unsqueeze(1 if heads_first else 2), sin.unsqueeze(1 if heads_first else 2)
+    r = cos.shape[-1]
+    if r == y.shape[-1]:
+        return y * c + _rotate(y, pairing) * s
+    y_rot, y_pass = y[..., :r], y[..., r:]
+    return torch.cat((y_rot * c + _rotate(y_rot, pairing) * s, y_pass), dim=-1)
+
+
+def _qk_chain(q, k, cos, sin, q_weight, k_weight, eps, form, pairing, heads_first):
+    """The op's result in torch ops: the norm, then transformers' rotary (fp32, fp64) or
+    posenc's (16-bit, as the op's 16-bit contract reads)."""
+    yq, yk = _qk_norm(q, q_weight, eps, form), _qk_norm(k, k_weight, eps, form)
+    if q.dtype in (torch.float32, torch.float64):
+        return (_rotary(yq, cos, sin, pairing, heads_first),
+                _rotary(yk, cos, sin, pairing, heads_first))
+    return rope(yq, yk, cos, sin, [], False, pairing, False, None, None, heads_first)
+
+
+def _qk_norm_rope_setup_context(ctx, inputs, output):
+    q, k, cos, sin, q_weight, k_weight, eps, form, pairing, sum_lanes, heads_first = inputs
+    ctx.args = (eps, form, pairing, sum_lanes, heads_first)
+    ctx.save_for_backward(q, k, cos, sin, q_weight, k_weight, output[2], output[3])
+    ctx.set_materialize_grads(False)
+    ctx.out_meta = _meta(output[:2])
+
+
+def _qk_norm_rope_backward(ctx, grad_q, grad_k, _grad_q_rstd=None, _grad_k_rstd=None):
+    eps, form, pairing, sum_lanes, heads_first = ctx.args
+    q, k, cos, sin, q_weight, k_weight, q_rstd, k_rstd = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    none = (None,) * 5
+    if grad_q is None and grad_k is None:
+        return (None,) * 6 + none
+    grad_q = _grad_or_zeros(grad_q, ctx.out_meta[0])
+    grad_k = _grad_or_zeros(grad_k, ctx.out_meta[1])
+    inputs = (q, k, cos, sin, q_weight, k_weight)
+    if torch.is_grad_enabled():  # create_graph: a backward autograd can differentiate
+        with torch.enable_grad():  # the saved tensors are the graph's own inputs
+            outs = _qk_chain(*inputs, eps, form, pairing, heads_first)
+            wanted = [x for x, n in zip(inputs, need[:6]) if n]
+            got = iter(torch.autograd.grad(outs, wanted, (grad_q, grad_k), create_graph=True,
+                                           allow_unused=True))
+        return tuple(next(got) if n else None for n in need[:6]) + none
+    dq, dk, dq_weight, dk_weight = qk_norm_rope_backward(
+        grad_q, grad_k, q, k, cos, sin, q_weight, k_weight, q_rstd, k_rstd, eps, form,
+        pairing, sum_lanes, heads_first)
+    dcos = dsin = None
+    if need[2] or need[3]:  # the rotation's own autograd, over the recomputed norm
+        with torch.enable_grad():
+            c, s = cos.detach().requires_grad_(), sin.detach().requires_grad_()
+            yq, yk = _qk_norm(q, q_weight, eps, form), _qk_norm(k, k_weight, eps, form)
+            if q.dtype in (torch.float32, torch.float64):
+                outs = (_rotary(yq, c, s, pairing, heads_first),
+                        _rotary(yk, c, s, pairing, heads_first))
+            else:
+                outs = rope(yq, yk, c, s, [], False, pairing, False, None, None, heads_first)
+            dcos, dsin = torch.autograd.grad(outs, (c, s), (grad_q, grad_k))
+        dcos = dcos if need[2] else None
+        dsin = dsin if need[3] else None
+    return (dq if need[0] else None, dk if need[1] else None, dcos, dsin,
+            dq_weight if need[4] else None, dk_weight if need[5] else None) + none
+
+
+torch.library.register_autograd("posenc::qk_norm_rope", _qk_norm_rope_backward,
+                                setup_context=_qk_norm_rope_setup_context)
+
 
 
 # ---------------------------------------------------------------------------------------
@@ -367,12 +488,31 @@ def _rope_fused_vmap(call: Callable) -> Callable:
     return rule
 
 
+def _qk_norm_rope_vmap(call: Callable) -> Callable:
+    def rule(info, in_dims, q, k, cos, sin, q_weight, k_weight, *rest):
+        if in_dims[4] is not None or in_dims[5] is not None:  # weights per sample
+            return _per_sample_vmap(call)(info, in_dims, q, k, cos, sin, q_weight, k_weight,
+                                          *rest)
+        n = info.batch_size
+        q, k = _fold(q, in_dims[0], n), _fold(k, in_dims[1], n)
+        batch = q.shape[0] // n
+        cos = _fold_batched(cos, in_dims[2], n, batch, 0)
+        sin = _fold_batched(sin, in_dims[3], n, batch, 0)
+        return _unfold(call(q, k, cos, sin, q_weight, k_weight, *rest), n)
+    return rule
+
+
+
 # Raw op calls under vmap; the autograd.Functions below get the same rules.
 torch.library.register_vmap("posenc::rope", _rope_vmap(torch.ops.posenc.rope))
 torch.library.register_vmap("posenc::rope_fused", _rope_fused_vmap(torch.ops.posenc.rope_fused))
 torch.library.register_vmap("posenc::rope_table_grad",
                             _per_sample_vmap(torch.ops.posenc.rope_table_grad))
 torch.library.register_vmap("posenc::rope_tables", _per_sample_vmap(torch.ops.posenc.rope_tables))
+torch.library.register_vmap("posenc::qk_norm_rope",
+                            _qk_norm_rope_vmap(torch.ops.posenc.qk_norm_rope))
+torch.library.register_vmap("posenc::qk_norm_rope_backward",
+                            _per_sample_vmap(torch.ops.posenc.qk_norm_rope_backward))
 
 
 # ---------------------------------------------------------------------------------------
@@ -396,6 +536,8 @@ _ROPE = torch.ops.posenc.rope.default
 _ROPE_TABLE_GRAD = torch.ops.posenc.rope_table_grad.default
 _ROPE_FUSED = torch.ops.posenc.rope_fused.default
 _ROPE_TABLES = torch.ops.posenc.rope_tables.default
+_QK_NORM_ROPE = torch.ops.posenc.qk_norm_rope.default
+_QK_NORM_ROPE_BACKWARD = torch.ops.posenc.qk_norm_rope_backward.default
 _is_compiling, _is_grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
 
 
@@ -486,6 +628,9 @@ _RopeTableGradFunction, _RopeTableGradEagerFunction = _functions(
 _RopeFusedFunction, _RopeFusedEagerFunction = _functions(
     "RopeFused", _ROPE_FUSED, _rope_fused_setup_context, _rope_fused_backward,
     _rope_fused_vmap(lambda *a: rope_fused(*a)))
+_QkNormRopeFunction, _QkNormRopeEagerFunction = _functions(
+    "QkNormRope", _QK_NORM_ROPE, _qk_norm_rope_setup_context, _qk_norm_rope_backward,
+    _qk_norm_rope_vmap(lambda *a: qk_norm_rope(*a)))
 
 
 def rope(q, k, cos, sin, mrope_section, interleaved, pairing, transpose=False, q_dtype=None,
@@ -559,3 +704,37 @@ def rope_tables(position_ids, inv_freq, mrope_section, interleaved, attention_sc
         return torch.ops.posenc.rope_tables(*args)
     with fast.below_autograd():
         return _ROPE_TABLES(*args)
+
+
+def qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, form, pairing, sum_lanes,
+                 heads_first):
+    """posenc::qk_norm_rope (q, k normed per head and rotated) -> (q_out, k_out, q_rstd,
+    k_rstd), with autograd for q, k, cos, sin and both weights."""
+    args = (q, k, cos, sin, q_weight, k_weight, eps, form, pairing, sum_lanes, heads_first)
+    if _is_compiling():
+        return torch.ops.posenc.qk_norm_rope(*args)
+    fast = _fast
+    if fast is None:
+        return _QkNormRopeFunction.apply(*args)
+    transforms = fast.transforms_active()
+    if transforms or fast.forward_ad._current_level >= 0:
+        _reject_forward_mode("qk_norm_rope", fast, (q, k, cos, sin, q_weight, k_weight))
+    if transforms:
+        return _QkNormRopeFunction.apply(*args)
+    if _is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin, q_weight, k_weight)):
+        return _QkNormRopeEagerFunction.apply(*args)
+    with fast.below_autograd():
+        return _QK_NORM_ROPE(*args)
+
+
+def qk_norm_rope_backward(grad_q, grad_k, q, k, cos, sin, q_weight, k_weight, q_rstd, k_rstd,
+                          eps, form, pairing, sum_lanes, heads_first):
+    """posenc::qk_norm_rope_backward -> (dq, dk, dq_weight, dk_weight); not differentiable
+    itself (a create_graph backward takes the torch-ops chain instead)."""
+    args = (grad_q, grad_k, q, k, cos, sin, q_weight, k_weight, q_rstd, k_rstd, eps, form,
+            pairing, sum_lanes, heads_first)
+    fast = _fast
+    if fast is None or _is_compiling() or fast.transforms_active():
+        return torch.ops.posenc.qk_norm_rope_backward(*args)
+    with fast.below_autograd():
+        return _QK_NORM_ROPE_BACKWARD(*args)

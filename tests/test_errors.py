@@ -79,6 +79,15 @@ def _fused(**kw):
     return P.apply_rope(**args)
 
 
+def _qk_norm(**kw):
+    q, k = _qk()
+    cos, sin = _tables()
+    args = dict(q=q, k=k, cos=cos, sin=sin, q_weight=torch.ones(16), k_weight=torch.ones(16),
+                eps=1e-6)
+    args.update(kw)
+    return P.apply_qk_norm_rope(**args)
+
+
 def _tables_fn(**kw):
     args = dict(position_ids=POS, inv_freq=INV)
     args.update(kw)
@@ -597,6 +606,18 @@ CASES = [
     ("patch/not-iterable", lambda: _patch(model_types=3), TypeError, "model_types"),
     ("patch/fallback", lambda: _patch(fallback="no"), TypeError, "fallback"),
     ("patch/count", lambda: _patch(count=1), TypeError, "count"),
+    # apply_qk_norm_rope
+    ("qk-norm/weight-dtype", lambda: _qk_norm(q_weight=torch.ones(16, dtype=torch.float64)),
+     TypeError, "q_weight dtype"),
+    ("qk-norm/q-dtype", lambda: _qk_norm(q=torch.ones(2, 4, 5, 16, dtype=torch.long)),
+     TypeError, "q must be float32"),
+    ("qk-norm/norm-type", lambda: _qk_norm(norm=None), TypeError, "norm must be a str"),
+    ("qk-norm/eps-str", lambda: _qk_norm(eps="1e-6"), TypeError, "eps must be a real number"),
+    ("qk-norm/weight-shape", lambda: _qk_norm(k_weight=torch.ones(8)), ValueError,
+     "k_weight must have shape"),
+    ("qk-norm/norm", lambda: _qk_norm(norm="layer"), ValueError, "norm must be one of"),
+    ("qk-norm/eps-negative", lambda: _qk_norm(eps=-1.0), ValueError, "eps must be finite"),
+    ("qk-norm/q-rank", lambda: _qk_norm(q=torch.randn(4, 5, 16)), ValueError, "q must be 4-D"),
     ("patch/empty", lambda: _patch(model_types=[]), ValueError, "model_types is empty"),
 ]
 
@@ -631,6 +652,7 @@ def test_error_policy(request, call, exc, fragment):
 PUBLIC = {
     "apply_rotary_pos_emb": "rot", "apply_multimodal_rotary_pos_emb": "mrot",
     "apply_rotary_pos_emb_vision": "vision", "apply_rope": "fused",
+    "apply_qk_norm_rope": "qk-norm",
     "compute_mrope_cos_sin": "tables", "compute_mrope_position_ids": "positions",
     "compute_mrope_decode_position_ids": "decode",
     "compute_packed_mrope_position_ids": "packed", "vision_rotary_position_ids": "vision-ids",

@@ -153,4 +153,19 @@ void pe_rope_table_rows_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p,
                                    int64_t n, void *scratch);
 #endif
 
+/* The fp32 core of the fused q/k norm + RoPE (qk_norm_f32.h) per instruction set, in
+ * qk_norm_<isa>.c: tokens i0 .. i0+n-1, forward or backward, with a scratch buffer of
+ * pe_qk_scratch_bytes.  Arguments are validated by qk_norm.c. */
+static inline size_t pe_qk_scratch_bytes(int64_t R, int64_t D) {
+    return (size_t)(3 * R + 7 * D) * sizeof(double);
+}
+void pe_qk_norm_rows_f32_baseline(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
+                                  void *scratch);
+#ifdef PE_HAVE_X86_VARIANTS
+void pe_qk_norm_rows_f32_avx2(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
+                              void *scratch);
+void pe_qk_norm_rows_f32_avx512(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
+                                void *scratch);
+#endif
+
 #endif /* POSENC_INTERNAL_H */

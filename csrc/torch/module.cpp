@@ -1,7 +1,7 @@
 // The posenc op library and the posenc_torch._C module.  The schemas of every op and the
 // kernel for each dispatch key are registered here (the bodies are in rope.cpp,
-// positions.cpp, vision.cpp and sinusoidal.cpp); the module is created with the limited
-// Python C API, and importing it runs these registrations.  The shim uses only the LibTorch
+// positions.cpp, vision.cpp, qk_norm.cpp and sinusoidal.cpp); the module is created with
+// the limited Python C API, and importing it runs these registrations.  The shim uses only the LibTorch
 // stable ABI (stable_support.h), so one binary serves every torch from the target version on.
 #include <Python.h>
 
@@ -39,6 +39,13 @@ STABLE_TORCH_LIBRARY(posenc, m) {
           "bool align_corners=False, int spatial_merge_size=1, int padding=0, int rule=0) "
           "-> (Tensor, Tensor)");
     m.def("vision_nearest_position_ids(Tensor target_sizes, int num_patches_per_side) -> Tensor");
+    m.def("qk_norm_rope(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor q_weight, "
+          "Tensor k_weight, float eps, int form, int pairing, int sum_lanes, bool heads_first) "
+          "-> (Tensor, Tensor, Tensor, Tensor)");
+    m.def("qk_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor cos, "
+          "Tensor sin, Tensor q_weight, Tensor k_weight, Tensor q_rstd, Tensor k_rstd, float eps, "
+          "int form, int pairing, int sum_lanes, bool heads_first) "
+          "-> (Tensor, Tensor, Tensor, Tensor)");
     m.def("sinusoidal(SymInt num_positions, SymInt dim, float base, ScalarType dtype) -> Tensor");
 }
 
@@ -54,6 +61,8 @@ STABLE_TORCH_LIBRARY_IMPL(posenc, CPU, m) {
     m.impl("vision_window_index", TORCH_BOX(&posenc::vision_window_index_cpu));
     m.impl("vision_interpolation", TORCH_BOX(&posenc::vision_interpolation_cpu));
     m.impl("vision_nearest_position_ids", TORCH_BOX(&posenc::vision_nearest_position_ids_cpu));
+    m.impl("qk_norm_rope", TORCH_BOX(&posenc::qk_norm_rope_impl));
+    m.impl("qk_norm_rope_backward", TORCH_BOX(&posenc::qk_norm_rope_backward_impl));
 }
 
 #ifdef POSENC_WITH_CUDA

@@ -6,6 +6,7 @@
 //   positions.cpp        posenc::mrope_position_ids, mrope_packed_position_ids
 //   position_errors.cpp  the ValueErrors of the position-id walks, in the arguments' names
 //   vision.cpp           posenc::vision_* (the vision towers' index tensors)
+//   qk_norm.cpp          posenc::qk_norm_rope, qk_norm_rope_backward (CPU)
 //   sinusoidal.cpp       posenc::sinusoidal
 //   module.cpp           the schemas, the kernels per dispatch key, posenc_torch._C
 #pragma once
@@ -85,6 +86,16 @@ TensorPair vision_interpolation_cpu(const Tensor& grid_thw, int64_t num_grid_per
 Tensor vision_nearest_position_ids_cpu(const Tensor& target_sizes, int64_t num_patches_per_side);
 
 Tensor sinusoidal_impl(int64_t num_positions, int64_t dim, double base, ScalarType dtype);
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_impl(
+    const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
+    const Tensor& q_weight, const Tensor& k_weight, double eps, int64_t form, int64_t pairing,
+    int64_t sum_lanes, bool heads_first);
+std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward_impl(
+    const Tensor& grad_q, const Tensor& grad_k, const Tensor& q, const Tensor& k,
+    const Tensor& cos, const Tensor& sin, const Tensor& q_weight, const Tensor& k_weight,
+    const Tensor& q_rstd, const Tensor& k_rstd, double eps, int64_t form, int64_t pairing,
+    int64_t sum_lanes, bool heads_first);
 
 // ---- Checks shared by the ops.
 

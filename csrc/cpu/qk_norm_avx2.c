@@ -1,0 +1,8 @@
+/* The fp32 core of the fused q/k norm + RoPE compiled for AVX2 + FMA + F16C
+ * (meson.build sets the flags). */
+#include "qk_norm_f32.h"
+
+void pe_qk_norm_rows_f32_avx2(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
+                              void *scratch) {
+    qk_norm_rows_f32(a, i0, n, backward, scratch);
+}

@@ -1,0 +1,302 @@
+/*
+ * The fp32 core of the fused per-head RMSNorm + RoPE (posenc.h, pe_qk_norm_rope): rows of
+ * tokens i0 .. i0+n-1, forward or backward, for fp32 / bf16 / fp16 tensors.  Compiled once
+ * per instruction set into qk_norm_<isa>.c (the vector width of the loads, stores and of the
+ * compiler's vectorized loops); the arithmetic is the same in every variant because each
+ * loop is element-wise or keeps torch's own lanes (qk_sum_f32), and nothing is fused
+ * (-ffp-contract=off).  qk_norm.c runs the tiles over threads.
+ */
+#ifndef POSENC_QK_NORM_F32_H
+#define POSENC_QK_NORM_F32_H
+
+#include <math.h>
+
+#include "simd.h"
+
+/* v rounded to dt and back (the identity for fp32): where transformers' norm rounds. */
+PE_INLINE float qk_round(float v, pe_dtype dt) {
+    if (dt == PE_BFLOAT16) return pe_bf16_to_f32(pe_f32_to_bf16(v));
+    if (dt == PE_FLOAT16) return pe_f16_to_f32(pe_f32_to_f16(v));
+    return v;
+}
+
+/* torch's utils::CeilLog2 */
+static inline int64_t qk_ceil_log2(int64_t x) {
+    return x <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(x - 1));
+}
+
+/*
+ * The sum of v[0..n-1] as torch's cascade_sum adds a contiguous row (SumKernel.cpp:
+ * vectorized_inner_sum -> row_sum -> multi_row_sum, 4 accumulators, 4 cascade levels) with
+ * vectors of W lanes; the order is spelled out in posenc.h.  Inlined with W constant, the
+ * lane loops vectorize without changing the order.
+ */
+PE_INLINE float qk_sum_f32(const float *restrict v, int64_t n, int W) {
+    if (n < W) W = 1;
+    const int64_t nvec = n / W, groups = nvec / 4;
+    float acc[4][4][16] = {{{0}}}; /* level, accumulator, lane */
+    const int64_t lp = qk_ceil_log2(groups) / 4 > 4 ? qk_ceil_log2(groups) / 4 : 4;
+    const int64_t step = (int64_t)1 << lp, mask = step - 1;
+    int64_t i = 0;
+    while (i + step <= groups) {
+        for (int64_t j = 0; j < step; ++j, ++i)
+            for (int k = 0; k < 4; ++k)
+                for (int l = 0; l < W; ++l) acc[0][k][l] += v[(4 * i + k) * W + l];
+        for (int j = 1; j < 4; ++j) {
+            for (int k = 0; k < 4; ++k)
+                for (int l = 0; l < W; ++l) {
+                    acc[j][k][l] += acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0.0f;
+                }
+            if (i & (mask << (j * lp))) break;
+        }
+    }
+    for (; i < groups; ++i)
+        for (int k = 0; k < 4; ++k)
+            for (int l = 0; l < W; ++l) acc[0][k][l] += v[(4 * i + k) * W + l];
+    for (int j = 1; j < 4; ++j)
+        for (int k = 0; k < 4; ++k)
+            for (int l = 0; l < W; ++l) acc[0][k][l] += acc[j][k][l];
+    for (int64_t r = 4 * groups; r < nvec; ++r) /* vectors left over: accumulator 0 */
+        for (int l = 0; l < W; ++l) acc[0][0][l] += v[r * W + l];
+    for (int k = 1; k < 4; ++k)
+        for (int l = 0; l < W; ++l) acc[0][0][l] += acc[0][k][l];
+    float s = 0.0f;
+    for (int64_t e = nvec * W; e < n; ++e) s += v[e];
+    if (W == 1) return acc[0][0][0]; /* scalar_inner_sum: the row sum itself */
+    for (int l = 0; l < W; ++l) s += acc[0][0][l];
+    return s;
+}
+
+#ifdef __AVX2__
+/* qk_sum_f32 for W = 8, n a multiple of 8 and fewer than 64 vectors (no cascade carry), in
+ * registers: the same additions in the same order (the accumulators start from +0 and get
+ * the joined levels' +0 added, as torch's do, which turns a -0 into +0). */
+PE_INLINE float qk_sum8_f32(const float *restrict v, int64_t n) {
+    const int64_t nvec = n / 8, groups = nvec / 4;
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 a0 = zero, a1 = zero, a2 = zero, a3 = zero;
+    for (int64_t i = 0; i < groups; ++i) {
+        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(v + 32 * i));
+        a1 = _mm256_add_ps(a1, _mm256_loadu_ps(v + 32 * i + 8));
+        a2 = _mm256_add_ps(a2, _mm256_loadu_ps(v + 32 * i + 16));
+        a3 = _mm256_add_ps(a3, _mm256_loadu_ps(v + 32 * i + 24));
+    }
+    a0 = _mm256_add_ps(a0, zero);
+    a1 = _mm256_add_ps(a1, zero);
+    a2 = _mm256_add_ps(a2, zero);
+    a3 = _mm256_add_ps(a3, zero);
+    for (int64_t r = 4 * groups; r < nvec; ++r) a0 = _mm256_add_ps(a0, _mm256_loadu_ps(v + 8 * r));
+    a0 = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), a2), a3);
+    float lane[8];
+    _mm256_storeu_ps(lane, a0);
+    float s = 0.0f;
+    for (int l = 0; l < 8; ++l) s += lane[l];
+    return s;
+}
+#endif
+
+PE_INLINE float qk_sum_lanes_f32(const float *restrict v, int64_t n, int W) {
+#ifdef __AVX2__
+    if (W == 8 && n % 8 == 0 && n < 8 * 64) return qk_sum8_f32(v, n);
+#endif
+    switch (W) { /* a constant width per call site, for the vectorizer */
+    case 8: return qk_sum_f32(v, n, 8);
+    case 16: return qk_sum_f32(v, n, 16);
+    case 4: return qk_sum_f32(v, n, 4);
+    default: return qk_sum_f32(v, n, 1);
+    }
+}
+
+/* The cos row c of token (b, t) and the signed sine ss of the forward (sign(e) s[e]) or of
+ * the transpose (-sign(e) s[p(e)]); s is scratch. */
+PE_INLINE void qk_tables_f32(const pe_qk_norm_args *a, int64_t b, int64_t t, int transpose,
+                             float *restrict c, float *restrict ss, float *restrict s) {
+    const int64_t R = a->rot_dim, h = R / 2;
+    const int64_t off = ((a->table_batch == 1 ? 0 : b) * a->table_stride[0] +
+                         t * a->table_stride[1]) * (int64_t)pe_dtype_size(a->dtype);
+    load_row(c, (const char *)a->cos + off, a->dtype, R);
+    load_row(s, (const char *)a->sin + off, a->dtype, R);
+    if (a->pairing == PE_PAIR_HALF) {
+        for (int64_t e = 0; e < h; ++e) ss[e] = transpose ? s[e + h] : -s[e];
+        for (int64_t e = h; e < R; ++e) ss[e] = transpose ? -s[e - h] : s[e];
+    } else {
+        for (int64_t e = 0; e < R; e += 2) {
+            ss[e] = transpose ? s[e + 1] : -s[e];
+            ss[e + 1] = transpose ? -s[e] : s[e + 1];
+        }
+    }
+}
+
+/* o = the rotation of x (forward or transpose, by ss) on the R rotary channels, x past R. */
+PE_INLINE void qk_rotate_f32(const float *restrict x, float *restrict o, const float *restrict c,
+                             const float *restrict ss, int64_t R, int64_t D, pe_pairing p) {
+    if (p == PE_PAIR_HALF) {
+        const int64_t h = R / 2;
+        for (int64_t e = 0; e < h; ++e) o[e] = pe_rot_f32(x[e], c[e], x[e + h], ss[e]);
+        for (int64_t e = h; e < R; ++e) o[e] = pe_rot_f32(x[e], c[e], x[e - h], ss[e]);
+    } else {
+        for (int64_t e = 0; e < R; e += 2) {
+            o[e] = pe_rot_f32(x[e], c[e], x[e + 1], ss[e]);
+            o[e + 1] = pe_rot_f32(x[e + 1], c[e + 1], x[e], ss[e + 1]);
+        }
+    }
+    for (int64_t e = R; e < D; ++e) o[e] = x[e];
+}
+
+#ifdef PE_VW
+/* v rounded to dt and back, a vector at a time (through the dtype's own store and load). */
+PE_INLINE pe_vf vf_round(pe_vf v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) return v;
+    char tmp[2 * PE_VW];
+    vx_store(tmp, v, dt);
+    return vx_load(tmp, dt);
+}
+#endif
+
+/* y = the normalized and weighted row (the form's roundings), a vector at a time. */
+PE_INLINE void qk_scale_row(float *restrict y, const float *restrict x, const float *restrict w,
+                            float r, int64_t D, pe_norm_form form, pe_dtype dt) {
+    int64_t e = 0;
+#ifdef PE_VW
+    const pe_vf rr = vf_set1(r), one = vf_set1(1.0f);
+    for (; e + PE_VW <= D; e += PE_VW) {
+        const pe_vf n = vf_mul(vf_load(x + e), rr), wv = vf_load(w + e);
+        pe_vf out;
+        if (form == PE_NORM_WEIGHT) out = vf_round(vf_mul(wv, vf_round(n, dt)), dt);
+        else if (form == PE_NORM_ONE_PLUS_WEIGHT) out = vf_round(vf_mul(n, vf_add(one, wv)), dt);
+        else out = vf_round(vf_mul(wv, n), dt);
+        vx_store((char *)(y + e), out, PE_FLOAT32);
+    }
+#endif
+    for (; e < D; ++e) {
+        if (form == PE_NORM_WEIGHT) y[e] = qk_round(w[e] * qk_round(x[e] * r, dt), dt);
+        else if (form == PE_NORM_ONE_PLUS_WEIGHT) y[e] = qk_round(x[e] * r * (1.0f + w[e]), dt);
+        else y[e] = qk_round(w[e] * (x[e] * r), dt);
+    }
+}
+
+/* Scratch rows of one thread (fp32): the two weights, cos, signed sine, sine, and five rows. */
+typedef struct qk_rows_f32 {
+    float *w[2], *c, *ss, *s, *x, *t, *y, *o, *g;
+} qk_rows_f32;
+
+PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict w,
+                              const char *xr, char *orow, float *rstd, qk_rows_f32 *m) {
+    const int64_t D = a->head_dim;
+    float *restrict x = m->x, *restrict t = m->t, *restrict y = m->y;
+    load_row(x, xr, dt, D);
+    for (int64_t e = 0; e < D; ++e) t[e] = x[e] * x[e];
+    const float mean = qk_sum_lanes_f32(t, D, a->sum_lanes) / (float)D;
+    const float r = 1.0f / sqrtf(mean + (float)a->eps);
+    *rstd = r;
+    qk_scale_row(y, x, w, r, D, a->form, dt);
+    qk_rotate_f32(y, m->o, m->c, m->ss, a->rot_dim, D, a->pairing);
+    store_row(orow, m->o, dt, D);
+}
+
+PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict w,
+                               const char *xr, const char *grow, char *dxrow, char *wprow,
+                               float r, qk_rows_f32 *m) {
+    const int64_t D = a->head_dim;
+    const pe_norm_form form = a->form;
+    float *restrict x = m->x, *restrict t = m->t, *restrict gy = m->y, *restrict gn = m->o;
+    float *restrict wp = m->g;
+    load_row(m->g, grow, dt, D);
+    qk_rotate_f32(m->g, gy, m->c, m->ss, a->rot_dim, D, a->pairing);
+    load_row(x, xr, dt, D);
+    int64_t e = 0;
+#ifdef PE_VW
+    const pe_vf rr = vf_set1(r), one = vf_set1(1.0f);
+    for (; e + PE_VW <= D; e += PE_VW) {
+        const pe_vf g = vf_round(vf_load(gy + e), dt), xv = vf_load(x + e), wv = vf_load(w + e);
+        const pe_vf n = vf_mul(xv, rr);
+        pe_vf gv, pv;
+        if (form == PE_NORM_WEIGHT) {
+            gv = vf_round(vf_mul(g, wv), dt);
+            pv = vf_round(vf_mul(g, vf_round(n, dt)), dt);
+        } else {
+            gv = vf_mul(g, form == PE_NORM_ONE_PLUS_WEIGHT ? vf_add(one, wv) : wv);
+            pv = vf_mul(g, n);
+        }
+        vx_store((char *)(gn + e), gv, PE_FLOAT32);
+        vx_store((char *)(wp + e), pv, PE_FLOAT32);
+        vx_store((char *)(t + e), vf_mul(gv, xv), PE_FLOAT32);
+    }
+#endif
+    for (; e < D; ++e) {
+        const float g = qk_round(gy[e], dt), n = x[e] * r;
+        if (form == PE_NORM_WEIGHT) {
+            gn[e] = qk_round(g * w[e], dt);
+            wp[e] = qk_round(g * qk_round(n, dt), dt);
+        } else {
+            gn[e] = g * (form == PE_NORM_ONE_PLUS_WEIGHT ? 1.0f + w[e] : w[e]);
+            wp[e] = g * n;
+        }
+        t[e] = gn[e] * x[e];
+    }
+    store_row(wprow, wp, form == PE_NORM_WEIGHT ? dt : PE_FLOAT32, D);
+    const float gv = (-0.5f * qk_sum_lanes_f32(t, D, a->sum_lanes)) * ((r * r) * r);
+    const float gx2 = gv / (float)D;
+    e = 0;
+#ifdef PE_VW
+    const pe_vf g2 = vf_set1(gx2), two = vf_set1(2.0f);
+    for (; e + PE_VW <= D; e += PE_VW)
+        vx_store((char *)(t + e),
+                 vf_add(vf_mul(vf_load(gn + e), rr), vf_mul(g2, vf_mul(two, vf_load(x + e)))),
+                 PE_FLOAT32);
+#endif
+    for (; e < D; ++e) t[e] = gn[e] * r + gx2 * (2.0f * x[e]);
+    store_row(dxrow, t, dt, D);
+}
+
+/* Tokens i0 .. i0+n-1 (i = b T + t), all heads of q then k, tensors of dtype dt (a->dtype,
+ * passed as a constant so that each dtype gets its own loops). */
+PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
+                               void *scratch, pe_dtype dt) {
+    const int64_t D = a->head_dim, R = a->rot_dim, T = a->seq;
+    const size_t es = pe_dtype_size(dt);
+    const size_t wes = backward && a->form != PE_NORM_WEIGHT ? 4 : es;
+    float *f = (float *)scratch;
+    qk_rows_f32 m = {{f, f + D}, f + 2 * D, f + 2 * D + R, f + 2 * D + 2 * R, 0, 0, 0, 0, 0};
+    m.x = m.s + R;
+    m.t = m.x + D;
+    m.y = m.t + D;
+    m.o = m.y + D;
+    m.g = m.o + D;
+    const pe_qk_norm_tensor *xs[2] = {&a->q, &a->k};
+    for (int w = 0; w < 2; ++w)
+        if (xs[w]->heads) load_row(m.w[w], xs[w]->weight, dt, D);
+    for (int64_t i = i0; i < i0 + n; ++i) {
+        const int64_t b = i / T, t = i % T;
+        qk_tables_f32(a, b, t, backward, m.c, m.ss, m.s);
+        for (int w = 0; w < 2; ++w) {
+            const pe_qk_norm_tensor *x = xs[w];
+            for (int64_t h = 0; h < x->heads; ++h) {
+                const char *xr = pe_row(x->x, x->x_stride, es, b, t, h);
+                char *orow = (char *)pe_row(x->out, x->out_stride, es, b, t, h);
+                float *rstd = (float *)pe_row(x->rstd, x->rstd_stride, 4, b, t, h);
+                if (!backward) {
+                    qk_forward_row(a, dt, m.w[w], xr, orow, rstd, &m);
+                } else {
+                    const char *gr = pe_row(x->grad, x->grad_stride, es, b, t, h);
+                    char *wp = (char *)pe_row(x->wprod, x->wprod_stride, wes, b, t, h);
+                    qk_backward_row(a, dt, m.w[w], xr, gr, orow, wp, *rstd, &m);
+                }
+            }
+        }
+    }
+}
+
+/* The tile function of qk_norm_<isa>.c: tokens i0 .. i0+n-1, with pe_qk_scratch_bytes of
+ * scratch. */
+PE_INLINE void qk_norm_rows_f32(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
+                                void *scratch) {
+    switch (a->dtype) {
+    case PE_BFLOAT16: qk_norm_rows_dt(a, i0, n, backward, scratch, PE_BFLOAT16); break;
+    case PE_FLOAT16: qk_norm_rows_dt(a, i0, n, backward, scratch, PE_FLOAT16); break;
+    default: qk_norm_rows_dt(a, i0, n, backward, scratch, PE_FLOAT32); break;
+    }
+}
+
+#endif /* POSENC_QK_NORM_F32_H */

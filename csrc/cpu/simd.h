@@ -1,0 +1,284 @@
+/*
+ * The SIMD vocabulary of the fp32 cores (rope_f32.h, qk_norm_f32.h): an fp32 vector type
+ * pe_vf of PE_VW lanes with loads, stores and arithmetic, loads and stores of 16-bit
+ * dtypes with the conversion inline (bf16 rounds to nearest even), bf16 channel pairs, the
+ * scalar sx_load / sx_store, and rows of n values converted to and from fp32.  The
+ * compiler's target macros (__AVX512F__, __AVX2__) of the file that includes it pick the
+ * rows; the baseline build defines no PE_VW and keeps the scalar helpers.
+ */
+#ifndef POSENC_SIMD_H
+#define POSENC_SIMD_H
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "internal.h"
+
+#define PE_INLINE static inline __attribute__((always_inline))
+
+/*
+ * Fast rows for the common case: half pairing, same dtype in and out, fp32 compute.  One
+ * pass over all heads of a token reads both halves of each row, rotates, and stores with
+ * the conversion inline; nothing goes through a scratch buffer.  The vector helpers below
+ * take the dtype as an argument and are always inlined with a constant, so each dtype gets
+ * its own straight-line loop.  The vectorizer handles plain fp32 well but not the bf16
+ * rounding or F16C, hence explicit intrinsics.
+ */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PE_VW 16
+typedef __m512 pe_vf;
+PE_INLINE pe_vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+PE_INLINE pe_vf vf_zero(void) { return _mm512_setzero_ps(); }
+PE_INLINE pe_vf vf_set1(float v) { return _mm512_set1_ps(v); }
+PE_INLINE pe_vf vf_add(pe_vf a, pe_vf b) { return _mm512_add_ps(a, b); }
+PE_INLINE pe_vf vf_sub(pe_vf a, pe_vf b) { return _mm512_sub_ps(a, b); }
+PE_INLINE pe_vf vf_mul(pe_vf a, pe_vf b) { return _mm512_mul_ps(a, b); }
+PE_INLINE pe_vf vf_neg(pe_vf a) { return _mm512_xor_ps(a, _mm512_set1_ps(-0.0f)); }
+PE_INLINE pe_vf vf_and(pe_vf m, pe_vf a) { return _mm512_and_ps(m, a); }
+PE_INLINE pe_vf vf_or(pe_vf a, pe_vf b) { return _mm512_or_ps(a, b); }
+PE_INLINE pe_vf vf_andnot(pe_vf m, pe_vf a) { return _mm512_andnot_ps(m, a); } /* ~m & a */
+/* b in the lanes where the sign bit of m is set, else a */
+PE_INLINE pe_vf vf_select(pe_vf a, pe_vf b, pe_vf m) {
+    return _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(m)), a, b);
+}
+PE_INLINE pe_vf vf_rot(pe_vf a, pe_vf ca, pe_vf b, pe_vf sb) {
+    return _mm512_add_ps(_mm512_mul_ps(a, ca), _mm512_mul_ps(b, sb));
+}
+PE_INLINE pe_vf vx_load(const char *p, pe_dtype dt) {
+    if (dt == PE_FLOAT32) return _mm512_loadu_ps((const float *)p);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (dt == PE_FLOAT16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+PE_INLINE void vx_store16(char *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
+PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) {
+        _mm512_storeu_ps((float *)p, v);
+    } else if (dt == PE_FLOAT16) {
+        vx_store16(p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    } else { /* bf16: round to nearest even on the bits; NaN stays a (quiet) NaN */
+        const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+        const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+        __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+        r = _mm512_srli_epi32(r, 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                  _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+        vx_store16(p, _mm512_cvtepi32_epi16(r));
+    }
+}
+/* bf16 as channel pairs (PE_BF16_BLOCK below): each 32-bit word holds channels 2i, 2i+1. */
+typedef __m512i pe_vi;
+PE_INLINE pe_vi vi_load(const char *p) { return _mm512_loadu_si512((const void *)p); }
+PE_INLINE void vi_store(char *p, pe_vi v) { _mm512_storeu_si512((void *)p, v); }
+/* Streaming (cache-bypassing) stores to 64-byte aligned rows; bf16 rows of channel order
+ * (only row tails, which rope.c never streams) store as usual. */
+PE_INLINE void vi_stream(char *p, pe_vi v) { _mm512_stream_si512((void *)p, v); }
+PE_INLINE void vx_stream(char *p, pe_vf v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) _mm512_stream_ps((float *)p, v);
+    else if (dt == PE_FLOAT16)
+        _mm256_stream_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    else vx_store(p, v, dt);
+}
+PE_INLINE pe_vf bf16_even(pe_vi u) { return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)); }
+PE_INLINE pe_vf bf16_odd(pe_vi u) {
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+}
+/* v rounded to bf16 in the high half of each word (the low half is left over): for numbers
+ * (bf16_round_num) and for any value, NaN included (bf16_round_hi) */
+PE_INLINE pe_vi bf16_round_num(pe_vf v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+}
+PE_INLINE pe_vi bf16_round_hi(pe_vf v) {
+    return _mm512_mask_or_epi32(bf16_round_num(v), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                _mm512_castps_si512(v), _mm512_set1_epi32(0x400000));
+}
+/* acc with all-ones lanes where a or b, or c or d, is NaN; whether any lane of m is set */
+PE_INLINE pe_vf vf_nan_lanes(pe_vf acc, pe_vf a, pe_vf b, pe_vf c, pe_vf d) {
+    const __mmask16 m = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, d, _CMP_UNORD_Q);
+    return _mm512_castsi512_ps(
+        _mm512_mask_mov_epi32(_mm512_castps_si512(acc), m, _mm512_set1_epi32(-1)));
+}
+PE_INLINE int vf_any(pe_vf m) { return _mm512_movepi32_mask(_mm512_castps_si512(m)) != 0; }
+/* the bf16 of even channels (high halves of `even`) and odd ones, interleaved again */
+PE_INLINE pe_vi bf16_join(pe_vi even, pe_vi odd) {
+    return _mm512_mask_blend_epi16((__mmask32)0xaaaaaaaau, _mm512_srli_epi32(even, 16), odd);
+}
+/* The first n < 16 lanes, for row tails (head_dim 80: 40 = 2 x 16 + 8). */
+#define PE_VTAIL 1
+PE_INLINE pe_vf vf_load_n(const float *p, int64_t n) {
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
+PE_INLINE pe_vf vx_load_n(const char *p, pe_dtype dt, int64_t n) {
+    const __mmask16 m = (__mmask16)((1u << n) - 1);
+    if (dt == PE_FLOAT32) return _mm512_maskz_loadu_ps(m, (const float *)p);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    if (dt == PE_FLOAT16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+PE_INLINE void vx_store_n(char *p, pe_vf v, pe_dtype dt, int64_t n) {
+    const __mmask16 m = (__mmask16)((1u << n) - 1);
+    if (dt == PE_FLOAT32) {
+        _mm512_mask_storeu_ps((float *)p, m, v);
+        return;
+    }
+    char tmp[32];
+    vx_store(tmp, v, dt);
+    _mm256_mask_storeu_epi16(p, m, _mm256_loadu_si256((const __m256i *)tmp));
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+#define PE_VW 8
+typedef __m256 pe_vf;
+PE_INLINE pe_vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+PE_INLINE pe_vf vf_zero(void) { return _mm256_setzero_ps(); }
+PE_INLINE pe_vf vf_set1(float v) { return _mm256_set1_ps(v); }
+PE_INLINE pe_vf vf_add(pe_vf a, pe_vf b) { return _mm256_add_ps(a, b); }
+PE_INLINE pe_vf vf_sub(pe_vf a, pe_vf b) { return _mm256_sub_ps(a, b); }
+PE_INLINE pe_vf vf_mul(pe_vf a, pe_vf b) { return _mm256_mul_ps(a, b); }
+PE_INLINE pe_vf vf_neg(pe_vf a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+PE_INLINE pe_vf vf_and(pe_vf m, pe_vf a) { return _mm256_and_ps(m, a); }
+PE_INLINE pe_vf vf_or(pe_vf a, pe_vf b) { return _mm256_or_ps(a, b); }
+PE_INLINE pe_vf vf_andnot(pe_vf m, pe_vf a) { return _mm256_andnot_ps(m, a); }
+PE_INLINE pe_vf vf_select(pe_vf a, pe_vf b, pe_vf m) { return _mm256_blendv_ps(a, b, m); }
+PE_INLINE pe_vf vf_rot(pe_vf a, pe_vf ca, pe_vf b, pe_vf sb) {
+    return _mm256_add_ps(_mm256_mul_ps(a, ca), _mm256_mul_ps(b, sb));
+}
+PE_INLINE pe_vf vx_load(const char *p, pe_dtype dt) {
+    if (dt == PE_FLOAT32) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (dt == PE_FLOAT16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+PE_INLINE void vx_store16(char *p, __m128i v) { _mm_storeu_si128((__m128i *)p, v); }
+PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) {
+        _mm256_storeu_ps((float *)p, v);
+    } else if (dt == PE_FLOAT16) {
+        vx_store16(p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    } else { /* bf16, as above; packus keeps the 16-bit results, permute joins the lanes */
+        const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
+        const __m256i odd = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+        __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+        r = _mm256_srli_epi32(r, 16);
+        r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)),
+                               _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+        r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+        vx_store16(p, _mm256_castsi256_si128(r));
+    }
+}
+typedef __m256i pe_vi;
+PE_INLINE pe_vi vi_load(const char *p) { return _mm256_loadu_si256((const __m256i *)p); }
+PE_INLINE void vi_store(char *p, pe_vi v) { _mm256_storeu_si256((__m256i *)p, v); }
+PE_INLINE void vi_stream(char *p, pe_vi v) { _mm256_stream_si256((__m256i *)p, v); }
+PE_INLINE void vx_stream(char *p, pe_vf v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) _mm256_stream_ps((float *)p, v);
+    else if (dt == PE_FLOAT16)
+        _mm_stream_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    else vx_store(p, v, dt);
+}
+PE_INLINE pe_vf bf16_even(pe_vi u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
+PE_INLINE pe_vf bf16_odd(pe_vi u) {
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+}
+PE_INLINE pe_vi bf16_round_num(pe_vf v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+}
+PE_INLINE pe_vi bf16_round_hi(pe_vf v) {
+    const __m256i u = _mm256_castps_si256(v);
+    return _mm256_blendv_epi8(bf16_round_num(v), _mm256_or_si256(u, _mm256_set1_epi32(0x400000)),
+                              _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+PE_INLINE pe_vf vf_nan_lanes(pe_vf acc, pe_vf a, pe_vf b, pe_vf c, pe_vf d) {
+    return _mm256_or_ps(acc, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q),
+                                          _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
+}
+PE_INLINE int vf_any(pe_vf m) { return !_mm256_testz_ps(m, m); }
+PE_INLINE pe_vi bf16_join(pe_vi even, pe_vi odd) {
+    return _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xaa);
+}
+#endif
+
+#ifdef PE_VW
+/*
+ * bf16 rows a block of PE_BF16_BLOCK channels at a time, without widening or narrowing
+ * shuffles: the block's 32-bit words are channel pairs, a shift gives the even channels as
+ * fp32 and a mask the odd ones, and after rounding a 16-bit blend puts the pairs back.  The
+ * tables of such rows are in "pair order" (pair_order below): per block, the values of its
+ * even channels, then those of its odd channels.
+ */
+#define PE_BF16_BLOCK (2 * PE_VW)
+#endif
+
+PE_INLINE float sx_load(const char *p, pe_dtype dt) {
+    if (dt == PE_FLOAT32) {
+        float f;
+        memcpy(&f, p, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return dt == PE_FLOAT16 ? pe_f16_to_f32(h) : pe_bf16_to_f32(h);
+}
+
+PE_INLINE void sx_store(char *p, float v, pe_dtype dt) {
+    if (dt == PE_FLOAT32) {
+        memcpy(p, &v, 4);
+        return;
+    }
+    const uint16_t h = dt == PE_FLOAT16 ? pe_f32_to_f16(v) : pe_f32_to_bf16(v);
+    memcpy(p, &h, 2);
+}
+
+/* n values of a 16-bit or fp32 dtype as fp32, a vector at a time (short MRoPE runs too). */
+PE_INLINE void to_f32_row(float *restrict dst, const char *restrict src, int64_t n, pe_dtype dt) {
+    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
+    int64_t i = 0;
+#ifdef PE_VW
+    for (; i + PE_VW <= n; i += PE_VW)
+        vx_store((char *)(dst + i), vx_load(src + i * es, dt), PE_FLOAT32);
+#endif
+    for (; i < n; ++i) dst[i] = sx_load(src + i * es, dt);
+}
+
+/* n fp32 values stored as a 16-bit or fp32 dtype, a vector at a time. */
+PE_INLINE void from_f32_row(char *restrict dst, const float *restrict src, int64_t n,
+                            pe_dtype dt) {
+    const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
+    int64_t i = 0;
+#ifdef PE_VW
+    for (; i + PE_VW <= n; i += PE_VW) vx_store(dst + i * es, vf_load(src + i), dt);
+#endif
+    for (; i < n; ++i) sx_store(dst + i * es, src[i], dt);
+}
+
+/* n values of dtype dt (fp32 or 16-bit) as fp32. */
+PE_INLINE void load_row(float *restrict dst, const void *restrict src, pe_dtype dt, int64_t n) {
+    const char *s = (const char *)src;
+    switch (dt) {
+    case PE_FLOAT32: to_f32_row(dst, s, n, PE_FLOAT32); break;
+    case PE_BFLOAT16: to_f32_row(dst, s, n, PE_BFLOAT16); break;
+    default: to_f32_row(dst, s, n, PE_FLOAT16); break;
+    }
+}
+
+/* n fp32 values stored as dtype dt, one rounding each (fp64: the tables from positions). */
+PE_INLINE void store_row(void *restrict dst, const float *restrict src, pe_dtype dt, int64_t n) {
+    char *d = (char *)dst;
+    switch (dt) {
+    case PE_FLOAT64:
+        for (int64_t i = 0; i < n; ++i) {
+            const double v = src[i];
+            memcpy(d + i * 8, &v, 8);
+        }
+        break;
+    case PE_FLOAT32: from_f32_row(d, src, n, PE_FLOAT32); break;
+    case PE_BFLOAT16: from_f32_row(d, src, n, PE_BFLOAT16); break;
+    default: from_f32_row(d, src, n, PE_FLOAT16); break;
+    }
+}
+
+#endif /* POSENC_SIMD_H */
