@@ -152,5 +152,18 @@ void pe_rope_grad_rows_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p, 
 void pe_rope_table_rows_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
                                    int64_t n, void *scratch);
 #endif
+#ifdef PE_HAVE_AVX512BF16 /* the avx512bf16 variant was built (rope_avx512bf16.c) */
+void pe_rope_rotate_f32_avx512bf16(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                   int64_t n, void *scratch);
+void pe_rope_grad_rows_f32_avx512bf16(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
+                                      int64_t n, void *scratch);
+void pe_rope_table_rows_f32_avx512bf16(const pe_rope_args *a, const pe_rope_plan *p,
+                                       int64_t i0, int64_t n, void *scratch);
+/* n fp32 values (n a multiple of 16) rounded to bf16 by vcvtneps2bf16: only on a CPU with
+ * AVX512_BF16 */
+void pe_bf16_round_hw(uint16_t *dst, const float *src, int64_t n);
+/* 1 when the CPU's vcvtneps2bf16 rounds every non-denormal class as pe_f32_to_bf16 does */
+int pe_bf16_hw_exact(void);
+#endif
 
 #endif /* POSENC_INTERNAL_H */
