@@ -136,6 +136,22 @@ PE_INLINE void bf16_round_hw_row(uint16_t *dst, const float *src, int64_t n) {
                             (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
 }
 #endif
+/* bf16_join(bf16_round_num(even), bf16_round_num(odd)) in the 16-bit words: the pairs of
+ * high halves (truncated bf16) and of low halves L, then +1 where L + (the truncated bf16's
+ * last bit) > 0x8000, which is where the 32-bit sum u + 0x7fff + that bit carries into the
+ * high half (a saturating add: L + 1 past 0xffff stays above 0x8000). */
+PE_INLINE pe_vi bf16_pairs_num(pe_vf even, pe_vf odd) {
+    static const uint16_t hi[32] = {1, 33, 3, 35, 5, 37, 7, 39, 9, 41, 11, 43, 13, 45, 15, 47,
+                                    17, 49, 19, 51, 21, 53, 23, 55, 25, 57, 27, 59, 29, 61, 31, 63};
+    const __m512i ih = _mm512_loadu_si512((const void *)hi);
+    const __m512i il = _mm512_sub_epi16(ih, _mm512_set1_epi16(1));
+    const __m512i e = _mm512_castps_si512(even), o = _mm512_castps_si512(odd);
+    const __m512i t = _mm512_permutex2var_epi16(e, ih, o), l = _mm512_permutex2var_epi16(e, il, o);
+    const __m512i lsb = _mm512_and_si512(t, _mm512_set1_epi16(1));
+    const __mmask32 up = _mm512_cmpgt_epu16_mask(_mm512_adds_epu16(l, lsb),
+                                                 _mm512_set1_epi16((short)0x8000));
+    return _mm512_mask_sub_epi16(t, up, t, _mm512_set1_epi16(-1));
+}
 /* The first n < 16 lanes, for row tails (head_dim 80: 40 = 2 x 16 + 8). */
 #define PE_VTAIL 1
 PE_INLINE pe_vf vf_load_n(const float *p, int64_t n) {

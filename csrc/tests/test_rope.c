@@ -707,6 +707,45 @@ static void special_values_case(const char *isa, int64_t D, pe_dtype tdt, int pa
     free(sn);
 }
 
+/* The AVX-512 rows' bf16 rounding of channel pairs in 16-bit words (bf16_pairs_num) against
+ * pe_f32_to_bf16, on every fp32 high half that is not a NaN with the low halves around the
+ * ties, in both lanes of a pair. */
+static void bf16_pairs_rounding_case(void) {
+#ifdef PE_HAVE_X86_VARIANTS
+    if (pe_isa_best() < PE_ISA_AVX512) return;
+    static const uint32_t lo[] = {0x0000, 0x0001, 0x7ffe, 0x7fff, 0x8000, 0x8001, 0xfffe,
+                                  0xffff, 0x1234, 0x4000, 0xc000, 0x9abc, 0x5555, 0xaaaa,
+                                  0x0100, 0xff00};
+    enum { NLO = sizeof lo / sizeof *lo, N = 65536 * NLO };
+    float *even = malloc(N * sizeof(float)), *odd = malloc(N * sizeof(float));
+    uint16_t *got = malloc(2 * N * sizeof(uint16_t));
+    for (uint32_t h = 0; h < 65536; ++h)
+        for (int j = 0; j < NLO; ++j) {
+            const uint32_t i = h * NLO + (uint32_t)j;
+            const uint32_t ue = h << 16 | lo[j], uo = (h * 40503u & 0xffffu) << 16 | lo[(j * 7 + 3) % NLO];
+            memcpy(&even[i], &ue, 4);
+            memcpy(&odd[i], &uo, 4);
+        }
+    pe_bf16_pairs_avx512(got, even, odd, N);
+    int64_t wrong = 0, checked = 0;
+    for (int64_t i = 0; i < N; ++i) {
+        if (even[i] == even[i]) {
+            wrong += got[2 * i] != pe_f32_to_bf16(even[i]);
+            ++checked;
+        }
+        if (odd[i] == odd[i]) {
+            wrong += got[2 * i + 1] != pe_f32_to_bf16(odd[i]);
+            ++checked;
+        }
+    }
+    CHECK(wrong == 0, "AVX-512 bf16 pair rounding: %ld of %ld values differ from pe_f32_to_bf16",
+          (long)wrong, (long)checked);
+    free(even);
+    free(odd);
+    free(got);
+#endif
+}
+
 /*
  * The hardware's bf16 rounding (vcvtneps2bf16, on a CPU with AVX512_BF16) against the
  * software's (pe_f32_to_bf16) on every fp32 high half (every sign, exponent and top mantissa:
@@ -869,6 +908,7 @@ int main(void) {
         denormal_rows_case((pe_isa)isa);
     }
     bf16_hw_rounding_case();
+    bf16_pairs_rounding_case();
     pe_isa_set(pe_isa_best());
     empty_cases();
     bad_args();
