@@ -4,8 +4,8 @@ Compiles scripts/loop_probe.c (one head row of head_dim 128, fp32 and bf16) with
 variant's flags from meson.build, disassembles the probe functions with objdump, counts
 their instructions on the path to the first return (the loops are fully unrolled for
 h = 64: the count is one row's, the constants set up once per row included; the rare redo
-of a row with a NaN or a denormal sits after that return) and, where llvm-mca is installed, asks it for the
-row's throughput in cycles on a model CPU.  Prints a Markdown table.
+of a row with a NaN or a denormal sits after that return) and, where llvm-mca is
+installed, asks it for the row's throughput in cycles on a model CPU.  Prints a Markdown table.
 
     python scripts/loop_insns.py [--cc gcc] [--mcpu sapphirerapids] [--time]
 
@@ -89,7 +89,8 @@ static double now(void) {
 }
 int main(void) {
     /* 32 head rows of 128 channels, in L1: the loops' own speed, no memory */
-    static float x[32 * 128] __attribute__((aligned(64))), o[32 * 128 + 256] __attribute__((aligned(64)));
+    static float x[32 * 128] __attribute__((aligned(64)));
+    static float o[32 * 128 + 256] __attribute__((aligned(64)));
     static float c[128] __attribute__((aligned(64))), s[128] __attribute__((aligned(64)));
     for (int i = 0; i < 32 * 128; ++i) x[i] = 1.0f + (float)(i %% 50) / 64;
     for (int i = 0; i < 128; ++i) { c[i] = 0.5f + (float)i / 1024; s[i] = 0.25f; }
@@ -104,7 +105,8 @@ int main(void) {
             const double t0 = now();
             for (int k = 0; k < 4000; ++k)
                 for (int h = 0; h < 32; ++h)
-                    fns[v]((const char *)x + h * 128 * es[v], (char *)(o + 64) + h * 128 * es[v], c, s);
+                    fns[v]((const char *)x + h * 128 * es[v],
+                           (char *)(o + 64) + h * 128 * es[v], c, s);
             const double t = (now() - t0) / (4000.0 * 32);
             if (t < best[v]) best[v] = t;
         }

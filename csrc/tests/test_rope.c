@@ -722,7 +722,8 @@ static void bf16_pairs_rounding_case(void) {
     for (uint32_t h = 0; h < 65536; ++h)
         for (int j = 0; j < NLO; ++j) {
             const uint32_t i = h * NLO + (uint32_t)j;
-            const uint32_t ue = h << 16 | lo[j], uo = (h * 40503u & 0xffffu) << 16 | lo[(j * 7 + 3) % NLO];
+            const uint32_t ue = h << 16 | lo[j];
+            const uint32_t uo = (h * 40503u & 0xffffu) << 16 | lo[(j * 7 + 3) % NLO];
             memcpy(&even[i], &ue, 4);
             memcpy(&odd[i], &uo, 4);
         }
