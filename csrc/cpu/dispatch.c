@@ -9,6 +9,14 @@ static int has_f16c(void) {
     unsigned a, b, c, d;
     return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
 }
+
+#ifdef PE_HAVE_AVX512BF16
+/* AVX512_BF16 (cpuid leaf 7, subleaf 1, eax bit 5), the same way. */
+static int has_avx512bf16(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+}
+#endif
 #endif
 
 static int isa_forced = -1;
@@ -22,7 +30,7 @@ static pe_isa detect(void) {
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
         has_f16c() && __builtin_cpu_supports("fma")) {
 #ifdef PE_HAVE_AVX512BF16 /* and only where the hardware rounds bf16 as the software does */
-        if (__builtin_cpu_supports("avx512bf16") && pe_bf16_hw_exact())
+        if (has_avx512bf16() && pe_bf16_hw_exact())
             return PE_ISA_AVX512_BF16;
 #endif
         return PE_ISA_AVX512;

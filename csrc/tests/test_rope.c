@@ -3,6 +3,9 @@
  * specification in posenc.h.  Every case runs on every SIMD variant the CPU supports.
  */
 #include <math.h>
+#ifdef PE_HAVE_AVX512BF16
+#include <cpuid.h>
+#endif
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -757,8 +760,10 @@ static void bf16_pairs_rounding_case(void) {
  */
 static void bf16_hw_rounding_case(void) {
 #ifdef PE_HAVE_AVX512BF16
+    unsigned a = 0, b, c, d;
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512f")) {
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5)) ||
+        !__builtin_cpu_supports("avx512f")) {
         printf("test_rope: no AVX512_BF16 on this CPU, hardware bf16 rounding not checked\n");
         return;
     }
