@@ -28,7 +28,7 @@ PYTEST := $(abspath $(VPY)) -m pytest -q -p no:cacheprovider
 .PHONY: all venv wheel build test pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest pytest-hub-kernels \
 	compat compat-min \
 	compat-newest abi-audit ctest sanitize fuzz ctest-aarch64 cuda-compile gpu-check bench bench-full \
-	notebooks clean
+	notebooks clean insns
 
 all: build
 
@@ -260,6 +260,11 @@ bench: build
 
 bench-full: build
 	$(VPY) benchmarks/run.py --full
+
+# Instructions per element of the row loops, from the machine code of scripts/loop_probe.c
+# (docs/benchmarks.md, "Instructions per element"); needs gcc and objdump, llvm-mca if any.
+insns:
+	$(PYTHON) scripts/loop_insns.py --time
 
 # Re-run the notebooks and store their outputs (figures included) in the .ipynb files;
 # tests/test_notebooks.py (part of `make pytest`) checks that they run and were committed so.

@@ -16,13 +16,18 @@ B = 1, T = 4096 and 8192, fp32 and bf16, forward and backward, for the 4.x table
 ``apply_rope`` (positions in, for information).  One part per kernel variant and form: each
 worker forces its variant (``set_kernel_isa``) and records it as the case's variant; a
 variant this CPU lacks is reported as skipped.  Outputs are checked against transformers as
-in the other topics.  run.py prints the check per variant and thread count ("Floor check").
+in the other topics.  Besides the interleaved blocks of every topic, each method is timed
+against copy_ in single calls back to back, ``pair_rounds`` rounds (harness.measure_pairs):
+the median of those per-round ratios (``ratio_pair_copy_into``) cancels a memory bandwidth
+that moves on a shared host, and is what the check reads.  run.py prints the check per
+variant and thread count ("Floor check"), the blocks' ratio next to it.
 
 Run alone: ``python benchmarks/bench_floor.py`` (goes through run.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import bench_mrope as mrope
@@ -30,7 +35,7 @@ import bench_rotary_step as step
 import harness as H
 
 TOPIC = "floor"
-VARIANTS = ("avx512", "avx2")
+VARIANTS = ("avx512bf16", "avx512", "avx2")
 PARTS = {f"{form}-{isa}": major for isa in VARIANTS
          for form, major in (("apply", 4), ("fused", 5))}
 # Freed blocks stay in the process for reuse (glibc's tunables, read at start-up).
@@ -70,6 +75,7 @@ def _skip_all(opts: H.Options, rep: H.Reporter, reason: str) -> None:
 
 def run(opts: H.Options, rep: H.Reporter) -> None:
     form, isa = _split(opts.part)
+    opts = dataclasses.replace(opts, paired=True)  # single calls against copy_ too
     try:
         H.apply_isa(isa)
     except ValueError as exc:  # the CPU lacks this variant

@@ -273,6 +273,8 @@ class Result:
     ratio_to_copy_into: float | None = None  # time / copy_-floor time (paired)
     kernel_ms: float | None = None  # GPU time of one call alone (CUDA-graph replay)
     saved_bytes_per_element: float | None = None  # kept for backward per q/k element (qknorm)
+    # time / copy_-floor time, single calls back to back per round (measure_pairs; median)
+    ratio_pair_copy_into: float | None = None
 
     @classmethod
     def for_case(cls, case: Case, method: str, status: str, **kw) -> Result:
@@ -392,12 +394,16 @@ class TimingPolicy:
     max_time: float = 30.0     # stop adding rounds for a case past this (very slow methods)
     block_time: float = 0.01   # a sample times enough calls to take about this long
     warmup: int = 2            # calls after the first (compile) call, before timing
+    pair_rounds: int = 0       # rounds of single calls, copy_ and each method back to back
+                               # (measure_pairs; the floor topic), 0: none
 
 
 QUICK = TimingPolicy()
 FULL = TimingPolicy(min_run_time=1.0, min_rounds=10, max_time=90.0, warmup=3)
 SMOKE = TimingPolicy(min_run_time=0.0, min_rounds=3, max_time=2.0, block_time=0.001, warmup=1)
 POLICIES = {"quick": QUICK, "full": FULL, "smoke": SMOKE}
+#: pair_rounds of each suite where a topic asks for paired calls (Options.paired)
+PAIR_ROUNDS = {"quick": 40, "full": 100, "smoke": 3}
 
 
 def _sync(device: str) -> None:
@@ -464,6 +470,25 @@ def measure_interleaved(fns: dict[str, Callable[[], object]], device: str,
         if rounds >= 3 and elapsed > policy.max_time:
             break
     return samples
+
+
+def measure_pairs(fn: Callable[[], object], floor_fn: Callable[[], object], device: str,
+                  rounds: int) -> list[float]:
+    """fn's time over floor_fn's, one ratio per round: each round times one call of each,
+    back to back (floor first in even rounds, fn first in odd ones), so both see the same
+    memory bandwidth however it moves on a shared host; the median of these ratios is what
+    the floor check reads."""
+    ratios = []
+    for r in range(rounds):
+        times = {}
+        for which in ((floor_fn, fn) if r % 2 == 0 else (fn, floor_fn)):
+            _sync(device)
+            t0 = time.perf_counter()
+            which()
+            _sync(device)
+            times[which] = time.perf_counter() - t0
+        ratios.append(times[fn] / times[floor_fn])
+    return ratios
 
 
 def _quantile(sorted_x: Sequence[float], q: float) -> float:
@@ -641,6 +666,9 @@ def run_case(case: Case, method_names: Sequence[str], build: Callable[[str], Wor
             r.ratio_to_copy_into = paired_ratio(xs, samples["copy_into"])
         if ours is not None and METHODS[name].role != "posenc":
             r.posenc_speedup = paired_ratio(xs, samples[ours])
+        if policy.pair_rounds and "copy_into" in ready and METHODS[name].role != "floor":
+            r.ratio_pair_copy_into = statistics.median(
+                measure_pairs(ready[name], ready["copy_into"], case.device, policy.pair_rounds))
         results[name] = r
     return [results[name] for name in method_names]
 
@@ -662,7 +690,8 @@ def cpu_model() -> str:
 
 #: Environment variable through which run.py's ``--isa`` reaches its workers.
 ISA_ENV = "POSENC_BENCH_ISA"
-HOST_KIND = {"avx512": "AVX-512", "avx2": "AVX2-only", "baseline": "no AVX2"}
+HOST_KIND = {"avx512bf16": "AVX-512", "avx512": "AVX-512",
+             "avx2": "AVX2-only", "baseline": "no AVX2"}
 
 
 def apply_isa(isa: str | None = None) -> None:
@@ -745,10 +774,14 @@ class Options:
     device: str
     out: str | None
     seqs: tuple[int, ...] | None = None  # run.py --seq: sequence lengths instead of the plan's
+    paired: bool = False  # also time single calls against copy_ per round (pair_rounds)
 
     @property
     def policy(self) -> TimingPolicy:
-        return POLICIES[self.suite]
+        policy = POLICIES[self.suite]
+        if self.paired:
+            policy = dataclasses.replace(policy, pair_rounds=PAIR_ROUNDS[self.suite])
+        return policy
 
 
 class Reporter:

@@ -710,6 +710,8 @@ typedef enum pe_isa {
                             variant built off x86-64 */
     PE_ISA_AVX2 = 1,     /* AVX2 + FMA + F16C */
     PE_ISA_AVX512 = 2,   /* AVX-512 F/BW/VL/DQ + F16C */
+    PE_ISA_AVX512_BF16 = 3, /* the above + AVX512_BF16: bf16 rounded by the hardware (the same
+                               bits; software where they would differ) */
 } pe_isa;
 
 pe_isa pe_isa_best(void);           /* the best the CPU supports */

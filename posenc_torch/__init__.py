@@ -52,12 +52,14 @@ __all__ = [
 
 
 def kernel_isa() -> str:
-    """Name of the SIMD kernel variant in use: 'baseline', 'avx2' or 'avx512'."""
+    """Name of the SIMD kernel variant in use: 'baseline', 'avx2', 'avx512' or 'avx512bf16'
+    (AVX-512 with bf16 rounded by the hardware's AVX512_BF16, to the same bits)."""
     return _C.isa()
 
 
 def set_kernel_isa(name: str | None) -> None:
-    """Force a SIMD kernel variant ('baseline', 'avx2', 'avx512'); None picks the best.
+    """Force a SIMD kernel variant ('baseline', 'avx2', 'avx512', 'avx512bf16'); None picks the
+    best.
 
     Meant for tests and benchmarks.  TypeError for a name that is not a str or None,
     ValueError for an unknown name or a variant this CPU lacks (both :class:`InputError`).

@@ -72,9 +72,10 @@ def pytest_terminal_summary(terminalreporter):
             "-m 'transformers4 or any_transformers' .", yellow=True)
 
 
-ISAS = [name for name in ("baseline", "avx2", "avx512")
-        if name in {"baseline", posenc_torch._C.best_isa()} or
-        (name == "avx2" and posenc_torch._C.best_isa() == "avx512")]
+# every variant up to the best this CPU has (each one's instructions are a superset of the
+# one before)
+_ORDER = ("baseline", "avx2", "avx512", "avx512bf16")
+ISAS = list(_ORDER[:_ORDER.index(posenc_torch._C.best_isa()) + 1])
 
 
 @pytest.fixture(params=ISAS)

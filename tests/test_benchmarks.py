@@ -294,8 +294,8 @@ def test_floor_topic_workers_keep_freed_memory_and_force_their_variant(monkeypat
     assert env["MALLOC_TOP_PAD_"] == str(1 << 30)
     other = run._worker_env(run.Unit(bench_rope, "rope", 5, 1, []), None)
     assert "MALLOC_MMAP_THRESHOLD_" not in other and "MALLOC_TOP_PAD_" not in other
-    assert set(bench_floor.PARTS) == {"apply-avx512", "apply-avx2", "fused-avx512",
-                                      "fused-avx2"}
+    assert set(bench_floor.PARTS) == {"apply-avx512bf16", "apply-avx512", "apply-avx2",
+                                      "fused-avx512bf16", "fused-avx512", "fused-avx2"}
     opts = H.Options("fused-avx2", "quick", 1, "cpu", None, None)
     cases = bench_floor.plan(opts)
     assert {c.extra for c, _ in cases} == {"avx2"}
@@ -447,3 +447,31 @@ def test_vision_topic_checks_against_transformers():
     patches = {label: sum(t * h * w for t, h, w in grids)
                for label, grids in bench_vision.BATCHES.items()}
     assert patches == {"32x896^2": 131072, "256x224^2": 65536, "8img+2vid64f": 294912}
+
+
+def test_floor_check_reads_the_paired_calls_where_measured():
+    """harness.measure_pairs: one ratio per round of single calls back to back; the floor
+    check judges a row by the median of those (ratio_pair_copy_into) where the floor topic
+    measured them, and prints the interleaved blocks' ratio next to it."""
+    import run
+
+    calls = []
+    ratios = H.measure_pairs(lambda: calls.append("m"), lambda: calls.append("c"), "cpu", 4)
+    assert len(ratios) == 4 and all(r > 0 for r in ratios)
+    assert calls == ["c", "m", "m", "c", "c", "m", "m", "c"]
+    opts = H.Options("apply-avx2", "quick", 1, "cpu", None, None)
+    assert opts.policy.pair_rounds == 0
+    assert dataclasses.replace(opts, paired=True).policy.pair_rounds == H.PAIR_ROUNDS["quick"]
+
+    def row(dtype, mode, blocks, pair):
+        case = H.Case("floor", "mrope", "Qwen2-VL-7B", 1, 4096, dtype, mode, 2, extra="avx2")
+        return H.Result.for_case(case, "posenc", "ok", ratio_to_copy_into=blocks,
+                                 ratio_pair_copy_into=pair, ratio_to_copy=2.0)
+
+    rows = [row(dt, m, 1.5, 1.2) for dt in ("fp32", "bf16") for m in ("fwd", "bwd")]
+    (check,) = run.floor_check(rows, [2])
+    assert check["status"] == "PASS" and check["rows"][0]["x_copy_"] == 1.2
+    assert "1.20 x copy_ (blocks  1.50)" in run.format_floor_check([check], {})
+    rows[0].ratio_pair_copy_into = 1.4
+    (check,) = run.floor_check(rows, [2])
+    assert check["status"] == "MISS" and check["misses"] == ["B=1 T=4096 fp32 fwd apply"]

@@ -9,6 +9,14 @@ static int has_f16c(void) {
     unsigned a, b, c, d;
     return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
 }
+
+#ifdef PE_HAVE_AVX512BF16
+/* AVX512_BF16 (cpuid leaf 7, subleaf 1, eax bit 5), the same way. */
+static int has_avx512bf16(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+}
+#endif
 #endif
 
 static int isa_forced = -1;
@@ -20,8 +28,13 @@ static pe_isa detect(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        has_f16c() && __builtin_cpu_supports("fma"))
+        has_f16c() && __builtin_cpu_supports("fma")) {
+#ifdef PE_HAVE_AVX512BF16 /* and only where the hardware rounds bf16 as the software does */
+        if (has_avx512bf16() && pe_bf16_hw_exact())
+            return PE_ISA_AVX512_BF16;
+#endif
         return PE_ISA_AVX512;
+    }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c())
         return PE_ISA_AVX2;
 #endif
@@ -55,6 +68,7 @@ const char *pe_isa_name(pe_isa isa) {
     case PE_ISA_BASELINE: return "baseline";
     case PE_ISA_AVX2: return "avx2";
     case PE_ISA_AVX512: return "avx512";
+    case PE_ISA_AVX512_BF16: return "avx512bf16";
     }
     return "unknown";
 }

@@ -158,6 +158,7 @@ static qk_rows_fn rows_fn(pe_dtype dt) {
     if (dt == PE_FLOAT64) return qk_norm_rows_f64;
 #ifdef PE_HAVE_X86_VARIANTS
     switch (pe_isa_current()) {
+    case PE_ISA_AVX512_BF16: /* (no hardware-rounding variant of its own) */
     case PE_ISA_AVX512: return pe_qk_norm_rows_f32_avx512;
     case PE_ISA_AVX2: return pe_qk_norm_rows_f32_avx2;
     default: break;

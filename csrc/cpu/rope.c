@@ -412,6 +412,10 @@ static const f32_kernels f32_variants[] = {
     [PE_ISA_AVX512] = {pe_rope_rotate_f32_avx512, pe_rope_grad_rows_f32_avx512,
                        pe_rope_table_rows_f32_avx512, 32},
 #endif
+#ifdef PE_HAVE_AVX512BF16
+    [PE_ISA_AVX512_BF16] = {pe_rope_rotate_f32_avx512bf16, pe_rope_grad_rows_f32_avx512bf16,
+                            pe_rope_table_rows_f32_avx512bf16, 32},
+#endif
 };
 
 static const f32_kernels *f32_current(void) { return &f32_variants[pe_isa_current()]; }

@@ -107,7 +107,8 @@ PE_INLINE void rot_pair_block(const char *restrict x, const float *restrict c,
  * quiet NaN carrying an operand's payload, or the default NaN, and a bf16 row has zero low
  * bits.  So with NaN-free tables (m.nan_tables == 0, checked per tile) nothing more is
  * needed; otherwise a row with a NaN (one check per row, not a branch per block) is done
- * again with the NaN rounding. */
+ * again with the NaN rounding.  With the hardware rounding (PE_BF16_HW) NaNs need nothing,
+ * and a row with an fp32 denormal among its results is done again in software. */
 PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
                                   const float *restrict c, const float *restrict ss,
                                   int64_t h, row_mode m) {
@@ -115,12 +116,24 @@ PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
     int64_t e = 0;
     pe_vf nan = vf_zero();
     prefetch_ahead(x, 4 * h, m.ahead);
+#ifdef PE_BF16_HW
+    __mmask16 denormal = 0;
+#endif
     for (; e + PE_BF16_BLOCK <= h; e += PE_BF16_BLOCK) {
         pe_vf v[4];
         rot_pair_block(x, c, ss, h, e, v);
+#ifdef PE_BF16_HW /* NaNs round as in software; denormals do not (simd.h) */
+        denormal = bf16_denormals(denormal, v[0], v[1], v[2], v[3]);
+        const pe_vi r0 = bf16_pairs_hw(v[0], v[1]), r1 = bf16_pairs_hw(v[2], v[3]);
+#else
         if (m.nan_tables) nan = vf_nan_lanes(nan, v[0], v[1], v[2], v[3]);
+#if PE_VW == 16
+        const pe_vi r0 = bf16_pairs_num(v[0], v[1]), r1 = bf16_pairs_num(v[2], v[3]);
+#else
         const pe_vi r0 = bf16_join(bf16_round_num(v[0]), bf16_round_num(v[1]));
         const pe_vi r1 = bf16_join(bf16_round_num(v[2]), bf16_round_num(v[3]));
+#endif
+#endif
         if (stream) {
             vi_stream(o + 2 * e, r0);
             vi_stream(o + 2 * (h + e), r1);
@@ -129,7 +142,12 @@ PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
             vi_store(o + 2 * (h + e), r1);
         }
     }
+#ifdef PE_BF16_HW
+    (void)nan;
+    if (__builtin_expect(denormal != 0, 0)) {
+#else
     if (m.nan_tables && __builtin_expect(vf_any(nan), 0)) {
+#endif
         for (int64_t f = 0; f < e; f += PE_BF16_BLOCK) {
             pe_vf v[4];
             rot_pair_block(x, c, ss, h, f, v);

@@ -106,6 +106,53 @@ PE_INLINE int vf_any(pe_vf m) { return _mm512_movepi32_mask(_mm512_castps_si512(
 PE_INLINE pe_vi bf16_join(pe_vi even, pe_vi odd) {
     return _mm512_mask_blend_epi16((__mmask32)0xaaaaaaaau, _mm512_srli_epi32(even, 16), odd);
 }
+#ifdef __AVX512BF16__
+/*
+ * bf16 rounding by the hardware (AVX512_BF16, the avx512bf16 variant).  vcvtne2ps2bf16
+ * rounds to nearest even and keeps a NaN's sign and top payload bits with the quiet bit set,
+ * as bf16_round_hi does, but takes an fp32 denormal as a zero of its sign (software keeps
+ * it: a bf16 denormal, or 2^-126).  So a row whose values hold a denormal (bf16_denormals)
+ * is rounded again in software.  pe_bf16_hw_exact (rope_avx512bf16.c) checks the
+ * instruction against the software rounding before dispatch picks this variant.
+ */
+#define PE_BF16_HW 1
+/* the pairs of bf16_join(bf16_round_hi(even), bf16_round_hi(odd)), unless a value is an
+ * fp32 denormal: one conversion of both vectors (even in words 0-15, odd in 16-31) and one
+ * word permutation back into channel pairs */
+PE_INLINE pe_vi bf16_pairs_hw(pe_vf even, pe_vf odd) {
+    static const uint16_t idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i r = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)idx), r);
+}
+/* the lanes of a, b, c or d that hold an fp32 denormal, or-ed into acc */
+PE_INLINE __mmask16 bf16_denormals(__mmask16 acc, pe_vf a, pe_vf b, pe_vf c, pe_vf d) {
+    return acc | _mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20) |
+           _mm512_fpclass_ps_mask(c, 0x20) | _mm512_fpclass_ps_mask(d, 0x20);
+}
+/* n fp32 values at src rounded to bf16 by the hardware, 16 at a time (n a multiple of 16) */
+PE_INLINE void bf16_round_hw_row(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+}
+#endif
+/* bf16_join(bf16_round_num(even), bf16_round_num(odd)) in the 16-bit words: the pairs of
+ * high halves (truncated bf16) and of low halves L, then +1 where L + (the truncated bf16's
+ * last bit) > 0x8000, which is where the 32-bit sum u + 0x7fff + that bit carries into the
+ * high half (a saturating add: L + 1 past 0xffff stays above 0x8000). */
+PE_INLINE pe_vi bf16_pairs_num(pe_vf even, pe_vf odd) {
+    static const uint16_t hi[32] = {1, 33, 3, 35, 5, 37, 7, 39, 9, 41, 11, 43, 13, 45, 15, 47,
+                                    17, 49, 19, 51, 21, 53, 23, 55, 25, 57, 27, 59, 29, 61, 31, 63};
+    const __m512i ih = _mm512_loadu_si512((const void *)hi);
+    const __m512i il = _mm512_sub_epi16(ih, _mm512_set1_epi16(1));
+    const __m512i e = _mm512_castps_si512(even), o = _mm512_castps_si512(odd);
+    const __m512i t = _mm512_permutex2var_epi16(e, ih, o), l = _mm512_permutex2var_epi16(e, il, o);
+    const __m512i lsb = _mm512_and_si512(t, _mm512_set1_epi16(1));
+    const __mmask32 up = _mm512_cmpgt_epu16_mask(_mm512_adds_epu16(l, lsb),
+                                                 _mm512_set1_epi16((short)0x8000));
+    return _mm512_mask_sub_epi16(t, up, t, _mm512_set1_epi16(-1));
+}
 /* The first n < 16 lanes, for row tails (head_dim 80: 40 = 2 x 16 + 8). */
 #define PE_VTAIL 1
 PE_INLINE pe_vf vf_load_n(const float *p, int64_t n) {

@@ -3,6 +3,9 @@
  * specification in posenc.h.  Every case runs on every SIMD variant the CPU supports.
  */
 #include <math.h>
+#ifdef PE_HAVE_AVX512BF16
+#include <cpuid.h>
+#endif
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -707,6 +710,144 @@ static void special_values_case(const char *isa, int64_t D, pe_dtype tdt, int pa
     free(sn);
 }
 
+/* The AVX-512 rows' bf16 rounding of channel pairs in 16-bit words (bf16_pairs_num) against
+ * pe_f32_to_bf16, on every fp32 high half that is not a NaN with the low halves around the
+ * ties, in both lanes of a pair. */
+static void bf16_pairs_rounding_case(void) {
+#ifdef PE_HAVE_X86_VARIANTS
+    if (pe_isa_best() < PE_ISA_AVX512) return;
+    static const uint32_t lo[] = {0x0000, 0x0001, 0x7ffe, 0x7fff, 0x8000, 0x8001, 0xfffe,
+                                  0xffff, 0x1234, 0x4000, 0xc000, 0x9abc, 0x5555, 0xaaaa,
+                                  0x0100, 0xff00};
+    enum { NLO = sizeof lo / sizeof *lo, N = 65536 * NLO };
+    float *even = malloc(N * sizeof(float)), *odd = malloc(N * sizeof(float));
+    uint16_t *got = malloc(2 * N * sizeof(uint16_t));
+    for (uint32_t h = 0; h < 65536; ++h)
+        for (int j = 0; j < NLO; ++j) {
+            const uint32_t i = h * NLO + (uint32_t)j;
+            const uint32_t ue = h << 16 | lo[j];
+            const uint32_t uo = (h * 40503u & 0xffffu) << 16 | lo[(j * 7 + 3) % NLO];
+            memcpy(&even[i], &ue, 4);
+            memcpy(&odd[i], &uo, 4);
+        }
+    pe_bf16_pairs_avx512(got, even, odd, N);
+    int64_t wrong = 0, checked = 0;
+    for (int64_t i = 0; i < N; ++i) {
+        if (even[i] == even[i]) {
+            wrong += got[2 * i] != pe_f32_to_bf16(even[i]);
+            ++checked;
+        }
+        if (odd[i] == odd[i]) {
+            wrong += got[2 * i + 1] != pe_f32_to_bf16(odd[i]);
+            ++checked;
+        }
+    }
+    CHECK(wrong == 0, "AVX-512 bf16 pair rounding: %ld of %ld values differ from pe_f32_to_bf16",
+          (long)wrong, (long)checked);
+    free(even);
+    free(odd);
+    free(got);
+#endif
+}
+
+/*
+ * The hardware's bf16 rounding (vcvtneps2bf16, on a CPU with AVX512_BF16) against the
+ * software's (pe_f32_to_bf16) on every fp32 high half (every sign, exponent and top mantissa:
+ * zeros, denormals, normals, infinities, quiet and signalling NaNs with payloads) with low
+ * halves at and around the ties: the same bits for every value that is not an fp32 denormal,
+ * and dispatch picks the avx512bf16 variant.  (A denormal comes out as a zero of its sign
+ * there; the rows round those in software.)
+ */
+static void bf16_hw_rounding_case(void) {
+#ifdef PE_HAVE_AVX512BF16
+    unsigned a = 0, b, c, d;
+    __builtin_cpu_init();
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5)) ||
+        !__builtin_cpu_supports("avx512f")) {
+        printf("test_rope: no AVX512_BF16 on this CPU, hardware bf16 rounding not checked\n");
+        return;
+    }
+    static const uint32_t lo[] = {0x0000, 0x0001, 0x7ffe, 0x7fff, 0x8000, 0x8001, 0xfffe,
+                                  0xffff, 0x1234, 0x4000, 0xc000, 0x9abc, 0x5555, 0xaaaa,
+                                  0x0100, 0xff00};
+    enum { NLO = sizeof lo / sizeof *lo };
+    float *src = malloc(65536 * NLO * sizeof(float));
+    uint16_t *hw = malloc(65536 * NLO * sizeof(uint16_t));
+    for (uint32_t h = 0; h < 65536; ++h)
+        for (int j = 0; j < NLO; ++j) {
+            const uint32_t u = h << 16 | lo[j];
+            memcpy(&src[h * NLO + (uint32_t)j], &u, 4);
+        }
+    pe_bf16_round_hw(hw, src, 65536 * NLO);
+    int64_t differ = 0, flushed = 0, denormals = 0;
+    for (int64_t i = 0; i < 65536 * NLO; ++i) {
+        const uint32_t u = pe_f32_bits(src[i]);
+        if ((u & 0x7f800000u) == 0 && (u & 0x7fffffu) != 0) {
+            ++denormals;
+            flushed += hw[i] == (uint16_t)(u >> 16 & 0x8000u);
+            continue;
+        }
+        differ += hw[i] != pe_f32_to_bf16(src[i]);
+    }
+    CHECK(differ == 0, "hardware bf16 rounding differs from software on %ld non-denormal values",
+          (long)differ);
+    printf("test_rope: hardware bf16 rounding = software on all %ld non-denormal values; "
+           "%ld of %ld denormals flushed to zero\n", (long)(65536 * NLO - denormals),
+           (long)flushed, (long)denormals);
+    CHECK(pe_bf16_hw_exact() && pe_isa_best() == PE_ISA_AVX512_BF16,
+          "AVX512_BF16 CPU whose hardware rounding passes: dispatch should pick avx512bf16");
+    free(src);
+    free(hw);
+#endif
+}
+
+/* bf16 rows whose results are fp32 denormals (inputs around 2^-126 and below, cancelling
+ * products): every variant gives the baseline's bits (the avx512bf16 rows round them in
+ * software), forward and transpose, one head row of 128 and of 80. */
+static void denormal_rows_case(pe_isa isa) {
+    for (int64_t D = 80; D <= 128; D += 48)
+        for (int transpose = 0; transpose < 2; ++transpose) {
+            const int64_t T = 9, H = 3, n = T * H * D, R = D;
+            uint16_t *in = malloc((size_t)n * 2), *ref = malloc((size_t)n * 2);
+            uint16_t *got = malloc((size_t)n * 2);
+            float *cs = malloc((size_t)(T * R) * 4), *sn = malloc((size_t)(T * R) * 4);
+            for (int64_t i = 0; i < n; ++i) { /* either sign, exponents 0 .. 3, any mantissa */
+                const double u0 = urand(), u1 = fabs(urand()), u2 = fabs(urand());
+                in[i] = (uint16_t)((u0 > 0 ? 0x8000u : 0u) | (uint32_t)(u1 * 3.99) << 7 |
+                                   (uint32_t)(u2 * 127.99));
+            }
+            for (int64_t i = 0; i < T * R; ++i) { /* in [-1, 1], some exactly 1 */
+                cs[i] = urand() > 0.6 ? 1.0f : (float)urand();
+                sn[i] = urand() > 0.6 ? 1.0f : (float)urand();
+            }
+            pe_rope_args a;
+            memset(&a, 0, sizeof a);
+            a.batch = 1; a.seq = T; a.head_dim = D; a.rot_dim = R; a.pairing = PE_PAIR_HALF;
+            a.transpose = transpose; a.nthreads = 1;
+            a.src.cos = cs; a.src.sin = sn; a.src.table_dtype = PE_FLOAT32; a.src.table_batch = 1;
+            a.src.table_stride[0] = T * R; a.src.table_stride[1] = T * R; a.src.table_stride[2] = R;
+            a.q.in = in; a.q.heads = H; a.q.in_dtype = a.q.out_dtype = PE_BFLOAT16;
+            a.q.in_stride[0] = a.q.out_stride[0] = n;
+            a.q.in_stride[1] = a.q.out_stride[1] = H * D;
+            a.q.in_stride[2] = a.q.out_stride[2] = D;
+            a.q.out = ref;
+            pe_isa_set(PE_ISA_BASELINE);
+            CHECK(pe_rope_apply(&a) == PE_OK, "apply failed");
+            a.q.out = got;
+            pe_isa_set(isa);
+            CHECK(pe_rope_apply(&a) == PE_OK, "apply failed");
+            int64_t wrong = 0, denormal = 0;
+            for (int64_t i = 0; i < n; ++i) {
+                wrong += got[i] != ref[i];
+                denormal += (ref[i] & 0x7f80u) == 0 && (ref[i] & 0x7fu) != 0;
+            }
+            CHECK(wrong == 0 && denormal > 0, "%s denormal rows D=%ld transpose=%d: %ld of %ld "
+                  "differ from baseline (%ld denormal results)", pe_isa_name(isa), (long)D,
+                  transpose, (long)wrong, (long)n, (long)denormal);
+            free(in); free(ref); free(got); free(cs); free(sn);
+        }
+}
+
 int main(void) {
     const pe_dtype dts[4] = {PE_FLOAT32, PE_FLOAT64, PE_BFLOAT16, PE_FLOAT16};
     for (int isa = PE_ISA_BASELINE; isa <= (int)pe_isa_best(); ++isa) {
@@ -770,7 +911,10 @@ int main(void) {
         table_grad_case(1, 0);
         table_grad_case(2, 0);
         table_grad_case(2, 1);
+        denormal_rows_case((pe_isa)isa);
     }
+    bf16_hw_rounding_case();
+    bf16_pairs_rounding_case();
     pe_isa_set(pe_isa_best());
     empty_cases();
     bad_args();

@@ -89,7 +89,7 @@ PyObject* py_best_isa(PyObject*, PyObject*) { return PyUnicode_FromString(pe_isa
 PyObject* py_set_isa(PyObject*, PyObject* arg) {
     const char* name = PyUnicode_AsUTF8AndSize(arg, nullptr);
     if (!name) return nullptr;
-    for (int i = PE_ISA_BASELINE; i <= PE_ISA_AVX512; ++i) {
+    for (int i = PE_ISA_BASELINE; i <= PE_ISA_AVX512_BF16; ++i) {
         if (std::string(name) == pe_isa_name(static_cast<pe_isa>(i))) {
             if (pe_isa_set(static_cast<pe_isa>(i)) != PE_OK) {
                 PyErr_Format(PyExc_ValueError, "this CPU does not support the '%s' kernels", name);
@@ -98,7 +98,7 @@ PyObject* py_set_isa(PyObject*, PyObject* arg) {
             Py_RETURN_NONE;
         }
     }
-    PyErr_Format(PyExc_ValueError, "isa must be 'baseline', 'avx2' or 'avx512', got '%s'", name);
+    PyErr_Format(PyExc_ValueError, "isa must be 'baseline', 'avx2', 'avx512' or 'avx512bf16', got '%s'", name);
     return nullptr;
 }
 
@@ -114,7 +114,7 @@ PyMethodDef methods[] = {
     {"has_cuda", py_has_cuda, METH_NOARGS, "Whether the CUDA kernels were built in."},
     {"isa", py_isa, METH_NOARGS, "Name of the SIMD kernel variant in use."},
     {"best_isa", py_best_isa, METH_NOARGS, "Name of the best SIMD variant this CPU supports."},
-    {"set_isa", py_set_isa, METH_O, "Force a SIMD variant: 'baseline', 'avx2' or 'avx512'."},
+    {"set_isa", py_set_isa, METH_O, "Force a SIMD variant: 'baseline', 'avx2', 'avx512' or 'avx512bf16'."},
     {nullptr, nullptr, 0, nullptr},
 };
 

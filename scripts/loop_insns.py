@@ -1,0 +1,195 @@
+"""Instructions per element of the RoPE row loops, counted from the machine code.
+
+Compiles scripts/loop_probe.c (one head row of head_dim 128, fp32 and bf16) with each x86
+variant's flags from meson.build, disassembles the probe functions with objdump, counts
+their instructions on the path to the first return (the loops are fully unrolled for
+h = 64: the count is one row's, the constants set up once per row included; the rare redo
+of a row with a NaN or a denormal sits after that return) and, where llvm-mca is
+installed, asks it for the row's throughput in cycles on a model CPU.  Prints a Markdown table.
+
+    python scripts/loop_insns.py [--cc gcc] [--mcpu sapphirerapids] [--time]
+
+--time also runs each loop on this CPU with its rows in L1 (ns per row; the rows' own
+speed, no memory traffic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMON = ["-O3", "-std=c17", "-w", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+          "-DPE_HAVE_X86_VARIANTS"]
+# the variants' flags, as in meson.build
+VARIANTS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+               "-mprefer-vector-width=512"],
+    "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                   "-mfma", "-mf16c", "-mprefer-vector-width=512"],
+}
+# the /proc/cpuinfo flags each variant needs to run (--time)
+NEEDS = {"avx2": {"avx2", "fma", "f16c"},
+         "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
+         "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma",
+                        "f16c"}}
+ROWS = {"fp32": ("probe_fp32_row", 4), "bf16": ("probe_bf16_row", 2)}  # bytes per value
+ELEMS = 128  # one row of head_dim 128
+
+
+def functions(obj: str) -> dict[str, list[str]]:
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", obj], check=True,
+                          capture_output=True, text=True).stdout
+    out: dict[str, list[str]] = {}
+    name = None
+    for line in text.splitlines():
+        m = re.match(r"^[0-9a-f]+ <(\w+)>:$", line)
+        if m:
+            name = m.group(1)
+            out[name] = []
+        elif name and re.match(r"^\s+[0-9a-f]+:\t", line):
+            insn = line.split("\t", 1)[1].strip()
+            if insn and not insn.startswith(("nop", "xchg   %ax,%ax", "cs nop", "data16")):
+                out[name].append(insn)
+    # the hot path: up to the first return (the rare redo of a row, NaN or denormal, is
+    # placed after it)
+    for name, insns in out.items():
+        rets = [i for i, x in enumerate(insns) if x.startswith("ret")]
+        if rets:
+            out[name] = insns[:rets[0] + 1]
+    return out
+
+
+def mca_cycles(insns: list[str], mcpu: str) -> float | None:
+    if not shutil.which("llvm-mca"):
+        return None
+    body = [i for i in insns if not i.startswith(("ret", "vzeroupper", "j"))]
+    res = subprocess.run(["llvm-mca", f"-mcpu={mcpu}", "-iterations=200"],
+                         input="\n".join(body) + "\n", capture_output=True, text=True)
+    m = re.search(r"Total Cycles:\s+(\d+)", res.stdout)
+    return int(m.group(1)) / 200 if m and res.returncode == 0 else None
+
+
+TIMER = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <time.h>
+%(decls)s
+typedef void (*row_fn)(const char *, char *, const float *, const float *);
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+int main(void) {
+    /* 32 head rows of 128 channels, in L1: the loops' own speed, no memory */
+    static float x[32 * 128] __attribute__((aligned(64)));
+    static float o[32 * 128 + 256] __attribute__((aligned(64)));
+    static float c[128] __attribute__((aligned(64))), s[128] __attribute__((aligned(64)));
+    for (int i = 0; i < 32 * 128; ++i) x[i] = 1.0f + (float)(i %% 50) / 64;
+    for (int i = 0; i < 128; ++i) { c[i] = 0.5f + (float)i / 1024; s[i] = 0.25f; }
+    const char *names[] = {%(names)s};
+    row_fn fns[] = {%(fns)s};
+    const int es[] = {%(es)s};
+    enum { N = sizeof fns / sizeof *fns };
+    double best[N];
+    for (int v = 0; v < N; ++v) best[v] = 1e9;
+    for (int r = 0; r < 30; ++r) /* rounds: every loop once per round, the best kept */
+        for (int v = 0; v < N; ++v) {
+            const double t0 = now();
+            for (int k = 0; k < 4000; ++k)
+                for (int h = 0; h < 32; ++h)
+                    fns[v]((const char *)x + h * 128 * es[v],
+                           (char *)(o + 64) + h * 128 * es[v], c, s);
+            const double t = (now() - t0) / (4000.0 * 32);
+            if (t < best[v]) best[v] = t;
+        }
+    for (int v = 0; v < N; ++v) printf("%%s %%.2f\n", names[v], best[v] * 1e9);
+    return 0;
+}
+"""
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def time_rows(cc: str, variants: list[str], inc: list[str], tmp: str) -> dict[str, float]:
+    """ns per row of each variant's loops (those this CPU runs), L1-resident, best of 30
+    interleaved rounds."""
+    flags = cpu_flags()
+    variants = [v for v in variants if NEEDS[v] <= flags]
+    if not variants:
+        return {}
+    objs, decls, names, fns, es = [], [], [], [], []
+    for var in variants:
+        obj = os.path.join(tmp, var + "_t.o")
+        ren = [f"-D{fn}={fn}_{var}" for fn, _ in ROWS.values()]
+        cmd = [cc, *COMMON, *VARIANTS[var], *inc, *ren, "-c",
+               os.path.join(ROOT, "scripts", "loop_probe.c"), "-o", obj]
+        if subprocess.run(cmd).returncode:
+            continue
+        objs.append(obj)
+        for row, (fn, size) in ROWS.items():
+            decls.append(f"void {fn}_{var}(const char *, char *, const float *, const float *);")
+            names.append(f'"{var}/{row}"')
+            fns.append(f"{fn}_{var}")
+            es.append(str(size))
+    src = os.path.join(tmp, "timer.c")
+    with open(src, "w") as f:
+        f.write(TIMER % {"decls": "\n".join(decls), "names": ", ".join(names),
+                         "fns": ", ".join(fns), "es": ", ".join(es)})
+    exe = os.path.join(tmp, "timer")
+    subprocess.run([cc, "-O2", src, *objs, "-o", exe], check=True)
+    out = subprocess.run([exe], check=True, capture_output=True, text=True).stdout
+    return {line.split()[0]: float(line.split()[1]) for line in out.splitlines()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cc", default=os.environ.get("CC", "gcc"))
+    ap.add_argument("--mcpu", default="sapphirerapids")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--time", action="store_true",
+                    help="also run each loop in L1 (the variants this CPU has)")
+    args = ap.parse_args()
+    inc = ["-I" + os.path.join(ROOT, "csrc"), "-I" + os.path.join(ROOT, "csrc", "cpu")]
+    print(f"| variant | row | instructions / row of {ELEMS} | per element | "
+          f"llvm-mca cycles / row ({args.mcpu}) | bytes / cycle | ns / row |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        ns = time_rows(args.cc, args.variants, inc, tmp) if args.time else {}
+        for var in args.variants:
+            obj = os.path.join(tmp, var + ".o")
+            cmd = [args.cc, *COMMON, *VARIANTS[var], *inc, "-c",
+                   os.path.join(ROOT, "scripts", "loop_probe.c"), "-o", obj]
+            if subprocess.run(cmd).returncode:
+                print(f"| {var} | (does not compile with {args.cc}) | | | | | |")
+                continue
+            fns = functions(obj)
+            for row, (fn, es) in ROWS.items():
+                insns = fns.get(fn, [])
+                cyc = mca_cycles(insns, args.mcpu)
+                bpc = f"{2 * es * ELEMS / cyc:.1f}" if cyc else "-"
+                t = ns.get(f"{var}/{row}")
+                print(f"| {var} | {row} | {len(insns)} | {len(insns) / ELEMS:.2f} | "
+                      f"{cyc if cyc is not None else '-'} | {bpc} | "
+                      f"{f'{t:.1f}' if t is not None else '-'} |")
+    if ns:
+        print("\nns / row: on this CPU with the rows in L1, best of 30 interleaved rounds")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
