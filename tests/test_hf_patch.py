@@ -23,6 +23,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 import posenc_torch.hf as hf
+from posenc_torch.hf import _handle
 import posenc_torch.rope as pt_rope
 from conftest import TRANSFORMERS_MAJOR
 
@@ -201,7 +202,7 @@ def test_patch_replaces_what_the_attention_calls(model_type):
         assert handle.active
         for name in names:
             assert getattr(module, name) is not originals[name]
-            assert getattr(module, name).posenc_original is originals[name]
+            assert _handle.original_of(getattr(module, name)) is originals[name]
         assert handle.calls == dict.fromkeys(expected, 0)  # (the routes included)
     finally:
         handle.undo()

@@ -23,10 +23,10 @@ from test_packing import make_examples
 
 import posenc_torch.hf as hf
 from posenc_torch import packing
-from hf_towers import _same as same
-from hf_towers import check_method
 
-from posenc_torch.hf import _digests, _handle, _vision, _vision_methods
+from posenc_torch.hf import _digests, _handle, _table, _vision, _vision_methods
+from posenc_torch.hf.verify._towers import _same as same
+from posenc_torch.hf.verify._towers import check_method
 from posenc_torch.hf._handle import PatchHandle
 
 pytestmark = pytest.mark.any_transformers
@@ -357,7 +357,7 @@ def test_the_glm4v_method_matches_though_patch_leaves_the_type(model_type):
         hf.patch(model_type)
     cls = type(tower)
     original = vars(cls)["rot_pos_emb"]
-    entry = _digests.verified(original, cls, "rot_pos_emb")
+    entry, _ = _table.verified(original, cls, "rot_pos_emb")
     assert check_method(cls, "rot_pos_emb", _vision_methods.REPLACEMENTS[entry.use],
                         original) is None
     vc = model.config.vision_config
@@ -423,7 +423,7 @@ def test_4_57_routes_fall_back(monkeypatch):
     tower = model.model.visual
     with hf.patch("qwen2_5_vl") as handle:
         target = "qwen2_5_vl.get_window_index"
-        original = tower.get_window_index.__func__.posenc_original
+        original = _handle.original_of(tower.get_window_index.__func__)
         odd = torch.tensor([[1, 4, 3]])  # w not divisible by the merge size: floored
         assert same(tower.get_window_index(odd), original(tower, odd))
         empty = torch.zeros(0, 3, dtype=torch.int64)
