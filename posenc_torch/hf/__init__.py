@@ -67,7 +67,7 @@ Exported or ahead-of-time compiled programs keep the functions they traced.
 
 from __future__ import annotations
 
-from ._handle import PatchHandle, UnsupportedModelWarning
+from ._handle import PatchHandle, UnsupportedModelWarning, original_of
 from ._patch import (  # noqa: F401
     INSTALLERS,
     KNOWN_MODEL_TYPES,
@@ -79,7 +79,7 @@ from ._patch import (  # noqa: F401
 from ._vision import precompute_vision_kwargs
 
 __all__ = ["KNOWN_MODEL_TYPES", "SUPPORTED_MODEL_TYPES", "PatchHandle",  # noqa: F822
-           "UnsupportedModelWarning", "patch", "precompute_vision_kwargs",
+           "UnsupportedModelWarning", "original_of", "patch", "precompute_vision_kwargs",
            "unsupported_model_types"]
 
 

@@ -284,12 +284,13 @@ class Watch(NamedTuple):
     names: tuple[tuple[object, str, object], ...]  # (namespace, name, object or _ABSENT)
     cells: tuple[tuple[types.CellType, object], ...]
     functions: tuple[tuple[types.FunctionType, types.CodeType, object, object], ...]
-    methods: tuple[tuple[str, object], ...]  # reached through self: (name, what it was)
+    methods: tuple[tuple[str, object], ...]  # reached through self: (name, function)
 
     def unchanged(self, obj: object = _ABSENT) -> bool:
         """True while every global, builtin, cell, code object and default the decision
-        read is the object it read, and ``type(obj)`` (the ``self`` of a method) resolves
-        the methods reached through ``self`` to the same functions."""
+        read is the object it read, and ``obj`` (the ``self`` of a method: its class, a
+        subclass, an instance attribute) resolves the methods reached through ``self`` to
+        the same functions."""
         for namespace, name, value in self.names:
             now = namespace.get(name, _ABSENT)
             if now is not value and original_of(now) is not value:
@@ -301,11 +302,11 @@ class Watch(NamedTuple):
             if (func.__code__ is not code or not _same(func.__defaults__, defaults)
                     or not _same(func.__kwdefaults__, kwdefaults)):
                 return False
-        if obj is not _ABSENT:
-            cls = type(obj)
-            for name, value in self.methods:
-                if _class_value(cls, name) is not value:
-                    return False
+        for name, value in self.methods if obj is not _ABSENT else ():
+            now = getattr(obj, name, _ABSENT)
+            now = getattr(now, "__func__", now)
+            if now is not value and original_of(now) is not value:
+                return False
         return True
 
 
@@ -371,8 +372,8 @@ class _Reach:
             self.names.append((vars(builtins), name, _BUILTINS[name]))
         for name in sorted(calls):
             value = original_of(_unwrap_method(inspect.getattr_static(cls, name, None)))
-            self.methods.append((name, _class_value(cls, name)))
             if isinstance(value, types.FunctionType):
+                self.methods.append((name, _class_value(cls, name)))
                 self.visit(value, f"self.{name}", cls)
             elif value is not None:
                 self.parts.append((f"self.{name}", _what(value)))
