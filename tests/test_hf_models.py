@@ -24,7 +24,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 import posenc_torch.hf as hf
-from posenc_torch.hf import _handle
+from posenc_torch.hf import _handle, _rotary
 
 pytestmark = pytest.mark.any_transformers
 
@@ -157,7 +157,8 @@ def test_patch_replaces_exactly_the_functions_of_the_supported_types():
 def test_an_unknown_source_form_is_not_patched(monkeypatch):
     """A function whose source differs from the recognised forms and that computes
     something else (here: a sign flipped) is refused, even though its name and call are
-    the same (tests/test_hf_decisions.py has more edits, refused and accepted)."""
+    the same: its digest has no row (tests/test_hf_decisions.py has more edits, refused
+    and accepted)."""
     tiny_config("mistral")
     module = modeling("mistral")
     rotate_half = module.rotate_half
@@ -170,9 +171,16 @@ def test_an_unknown_source_form_is_not_patched(monkeypatch):
         return q_embed, k_embed
 
     monkeypatch.setattr(module, "apply_rotary_pos_emb", apply_rotary_pos_emb)
-    with pytest.raises(RuntimeError, match="none of posenc's apply_rotary_pos_emb forms"):
+    with pytest.raises(RuntimeError, match="python -m posenc_torch.hf.verify"):
         hf.patch("mistral")
     assert module.apply_rotary_pos_emb is apply_rotary_pos_emb
+    # and the verify command makes no row for it, saying why
+    from posenc_torch.hf.verify._forms import which_form
+
+    verdict = which_form(apply_rotary_pos_emb, _rotary._FORMS["apply_rotary_pos_emb"],
+                         "apply_rotary_pos_emb")
+    assert verdict["form"] is None
+    assert "none of posenc's apply_rotary_pos_emb forms" in verdict["reason"]
 
 
 # ---------------------------------------------------------------------------------------
