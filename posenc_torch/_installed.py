@@ -22,7 +22,7 @@ _PROVIDERS: dict[str, str] = {
     "convention": "posenc_torch.hf._rope_index",
     # (config_or_model, image_grid_thw, video_grid_thw) -> the vision tower's precomputed
     # kwargs the installed transformers accepts for that model ({} when none).
-    "vision_kwargs": "posenc_torch.hf._vision",
+    "vision_kwargs": "posenc_torch.hf._vision_utils",
 }
 _ANSWERS: dict[str, Callable[..., object]] = {}
 

@@ -26,7 +26,7 @@ import types
 import pytest
 import transformers
 
-from posenc_torch.hf import _digests, _table, _vision_methods, verify
+from posenc_torch.hf import _digests, _table, _tower_methods_457, verify
 from posenc_torch.hf.verify._prompts import matching_conventions
 from posenc_torch.hf.verify._towers import check_method
 from posenc_torch.hf.verify._walks import check as check_vision_utils
@@ -81,14 +81,14 @@ def test_vision_utils_rows_give_posenc_walk(model_type, name, func, owner):
     assert check_vision_utils(name, func) is None
 
 
-METHODS = [w for w in WALKS if w[1] in _vision_methods.METHODS]
+METHODS = [w for w in WALKS if w[1] in _tower_methods_457.METHODS]
 
 
 @pytest.mark.parametrize(("model_type", "name", "func", "owner"), _cases(
     METHODS, "has no tower methods of these names (5.x calls vision_utils functions)"))
 def test_tower_method_rows_give_their_replacement(model_type, name, func, owner):
     entry, _ = _table.verified(func, owner, name)
-    assert check_method(owner, name, _vision_methods.REPLACEMENTS[entry.use], func) is None
+    assert check_method(owner, name, _tower_methods_457.REPLACEMENTS[entry.use], func) is None
 
 
 # ---------------------------------------------------------------------------------------

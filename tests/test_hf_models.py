@@ -58,7 +58,7 @@ EXTRA: dict[str, dict] = {
     "glm4v_moe": dict(head_dim=32),
 }
 def modeling(model_type: str) -> types.ModuleType:
-    return sys.modules[f"transformers.models.{model_type}.modeling_{model_type}"]
+    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
 
 
 def _pick(defaults: dict, sizes: dict) -> dict:

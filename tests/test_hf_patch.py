@@ -9,6 +9,7 @@ attention has no graph break in its rotary part.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import subprocess
@@ -143,7 +144,7 @@ def text_target(model_type: str) -> str:
 
 
 def modeling(model_type: str):
-    return sys.modules[f"transformers.models.{model_type}.modeling_{model_type}"]
+    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -22,9 +22,9 @@ nothing of it and no transformers, and reaches it only through ``posenc_torch._i
 * the Qwen-VL ``get_rope_index`` (``_rope_index``), and a check of packed batches reaching
   the model in a way that would let examples attend to each other (``_packing_guard``);
 * the vision towers' grid computations, routed to posenc's C walks: the 5.x
-  ``vision_utils`` functions (``_vision``, which also computes ``precompute_vision_kwargs``)
+  ``vision_utils`` functions (``_vision_utils``, which also computes ``precompute_vision_kwargs``)
   and the 4.57 towers' ``rot_pos_emb``, ``get_window_index`` and
-  ``fast_pos_embed_interpolate`` methods (``_vision_methods``).
+  ``fast_pos_embed_interpolate`` methods (``_tower_methods_457``).
 
 How a function is judged (docs/transformers.md, "What it replaces, and how it decides"):
 by the digest of its normalized code and of everything it reaches (``_digests``), looked up
@@ -76,7 +76,7 @@ from ._patch import (  # noqa: F401
     unsupported_model_types,
     written_supported,
 )
-from ._vision import precompute_vision_kwargs
+from ._vision_utils import precompute_vision_kwargs
 
 __all__ = ["KNOWN_MODEL_TYPES", "SUPPORTED_MODEL_TYPES", "PatchHandle",  # noqa: F822
            "UnsupportedModelWarning", "original_of", "patch", "precompute_vision_kwargs",

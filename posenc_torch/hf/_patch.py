@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 from .._tables import MODELS
-from . import _packing_guard, _rope_index, _rotary, _table, _transformers, _vision, _vision_methods
+from . import _packing_guard, _rope_index, _rotary, _table, _transformers, _vision_utils, _tower_methods_457
 from ._handle import _ACTIVE, LOCK, PatchHandle, UnsupportedModelWarning
 
 # The model types this integration knows and tests (tests/test_hf_models.py builds each
@@ -21,7 +21,7 @@ KNOWN_MODEL_TYPES: tuple[str, ...] = tuple(MODELS)
 # ``installer(handle, model_types)``; they replace attributes with
 # ``handle.install(owner, name, replacement, target)``, so ``undo()`` reverses them too.
 INSTALLERS: list[Callable[[PatchHandle, tuple[str, ...]], None]] = [
-    _rope_index.install, _vision.install, _vision_methods.install, _packing_guard.install]
+    _rope_index.install, _vision_utils.install, _tower_methods_457.install, _packing_guard.install]
 
 
 def written_supported() -> tuple[str, ...]:

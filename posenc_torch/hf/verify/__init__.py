@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 
 from ..._tables import CONVENTIONS, MODELS, MROPE_MODELS
-from .. import _digests, _rotary, _table, _transformers, _vision, _vision_methods
+from .. import _digests, _rotary, _table, _transformers, _vision_utils, _tower_methods_457
 from .._handle import original_of
 
 
@@ -82,7 +82,7 @@ def functions() -> Iterator[Function | Refusal]:
                 yield Function(mt, name, _rotary.function(module, name), None, "rotary")
         except _transformers.Unsupported as e:
             yield Refusal(mt, str(e))
-        owned = (("get_rope_index",) if mt in MROPE_MODELS else ()) + _vision_methods.METHODS
+        owned = (("get_rope_index",) if mt in MROPE_MODELS else ()) + _tower_methods_457.METHODS
         for name in owned:
             try:
                 owner = _transformers.owner_class(module, name)
@@ -90,12 +90,12 @@ def functions() -> Iterator[Function | Refusal]:
                 continue
             kind = "get_rope_index" if name == "get_rope_index" else "method"
             yield Function(mt, name, original_of(vars(owner)[name]), owner, kind)
-        for name in _vision.FUNCTIONS:
+        for name in _vision_utils.FUNCTIONS:
             func = vars(module).get(name)
             if func is not None:
                 yield Function(mt, name, original_of(func), None, "vision_utils")
-        for cls, forward in _vision.tower_forwards(module):
-            yield Function(mt, _vision.FORWARD, forward, cls, "plan")
+        for cls, forward in _vision_utils.tower_forwards(module):
+            yield Function(mt, _vision_utils.FORWARD, forward, cls, "plan")
 
 
 _DECIDED: dict[tuple[str, str, str], tuple[str | None, str]] = {}
@@ -141,7 +141,7 @@ def _decide(f: Function) -> tuple[str | None, str]:
     from ._towers import check_method
 
     whys = []
-    for use, replacement in _vision_methods.REPLACEMENTS.items():
+    for use, replacement in _tower_methods_457.REPLACEMENTS.items():
         if use.split(",")[0] == f.name:
             why = check_method(f.owner, f.name, replacement, f.func)
             if why is None:

@@ -1,7 +1,7 @@
 """The plan of a 5.x vision tower's ``forward``: which ``vision_utils`` functions it calls
 with its caller's ``kwargs`` (so that a precomputed entry is read), with which arguments,
 read off its source.  The verify command writes it as the ``use`` of the forward's row
-(JSON, evaluated on the model's module by ``posenc_torch.hf._vision``).
+(JSON, evaluated on the model's module by ``posenc_torch.hf._vision_utils``).
 
 Each call's arguments must be ``grid_thw``, a constant or a ``self.<attribute>`` chain; a
 call of a function of that family posenc does not precompute, two calls that would read
@@ -18,7 +18,7 @@ import json
 import textwrap
 import types
 
-from .._vision import _FAMILY, _MAX, FUNCTIONS
+from .._vision_utils import _FAMILY, _MAX, FUNCTIONS
 
 
 class Refused(Exception):

@@ -135,7 +135,7 @@ def _check(cls: type, name: str, replacement: Callable, original: Callable,
 
 
 def check_method(cls: type, name: str, replacement, original: Callable) -> str | None:
-    """None when ``replacement`` (a ``_vision_methods.Replacement``) gives what
+    """None when ``replacement`` (a ``_tower_methods_457.Replacement``) gives what
     ``original`` gives on tiny towers of ``cls``: with the values of a tower built from
     the class's default config, and with each of the merge sizes 1, 2 and 4; else the
     first difference."""

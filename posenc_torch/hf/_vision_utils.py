@@ -29,7 +29,7 @@ collator that calls this on every batch pays for the walks alone.
 
 transformers 4.57 towers compute these in methods and accept no precomputed kwargs: no
 kwargs there (one warning); ``patch()`` routes those methods to the walks instead
-(``_vision_methods``).  ``max_seqlen`` / ``max_window_seqlen`` are included only where
+(``_tower_methods_457``).  ``max_seqlen`` / ``max_window_seqlen`` are included only where
 transformers computes them (a flash-attention implementation), as it would compute them.
 """
 
@@ -333,7 +333,7 @@ def _computation(name: str, original: Callable) -> Callable:
 def install(handle, model_types: tuple[str, ...]) -> None:
     """Route the vision_utils functions the modules of ``model_types`` bind (transformers
     5.x; a 4.57 module binds none of them: its towers' methods are routed by
-    ``_vision_methods.install``), each whose code is verified."""
+    ``_tower_methods_457.install``), each whose code is verified."""
     for mt in model_types:
         try:
             module = _transformers.modeling_module(mt)

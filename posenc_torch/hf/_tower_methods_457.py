@@ -1,7 +1,7 @@
 """transformers 4.57's vision-tower methods routed by ``patch()`` to posenc's C walks.
 
 transformers 4.57 computes in methods of the vision model classes what 5.x computes in
-``vision_utils`` (routed by ``_vision``), each with one Python loop iteration per image
+``vision_utils`` (routed by ``_vision_utils``), each with one Python loop iteration per image
 or video:
 
 * ``rot_pos_emb(grid_thw)`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V,
