@@ -906,3 +906,20 @@ def test_the_release_facts_agree_with_the_pins_the_table_and_the_docs():
     for doc in ("README.md", "docs/transformers.md", "docs/vision.md"):
         named = set(re.findall(r"\b([45]\.\d+\.\d+)\b", (ROOT / doc).read_text()))
         assert named <= releases, (doc, named - releases)
+
+
+def test_code_without_rows_is_refused_with_one_warning_naming_the_command(monkeypatch):
+    """Several types whose code has no row (a release the table does not know): one
+    warning that names each and the verify command once."""
+    for mt in ("llama", "mistral", "qwen3"):
+        edited(monkeypatch, mt, {"apply_rotary_pos_emb": [("(q * cos)", "(cos * q)")]})
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        handle = hf.patch(["llama", "mistral", "qwen3", "qwen2"])
+    handle.undo()
+    assert handle.model_types == ("qwen2",)
+    messages = [str(w.message) for w in record if w.category is hf.UnsupportedModelWarning]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("posenc_torch.hf.patch leaves llama, mistral, qwen3 to "
+                                  "transformers")
+    assert messages[0].count(COMMAND) == 1

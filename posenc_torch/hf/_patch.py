@@ -148,9 +148,19 @@ def patch(model_types: str | Sequence[str] | None = None, *,
                     raise RuntimeError(
                         f"posenc_torch.hf.patch: {mt}.{name} is already patched by "
                         f"{owner!r}; undo that handle first")
+        # Code without a row: one warning for all such types, naming the command once.
+        unknown = {mt: why for mt, why in refused.items() if _table.COMMAND in why}
+        if len(unknown) > 1:
+            hint = f" (run `{_table.COMMAND}` and pass patch(table=FILE) or set {_table.ENV})"
+            warnings.warn(
+                f"posenc_torch.hf.patch leaves {', '.join(unknown)} to transformers: their code "
+                "has no row in the verified table" + hint + ": " + "; ".join(
+                    f"{mt}: {why.split(' (run `')[0]}" for mt, why in unknown.items()),
+                UnsupportedModelWarning, stacklevel=2)
         for mt, why in refused.items():
-            warnings.warn(f"posenc_torch.hf.patch leaves {mt} to transformers: {why}",
-                          UnsupportedModelWarning, stacklevel=2)
+            if len(unknown) <= 1 or mt not in unknown:
+                warnings.warn(f"posenc_torch.hf.patch leaves {mt} to transformers: {why}",
+                              UnsupportedModelWarning, stacklevel=2)
         handle = PatchHandle(tuple(mt for mt, _, _ in plans), fallback, count, rows)
         try:
             _rotary.install(handle, plans)
