@@ -101,18 +101,30 @@ def _find_code(code: types.CodeType, name: str, line: int) -> types.CodeType | N
 @functools.cache
 def _imported(filename: str) -> tuple[str, ...]:
     """The names the module in ``filename`` binds by import statements outside functions
-    and classes (CPython compiles a method call on such a name differently)."""
-    try:
-        module = ast.parse("".join(linecache.getlines(filename)))
-    except SyntaxError:
-        return ()
-    names, todo = set(), list(module.body)
-    while todo:
-        node = todo.pop()
+    and classes (CPython compiles a method call on such a name differently): each import
+    statement outside a ``def`` or ``class`` block parsed alone (parsing whole modeling
+    files would cost most of ``patch()``)."""
+    lines = linecache.getlines(filename)
+    names: set[str] = set()
+    inside, i = False, 0
+    while i < len(lines):
+        line = lines[i]
+        stripped = line.lstrip()
+        i += 1
+        if stripped and line[0] not in " \t#)]}\n":
+            inside = stripped.startswith(("def ", "async def ", "class ", "@"))
+        if inside or not stripped.startswith(("import ", "from ")):
+            continue
+        statement = stripped
+        while (statement.count("(") > statement.count(")")
+               or statement.rstrip().endswith("\\")) and i < len(lines):
+            statement, i = statement + lines[i], i + 1
+        try:
+            node = ast.parse(statement.strip()).body[0]
+        except (SyntaxError, IndexError):
+            continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            todo.extend(n for n in ast.iter_child_nodes(node) if isinstance(n, ast.stmt))
     return tuple(sorted(n for n in names if n.isidentifier() and n != "*"))
 
 

@@ -175,6 +175,16 @@ def global_loads(code: types.CodeType) -> frozenset[str]:
     return frozenset(names)
 
 
+@functools.cache
+def _names(code: types.CodeType) -> frozenset[str]:
+    """Every name ``code`` and the functions nested in it use (globals among them)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return frozenset(names)
+
+
 def _code_of(obj: object) -> types.CodeType | None:
     if isinstance(obj, (staticmethod, classmethod)):
         obj = obj.__func__
@@ -192,7 +202,7 @@ def callers(module: types.ModuleType) -> dict[str, list[str]]:
 
     def scan(qualname: str, obj: object) -> None:
         code = _code_of(obj)
-        if code is not None:
+        if code is not None and _names(code) & found.keys():  # (a set read first: cheap)
             for name in global_loads(code) & found.keys():
                 found[name].append(qualname)
 
