@@ -63,10 +63,18 @@ build: wheel
 test: build ctest sanitize fuzz ctest-aarch64 cuda-compile pytest pytest-hf4 pytest-hf5_18 \
 	pytest-hf5_latest pytest-hub-kernels abi-audit compat compat-min compat-newest
 
+# The verified table against the installed transformers (python -m posenc_torch.hf.verify
+# --check): fails when a type of the release's written patched set has a function without a
+# row for the release, or a shipped row no longer verifies; run before each test pass below
+# with that pass's transformers.
+VERIFY := $(abspath $(VPY)) -m posenc_torch.hf.verify --check
+
 pytest: build
+	cd tests && $(VERIFY) >/dev/null
 	cd tests && $(PYTEST) .
 
 pytest-hf4: build
+	cd tests && PYTHONPATH=$(abspath $(HF4)) $(VERIFY) >/dev/null
 	cd tests && PYTHONPATH=$(abspath $(HF4)) POSENC_EXPECT_TRANSFORMERS=4 $(PYTEST) -m "transformers4 or any_transformers" .
 
 # Position ids (packed rows and batches too), the get_rope_index patch, which functions are
@@ -78,11 +86,13 @@ HF5_TESTS := test_positions.py test_hf_positions.py test_packed_positions.py tes
 	test_hf_decisions.py test_hf_digests.py test_vision.py test_vision_hf.py test_hf_generate.py
 HF5_LATEST_TESTS := $(HF5_TESTS) test_hf_models.py
 pytest-hf5_18: build
+	cd tests && PYTHONPATH=$(abspath $(HF5_18)) $(VERIFY) >/dev/null
 	cd tests && PYTHONPATH=$(abspath $(HF5_18)) \
 		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_18.txt) \
 		$(PYTEST) -m "not transformers4" $(HF5_TESTS)
 
 pytest-hf5_latest: build
+	cd tests && PYTHONPATH=$(abspath $(HF5_LATEST)) $(VERIFY) >/dev/null
 	cd tests && PYTHONPATH=$(abspath $(HF5_LATEST)) \
 		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_latest.txt) \
 		$(PYTEST) -m "not transformers4" $(HF5_LATEST_TESTS)

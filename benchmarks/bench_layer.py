@@ -140,7 +140,7 @@ def _run_group(opts: H.Options, rep: H.Reporter, b: int, t: int, dtype_name: str
     layer, m, rotary = build_layer(opts.suite, dtype, opts.device)
     handle = posenc_torch.hf.patch("qwen2_vl", count=False)
     name = next(tg.split(".", 1)[1] for tg in handle.targets if "vision" not in tg)
-    posenc_fn, hf_fn = getattr(m, name), getattr(m, name).posenc_original
+    posenc_fn, hf_fn = getattr(m, name), posenc_torch.hf.original_of(getattr(m, name))
     handle.undo()
 
     gen = torch.Generator().manual_seed(1)

@@ -1,7 +1,7 @@
 """Run the benchmark suite: posenc_torch against transformers eager, torch.compile of the
 transformers functions, Liger-Kernel (GPU only) and the copy floor.
 
-    python benchmarks/run.py                      # --quick: a few minutes on 2 cores
+    python benchmarks/run.py                      # --quick: about 19 minutes on 2 cores
     python benchmarks/run.py --full               # the whole sequence sweep, 1 and all threads
     python benchmarks/run.py --topics rope,mrope --threads 1,all --out /tmp/bench
 

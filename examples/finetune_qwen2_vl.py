@@ -245,7 +245,7 @@ def rotary_alone(initial, batch, repeats: int) -> None:
             q, k = (t.detach().clone().requires_grad_() for t in args[:2])
             rest = args[2:]
             times = {}
-            for label, fn in (("transformers", replacements[name].posenc_original),
+            for label, fn in (("transformers", posenc_torch.hf.original_of(replacements[name])),
                               ("posenc", replacements[name])):
                 best = float("inf")
                 for _ in range(repeats):

@@ -69,4 +69,7 @@ def set_kernel_isa(name: str | None) -> None:
     try:
         _C.set_isa(_C.best_isa() if name is None else name)
     except ValueError as err:  # the extension module's own check (plain Python C API)
-        raise InputValueError(str(err)) from None
+        message = str(err)
+        if message.startswith("isa "):  # the argument's name here
+            message = "name " + message[len("isa "):]
+        raise InputValueError(message) from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -26,7 +27,7 @@ from ._tables import CONVENTIONS, MROPE_MODELS, Convention, ModelType
 #:   item resumes at its start + ``max(h, w) // merge`` (frames do not count); padded slots
 #:   hold 0; deltas are ``max + 1 - (number of real tokens)``; Qwen2.5-VL's temporal step is
 #:   ``tokens_per_second * int(second_per_grid_ts)``, images use the frame index.
-#: - ``"5.18"``: transformers 5.18 and later 5.x (checked: 5.18.0, 5.24.0).  As 5.17, except
+#: - ``"5.18"``: transformers 5.18 and later 5.x (checked: 5.18.0, 5.25.0).  As 5.17, except
 #:   that Qwen2.5-VL keeps the fraction of the seconds: frame k of a video gets
 #:   ``long(k * (tokens_per_second * s))`` computed in the dtype of ``second_per_grid_ts``
 #:   (float32 as the processor returns it; float64 when given so).
@@ -65,7 +66,18 @@ def convention_for_version(version: str) -> str:
         f"{checked}); pass convention= one of {MROPE_CONVENTIONS} explicitly")
 
 
-@torch.compiler.assume_constant_result  # traced code gets the answer, not the check
+def _constant_when_traced(fn: Callable[..., str]) -> Callable[..., str]:
+    """``torch.compiler.assume_constant_result(fn)`` (traced code gets the answer, not the
+    check) without importing ``torch._dynamo`` with posenc_torch (about a second): the
+    marker that decorator sets, set here while dynamo is not loaded
+    (``tests/test_layers.py`` checks that the decorator still sets just that)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@_constant_when_traced
 def _installed_convention(model: str) -> str:
     if _installed_transformers_version() is None:
         raise InputValueError(
@@ -79,12 +91,12 @@ def resolve_convention(convention: str, model: str | None = None) -> str:
     transformers' ``get_rope_index`` of ``model`` (a model type such as "qwen2_vl";
     "qwen2_vl" when None, for the rules every model shares) follows.
 
-    That is decided by behaviour, not by version number: the installed ``get_rope_index``
-    and the walk of each convention run on fixed prompts that tell the conventions apart
-    (``posenc_torch.hf._rope_index``), kept while the installed method stays the same;
-    this imports transformers and the model's modeling module.
-    ValueError when transformers is not installed, or when no convention (or more than
-    one) gives its results on every prompt."""
+    That is decided by code, not by version number: the digest of the installed
+    ``get_rope_index`` and of everything it calls is looked up in the verified table,
+    whose row names the convention (``posenc_torch.hf._rope_index``; the verify command
+    and the tests check each row against the walk on prompts that tell the conventions
+    apart); this imports transformers and the model's modeling module.
+    ValueError when transformers is not installed, or when the digest has no row."""
     return convention_record(convention, model).name
 
 

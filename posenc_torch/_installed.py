@@ -17,11 +17,12 @@ from collections.abc import Callable
 # question -> the module of the integration that answers it (registers with provide()).
 _PROVIDERS: dict[str, str] = {
     # (model_type: str) -> the name of the convention its installed get_rope_index follows;
-    # ValueError when transformers is not installed or no convention (or several) fits.
+    # ValueError when transformers is not installed or the digest of its code has no row
+    # in the verified table (posenc_torch.hf._table).
     "convention": "posenc_torch.hf._rope_index",
     # (config_or_model, image_grid_thw, video_grid_thw) -> the vision tower's precomputed
     # kwargs the installed transformers accepts for that model ({} when none).
-    "vision_kwargs": "posenc_torch.hf._vision",
+    "vision_kwargs": "posenc_torch.hf._vision_utils",
 }
 _ANSWERS: dict[str, Callable[..., object]] = {}
 

@@ -74,7 +74,7 @@ CONVENTIONS: dict[str, Convention] = {c.name: c for c in (
     Convention("5.17", RULES_5, fractional_seconds=False, integral_tokens_per_second=True,
                lines=((5, 17),), later=False, checked=("5.17.0",)),
     Convention("5.18", RULES_5, fractional_seconds=True, integral_tokens_per_second=False,
-               lines=((5, 18),), later=True, checked=("5.18.0", "5.24.0")),
+               lines=((5, 18),), later=True, checked=("5.18.0", "5.25.0")),
 )}
 
 
@@ -86,12 +86,17 @@ class ModelType(NamedTuple):
         None (a text model: only its rotary function is replaced).
     reads_seconds: its position ids read ``second_per_grid_ts`` (Qwen2.5-VL).
     vision_rotary: its vision tower calls ``apply_rotary_pos_emb_vision``.
+    multimodal_rotary: ``posenc_torch.hf`` replaces the 4.x multimodal rotary function
+        (``apply_multimodal_rotary_pos_emb``) where its attention calls it (the Qwen-VL
+        types with a vision tower, Llama and Qwen2); for the others such a call means a
+        section merge posenc does not run, and the type is refused.
     """
 
     name: str
     mrope: int | None = None
     reads_seconds: bool = False
     vision_rotary: bool = False
+    multimodal_rotary: bool = False
 
 
 # pe_mrope_model
@@ -100,11 +105,12 @@ MROPE_QWEN2_VL, MROPE_QWEN2_5_VL, MROPE_QWEN3_VL = 0, 1, 2
 #: Every model type the project knows, in the order ``posenc_torch.hf`` patches them.
 MODELS: dict[str, ModelType] = {m.name: m for m in (
     # The first five: Llama, Qwen2, and the Qwen-VL models with their vision towers.
-    ModelType("llama"),
-    ModelType("qwen2"),
-    ModelType("qwen2_vl", MROPE_QWEN2_VL, vision_rotary=True),
-    ModelType("qwen2_5_vl", MROPE_QWEN2_5_VL, reads_seconds=True, vision_rotary=True),
-    ModelType("qwen3_vl", MROPE_QWEN3_VL, vision_rotary=True),
+    ModelType("llama", multimodal_rotary=True),
+    ModelType("qwen2", multimodal_rotary=True),
+    ModelType("qwen2_vl", MROPE_QWEN2_VL, vision_rotary=True, multimodal_rotary=True),
+    ModelType("qwen2_5_vl", MROPE_QWEN2_5_VL, reads_seconds=True, vision_rotary=True,
+              multimodal_rotary=True),
+    ModelType("qwen3_vl", MROPE_QWEN3_VL, vision_rotary=True, multimodal_rotary=True),
     # Llama's rotate_half math (olmo*: the result is cast back to q's and k's dtypes).
     *(ModelType(name) for name in (
         "mistral", "mixtral", "ministral", "gemma", "gemma2", "gemma3", "phi", "qwen2_moe",

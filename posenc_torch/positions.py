@@ -212,7 +212,7 @@ def compute_mrope_position_ids(
     ``convention`` is ``"installed"`` (the default: the rules of the transformers release
     that ``import transformers`` finds; ValueError when it is not installed or its rules
     are none of the conventions) or one of :data:`MROPE_CONVENTIONS`:
-    ``"4.57"`` (4.57.6 checked), ``"5.17"`` (5.17.0), ``"5.18"`` (5.18.0 and 5.24.0).  Per row,
+    ``"4.57"`` (4.57.6 checked), ``"5.17"`` (5.17.0), ``"5.18"`` (5.18.0 and 5.25.0).  Per row,
     over the unmasked tokens, with m = ``spatial_merge_size``:
 
     - An image (video) is a run of ``t * (h/m) * (w/m)`` tokens: under ``"4.57"``

@@ -233,20 +233,21 @@ def get_vision_window_index(grid_thw: torch.Tensor, spatial_merge_size: int, win
 # ---------------------------------------------------------------------------------------
 # Interpolated position embeddings.
 
-#: The ``torch.linspace`` rounding of the running torch (4.57's interpolation uses it).
-_LINSPACE_RULE: list[int] = []
-
-
-@torch.compiler.assume_constant_result
-def _linspace_rule() -> int:
+def _probe_linspace_rule() -> int:
     """Whether this torch's ``linspace`` rounds ``end - step * k`` once (its AVX2 / AVX-512
     CPU kernels) or twice (its portable one): asked of torch once, on a value that tells."""
-    if not _LINSPACE_RULE:
-        probe = torch.linspace(0.0, 1.0, 10, dtype=torch.float32, device="cpu")[6]
-        twice = 1.0 - torch.tensor(1.0, dtype=torch.float32) / 9 * 3
-        _LINSPACE_RULE.append(INTERP_LINSPACE_TWO_ROUNDINGS if bool(probe == twice)
-                              else INTERP_LINSPACE)
-    return _LINSPACE_RULE[0]
+    probe = torch.linspace(0.0, 1.0, 10, dtype=torch.float32, device="cpu")[6]
+    twice = 1.0 - torch.tensor(1.0, dtype=torch.float32) / 9 * 3
+    return INTERP_LINSPACE_TWO_ROUNDINGS if bool(probe == twice) else INTERP_LINSPACE
+
+
+#: The ``torch.linspace`` rounding of the running torch (4.57's interpolation uses it),
+#: asked at import: a constant that torch.compile reads like any module global.
+_LINSPACE_RULE: int = _probe_linspace_rule()
+
+
+def _linspace_rule() -> int:
+    return _LINSPACE_RULE
 
 
 def get_vision_interpolation_indices_and_weights(

@@ -1,16 +1,17 @@
 """The table of verified digests (``posenc_torch/hf/verified.json``) against the installed
 transformers: every integer walk of every known model type has a digest the table holds
 (a release that changes one fails here, naming the function and its digest), the table
-records this release for each, and each row's function gives what posenc runs for it:
+records this release for each, and each row's function gives what posenc runs for it, by
+the verify command's checks (``posenc_torch.hf.verify``):
 
 * ``get_rope_index``: the walk of the row's convention, bit for bit, dtypes included, on
   prompts written to tell the conventions apart and prompts drawn from a fixed seed
-  (``hf_prompts``);
+  (``verify._prompts``);
 * the 5.x ``vision_utils`` functions: posenc's function of the same name, on grids drawn
   from a fixed seed (int64 and int32, images and videos, several at once) under every
-  argument value the models use and more;
+  argument value the models use and more (``verify._walks``);
 * the 4.57 tower methods: the replacement the row names, on tiny towers of the class
-  (``hf_towers``).
+  (``verify._towers``).
 
 ``make test`` runs this file under every transformers release it installs.  Also here:
 the digest's own rules (what changes it and what does not).
@@ -18,26 +19,22 @@ the digest's own rules (what changes it and what does not).
 
 from __future__ import annotations
 
-import inspect
-import itertools
 import linecache
-import random
 import textwrap
 import types
 
 import pytest
-import torch
 import transformers
-from hf_prompts import matching_conventions
-from hf_towers import check_method
 
-from posenc_torch import vision as pt_vision
-from posenc_torch.hf import _digests, _vision_methods, digests
+from posenc_torch.hf import _digests, _table, _tower_methods_457, verify
+from posenc_torch.hf.verify._prompts import matching_conventions
+from posenc_torch.hf.verify._towers import check_method
+from posenc_torch.hf.verify._walks import check as check_vision_utils
 
 pytestmark = pytest.mark.any_transformers
 RELEASE = transformers.__version__
-WALKS = [(mt, name, getattr(f, "posenc_original", f), owner)
-         for mt, name, f, owner in digests.walks()]
+WALKS = [(f.model_type, f.name, f.func, f.owner) for f in verify.functions()
+         if isinstance(f, verify.Function) and f.kind != "rotary"]
 
 
 def test_every_walk_has_a_verified_digest_that_lists_this_release():
@@ -45,13 +42,13 @@ def test_every_walk_has_a_verified_digest_that_lists_this_release():
     problems = []
     for mt, name, func, owner in WALKS:
         value = _digests.digest(func, owner)
-        entry = _digests.TABLE.get(value)
-        if entry is None or entry.function != name:
+        entry = _table.shipped().get((value, name))
+        if entry is None:
             problems.append(f"{mt}.{name}: digest {value} is not in verified.json")
         elif RELEASE not in entry.releases:
             problems.append(f"{mt}.{name}: digest {value[:16]} does not list {RELEASE}")
     assert not problems, ("transformers " + RELEASE + " changed what posenc verified (run "
-                          "`python -m posenc_torch.hf.digests`):\n" + "\n".join(problems))
+                          "`python -m posenc_torch.hf.verify`):\n" + "\n".join(problems))
 
 
 def _cases(walks: list, none: str) -> list:
@@ -68,53 +65,8 @@ ROPE_INDEX = [w for w in WALKS if w[1] == "get_rope_index"]
 @pytest.mark.parametrize(("model_type", "name", "func", "owner"),
                          _cases(ROPE_INDEX, "has none of the Qwen-VL model types"))
 def test_get_rope_index_rows_give_the_walk_of_their_convention(model_type, name, func, owner):
-    entry = _digests.verified(func, owner, name)
+    entry, _ = _table.verified(func, owner, name)
     assert entry.use in matching_conventions(model_type, owner, func)
-
-
-def _grids(rng: random.Random, merge: int, count: int) -> list[torch.Tensor]:
-    """Images and videos whose sides are multiples of ``merge``, one to four a batch."""
-    out = [torch.tensor([[1, merge, merge]]), torch.tensor([[1, 2 * merge, 2 * merge]])]
-    for i in range(count):
-        rows = [[rng.choice((1, 1, 2, 3, 16)), merge * rng.randint(1, 14),
-                 merge * rng.randint(1, 14)] for _ in range(rng.randint(1, 4))]
-        out.append(torch.tensor(rows, dtype=torch.int32 if i % 3 == 0 else torch.int64))
-    return out
-
-
-class _Config:
-    def __init__(self, implementation: str) -> None:
-        self._attn_implementation = implementation
-
-
-def _vision_cases(name: str) -> list[dict]:
-    """Keyword arguments (all but the grids) under which the function is compared."""
-    if name == "get_vision_position_ids":
-        return [dict(spatial_merge_size=m) for m in (1, 2, 3, 4)]
-    if name == "get_vision_cu_seqlens":
-        return [dict(merge_temporal=t) for t in (False, True)]
-    if name == "get_vision_attention_seqlens":
-        return [dict(config=_Config(a), merge_temporal=t) for a in ("eager", "sdpa",
-                "flash_attention_2") for t in (False, True)]
-    if name == "get_vision_window_index":
-        return [dict(spatial_merge_size=m, window_size=w, patch_size=p)
-                for m, w, p in ((2, 112, 14), (1, 56, 14), (2, 64, 16), (4, 448, 14))]
-    if name == "get_vision_interpolation_indices_and_weights":
-        return [dict(num_grid_per_side=n, mode=mode, align_corners=a, spatial_merge_size=m,
-                     padding=p) for n, mode, a, m, p in itertools.product(
-                         (16, 48), ("bilinear", "bicubic"), (False, True), (1, 2),
-                         ("border", "zeros"))]
-    raise AssertionError(name)
-
-
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        return (type(a) is type(b) and len(a) == len(b)
-                and all(map(_same, a, b)))
-    return type(a) is type(b) and a == b
 
 
 VISION_UTILS = list({name: (mt, name, f, o) for mt, name, f, o in WALKS
@@ -124,24 +76,19 @@ VISION_UTILS = list({name: (mt, name, f, o) for mt, name, f, o in WALKS
 @pytest.mark.parametrize(("model_type", "name", "func", "owner"), _cases(
     VISION_UTILS, "has no vision_utils functions (4.57 computes them in tower methods)"))
 def test_vision_utils_rows_give_posenc_walk(model_type, name, func, owner):
-    entry = _digests.verified(func, None, name)
-    ours = getattr(pt_vision, entry.use)
-    rng = random.Random(32)
-    for kwargs in _vision_cases(name):
-        merge = kwargs.get("spatial_merge_size", 1)
-        for grids in _grids(rng, merge, 12):
-            theirs = func(grids, **kwargs)
-            assert _same(ours(grids, **kwargs), theirs), (name, kwargs, grids.tolist())
+    entry, _ = _table.verified(func, None, name)
+    assert entry.use == name
+    assert check_vision_utils(name, func) is None
 
 
-METHODS = [w for w in WALKS if w[1] in _vision_methods.METHODS]
+METHODS = [w for w in WALKS if w[1] in _tower_methods_457.METHODS]
 
 
 @pytest.mark.parametrize(("model_type", "name", "func", "owner"), _cases(
     METHODS, "has no tower methods of these names (5.x calls vision_utils functions)"))
 def test_tower_method_rows_give_their_replacement(model_type, name, func, owner):
-    entry = _digests.verified(func, owner, name)
-    assert check_method(owner, name, _vision_methods.REPLACEMENTS[entry.use], func) is None
+    entry, _ = _table.verified(func, owner, name)
+    assert check_method(owner, name, _tower_methods_457.REPLACEMENTS[entry.use], func) is None
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,10 +172,10 @@ def test_code_that_is_not_its_file_text_is_not_digested():
 def test_a_verified_function_changed_in_place_is_no_longer_verified(monkeypatch):
     """Its code object replaced by one with another constant: not what its file says."""
     mt, name, func, owner = (ROPE_INDEX or WALKS)[0]
-    _digests.verified(func, owner, name)
+    _table.verified(func, owner, name)
     consts = list(func.__code__.co_consts)
     at = next(i for i, c in enumerate(consts) if type(c) is int)
     consts[at] += 1
     monkeypatch.setattr(func, "__code__", func.__code__.replace(co_consts=tuple(consts)))
     with pytest.raises(_digests.Unverified, match="not the code that runs"):
-        _digests.verified(func, owner, name)
+        _table.verified(func, owner, name)

@@ -27,7 +27,7 @@ import torch
 import transformers
 
 import posenc_torch.hf as hf
-from posenc_torch.hf import _transformers
+from posenc_torch.hf import _handle, _transformers
 
 
 def _kernels_usable() -> str | None:
@@ -111,7 +111,7 @@ def test_the_rotary_function_is_a_hub_kernel_layer_and_patch_takes_its_place():
     with hf.patch("llama") as handle:
         assert handle.targets == ("llama.apply_rotary_pos_emb",)
         replacement = modeling_llama.apply_rotary_pos_emb
-        assert replacement.posenc_original is layer
+        assert _handle.original_of(replacement) is layer
         assert list(inspect.signature(replacement).parameters) == [
             "q", "k", "cos", "sin", "unsqueeze_dim"]
     assert modeling_llama.apply_rotary_pos_emb is layer

@@ -2,7 +2,8 @@
 config (the config class's defaults, shrunk: 2 layers, hidden 64, 4 query heads, 2 kv
 heads; nothing downloaded).
 
-For each type of ``hf.SUPPORTED_MODEL_TYPES`` (computed for the installed transformers;
+For each type of ``hf.SUPPORTED_MODEL_TYPES`` (the set written for the installed release
+in the release facts, not computed: a type refused by mistake fails here;
 ``make test`` runs this file under 5.x and again under 4.57.6): one forward + backward of a
 text batch with and without the patch gives the same logits and parameter gradients in
 fp32, the patched bf16 run is as close to an fp64 run as transformers' own bf16 run, and
@@ -23,6 +24,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 import posenc_torch.hf as hf
+from posenc_torch.hf import _handle, _rotary
 
 pytestmark = pytest.mark.any_transformers
 
@@ -56,7 +58,7 @@ EXTRA: dict[str, dict] = {
     "glm4v_moe": dict(head_dim=32),
 }
 def modeling(model_type: str) -> types.ModuleType:
-    return sys.modules[f"transformers.models.{model_type}.modeling_{model_type}"]
+    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
 
 
 def _pick(defaults: dict, sizes: dict) -> dict:
@@ -140,7 +142,8 @@ def test_patch_replaces_exactly_the_functions_of_the_supported_types():
             except ImportError:
                 assert "cannot import" in unsupported[model_type]
                 continue
-            replaced = [n for n in names if hasattr(getattr(module, n, None), "posenc_original")]
+            replaced = [n for n in names
+                        if _handle.original_of(getattr(module, n, None)) is not getattr(module, n, None)]
             assert bool(replaced) == (model_type not in unsupported), (model_type, replaced)
         assert {t.split(".")[0] for t in handle.targets} == set(SUPPORTED)
     # The five types of the first integration stay supported on every version tested.
@@ -154,7 +157,8 @@ def test_patch_replaces_exactly_the_functions_of_the_supported_types():
 def test_an_unknown_source_form_is_not_patched(monkeypatch):
     """A function whose source differs from the recognised forms and that computes
     something else (here: a sign flipped) is refused, even though its name and call are
-    the same (tests/test_hf_decisions.py has more edits, refused and accepted)."""
+    the same: its digest has no row (tests/test_hf_decisions.py has more edits, refused
+    and accepted)."""
     tiny_config("mistral")
     module = modeling("mistral")
     rotate_half = module.rotate_half
@@ -167,9 +171,16 @@ def test_an_unknown_source_form_is_not_patched(monkeypatch):
         return q_embed, k_embed
 
     monkeypatch.setattr(module, "apply_rotary_pos_emb", apply_rotary_pos_emb)
-    with pytest.raises(RuntimeError, match="none of posenc's apply_rotary_pos_emb forms"):
+    with pytest.raises(RuntimeError, match="python -m posenc_torch.hf.verify"):
         hf.patch("mistral")
     assert module.apply_rotary_pos_emb is apply_rotary_pos_emb
+    # and the verify command makes no row for it, saying why
+    from posenc_torch.hf.verify._forms import which_form
+
+    verdict = which_form(apply_rotary_pos_emb, _rotary._FORMS["apply_rotary_pos_emb"],
+                         "apply_rotary_pos_emb")
+    assert verdict["form"] is None
+    assert "none of posenc's apply_rotary_pos_emb forms" in verdict["reason"]
 
 
 # ---------------------------------------------------------------------------------------

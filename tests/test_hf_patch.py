@@ -9,6 +9,7 @@ attention has no graph break in its rotary part.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import subprocess
@@ -23,6 +24,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 import posenc_torch.hf as hf
+from posenc_torch.hf import _handle
 import posenc_torch.rope as pt_rope
 from conftest import TRANSFORMERS_MAJOR
 
@@ -142,7 +144,7 @@ def text_target(model_type: str) -> str:
 
 
 def modeling(model_type: str):
-    return sys.modules[f"transformers.models.{model_type}.modeling_{model_type}"]
+    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -201,7 +203,7 @@ def test_patch_replaces_what_the_attention_calls(model_type):
         assert handle.active
         for name in names:
             assert getattr(module, name) is not originals[name]
-            assert getattr(module, name).posenc_original is originals[name]
+            assert _handle.original_of(getattr(module, name)) is originals[name]
         assert handle.calls == dict.fromkeys(expected, 0)  # (the routes included)
     finally:
         handle.undo()

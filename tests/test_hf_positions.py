@@ -29,6 +29,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 import posenc_torch.hf as hf
+from posenc_torch.hf import _handle
 from posenc_torch import compute_mrope_decode_position_ids, compute_mrope_position_ids
 from posenc_torch.positions import convention_for_version
 
@@ -74,7 +75,7 @@ def stand_in(model_type: str, config=None, tokens_per_second=None):
 
 def rope_index(model_type: str, obj, original: bool = False):
     fn = vars(owner_class(model_type))["get_rope_index"]
-    return getattr(fn, "posenc_original", fn).__get__(obj) if original else fn.__get__(obj)
+    return _handle.original_of(fn).__get__(obj) if original else fn.__get__(obj)
 
 
 # ---------------------------------------------------------------------------------------

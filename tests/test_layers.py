@@ -84,8 +84,8 @@ def test_no_core_source_imports_the_integration(path):
 def test_the_integration_does_not_import_itself_in_a_circle():
     """Each module of posenc_torch.hf imports, from the package, only modules listed
     before it in this order (the layering inside the wing)."""
-    order = ["_transformers", "_handle", "_graphs", "_references", "_rotary", "_digests",
-             "_rope_index", "_packing_guard", "_vision", "_vision_methods", "_patch", "digests",
+    order = ["_transformers", "_digests", "_handle", "_table", "_references", "_rotary",
+             "_rope_index", "_packing_guard", "_vision_utils", "_tower_methods_457", "_patch",
              "__init__"]
     wing = PACKAGE / "hf"
     assert sorted(p.stem for p in wing.glob("*.py")) == sorted(order)
@@ -94,3 +94,43 @@ def test_the_integration_does_not_import_itself_in_a_circle():
                     if n.startswith(".") and not n.startswith("..")}
         imported.discard("")
         assert imported <= set(order[:i]), (name, imported - set(order[:i]))
+
+
+def test_the_run_time_integration_holds_no_tracer():
+    """What patch() runs imports neither the verify command (the tracer, the samples) nor
+    torch's tracing machinery: ``python -m posenc_torch.hf.verify`` alone reads code that
+    way."""
+    wing = PACKAGE / "hf"
+    for path in wing.glob("*.py"):
+        names = _imports(path)
+        assert not {n for n in names if n.lstrip(".").startswith("verify")
+                    or n.startswith(("torch._dynamo", "torch.fx", "torch._subclasses",
+                                     "torch.utils._sympy", "sympy"))}, path.name
+
+
+IMPORT_COST = """
+import sys, time
+start = time.perf_counter()
+import torch
+torch_seconds = time.perf_counter() - start
+import posenc_torch
+loaded = [m for m in sys.modules if m.startswith(("torch._dynamo", "torch.fx.experimental.symbolic",
+                                                  "sympy", "transformers"))]
+assert not loaded, loaded
+print(torch_seconds, time.perf_counter() - start - torch_seconds)
+"""
+
+
+def test_import_posenc_torch_loads_no_compiler_machinery():
+    """``import posenc_torch`` loads neither torch._dynamo nor sympy (nor transformers);
+    the marker it sets in their place is the one torch.compiler.assume_constant_result
+    sets."""
+    subprocess.run([sys.executable, "-c", IMPORT_COST], check=True, cwd=Path(__file__).parent,
+                   timeout=300)
+    import torch
+
+    marked = torch.compiler.assume_constant_result(lambda: 0)
+    from posenc_torch import _conventions
+
+    assert {k for k in vars(marked)} == {"_dynamo_marked_constant"}
+    assert _conventions._installed_convention._dynamo_marked_constant is True

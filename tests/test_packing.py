@@ -2,7 +2,7 @@
 alone, on tiny random-weight Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE models (the
 configs of tests/test_hf_positions.py), eager and sdpa attention, fp32, with and without
 ``posenc_torch.hf.patch()``.  ``make test`` runs this file under transformers 5.17.0,
-4.57.6, 5.18.0 and 5.24.0.
+4.57.6, 5.18.0 and 5.25.0.
 
 Six examples as a processor returns them (image + video, image, image + a video of
 fractional seconds per grid, a small image, text only given as lists, one token), packed
@@ -60,6 +60,7 @@ from test_hf_positions import tiny_model as tiny_vl_model
 import posenc_torch
 import posenc_torch.hf as hf
 from posenc_torch import _attention_leaks, packing
+from posenc_torch.hf import _handle
 from posenc_torch.packing import (
     IGNORE_INDEX,
     MultimodalPackingCollator,
@@ -644,7 +645,7 @@ def leak_guard(model_type: str, found: list, monkeypatch):
         module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
         owner = next(c for c in vars(module).values() if isinstance(c, type)
                      and c.__module__ == module.__name__ and "get_rope_index" in vars(c))
-        assert hasattr(vars(owner)["forward"], "posenc_original")
+        assert _handle.original_of(vars(owner)["forward"]) is not vars(owner)["forward"]
         yield
 
 

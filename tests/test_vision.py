@@ -1,7 +1,7 @@
 """posenc_torch.vision against transformers' own vision helpers.
 
 Under transformers 5.x the reference is ``transformers.vision_utils`` (the same file in
-5.17.0, 5.18.0 and 5.24.0; `make test` runs this module under each).  Under 4.57.6 (the
+5.17.0, 5.18.0 and 5.25.0; `make test` runs this module under each).  Under 4.57.6 (the
 ``transformers4`` tests, `make pytest-hf4`) the same logic lives in the vision models'
 methods, called on stand-ins holding only what they read (``rot_pos_emb``,
 ``get_window_index``, ``fast_pos_embed_interpolate``), and the ``cu_seqlens`` /

@@ -23,10 +23,10 @@ from test_packing import make_examples
 
 import posenc_torch.hf as hf
 from posenc_torch import packing
-from hf_towers import _same as same
-from hf_towers import check_method
 
-from posenc_torch.hf import _digests, _handle, _vision, _vision_methods
+from posenc_torch.hf import _digests, _handle, _table, _tower_methods_457
+from posenc_torch.hf.verify._towers import _same as same
+from posenc_torch.hf.verify._towers import check_method
 from posenc_torch.hf._handle import PatchHandle
 
 pytestmark = pytest.mark.any_transformers
@@ -277,7 +277,7 @@ def test_an_empty_grid_list_goes_to_transformers():
 
 
 # ---------------------------------------------------------------------------------------
-# transformers 4.57: patch() routes the towers' methods (posenc_torch/hf/_vision_methods.py)
+# transformers 4.57: patch() routes the towers' methods (posenc_torch/hf/_tower_methods_457.py)
 
 METHODS_4_57 = {
     "qwen2_vl": {"rot_pos_emb"},
@@ -292,7 +292,7 @@ GRIDS_4_57 = {"image": torch.tensor([[1, 8, 12], [1, 2, 2], [1, 4, 6]]),
 
 
 def _method_targets(handle) -> set[str]:
-    return {t for t in handle.targets if t.split(".", 1)[1] in _vision_methods.METHODS}
+    return {t for t in handle.targets if t.split(".", 1)[1] in _tower_methods_457.METHODS}
 
 
 def _tower_step(tower, pix, grids):
@@ -357,8 +357,8 @@ def test_the_glm4v_method_matches_though_patch_leaves_the_type(model_type):
         hf.patch(model_type)
     cls = type(tower)
     original = vars(cls)["rot_pos_emb"]
-    entry = _digests.verified(original, cls, "rot_pos_emb")
-    assert check_method(cls, "rot_pos_emb", _vision_methods.REPLACEMENTS[entry.use],
+    entry, _ = _table.verified(original, cls, "rot_pos_emb")
+    assert check_method(cls, "rot_pos_emb", _tower_methods_457.REPLACEMENTS[entry.use],
                         original) is None
     vc = model.config.vision_config
     # (4.57's GLM-4V tower takes videos as one grid row per frame)
@@ -369,7 +369,7 @@ def test_the_glm4v_method_matches_though_patch_leaves_the_type(model_type):
         with torch.no_grad():
             plain = tower(pix, grids)
             handle = PatchHandle((model_type,), True, True)
-            _vision_methods.install(handle, (model_type,))
+            _tower_methods_457.install(handle, (model_type,))
             try:
                 assert torch.equal(tower(pix, grids), plain)
                 assert handle.calls == {f"{model_type}.rot_pos_emb": 1}, handle.calls
@@ -404,7 +404,7 @@ def test_the_tower_check_finds_a_replacement_that_differs():
     swapped)."""
     module = importlib.import_module("transformers.models.qwen2_vl.modeling_qwen2_vl")
     cls = module.Qwen2VisionTransformerPretrainedModel
-    right = _vision_methods.REPLACEMENTS["rot_pos_emb"]
+    right = _tower_methods_457.REPLACEMENTS["rot_pos_emb"]
     assert check_method(cls, "rot_pos_emb", right, vars(cls)["rot_pos_emb"]) is None
 
     def swapped(self, grid_thw):
@@ -423,7 +423,7 @@ def test_4_57_routes_fall_back(monkeypatch):
     tower = model.model.visual
     with hf.patch("qwen2_5_vl") as handle:
         target = "qwen2_5_vl.get_window_index"
-        original = tower.get_window_index.__func__.posenc_original
+        original = _handle.original_of(tower.get_window_index.__func__)
         odd = torch.tensor([[1, 4, 3]])  # w not divisible by the merge size: floored
         assert same(tower.get_window_index(odd), original(tower, odd))
         empty = torch.zeros(0, 3, dtype=torch.int64)

@@ -1,9 +1,8 @@
-"""Deciding a transformers integer walk by the exact identity of its code.
+"""The identity of a transformers function: the digest of its normalized code and of
+everything it reaches, and the watch that tells, per call, that none of it changed.
 
-``get_rope_index``, the 5.x ``vision_utils`` helpers and the 4.57 vision-tower methods loop
-over Python integers read out of tensors; no tracer captures them as a graph.  posenc
-replaces one only when its code is, up to names and formatting, code that the project's
-tests verified against posenc's walk (``tests/test_hf_digests.py``):
+Every function ``patch()`` replaces is decided by this digest alone, looked up in the
+verified table (``_table``).  The digest is computed once per code identity:
 
 1. **Source.**  The function's source is located from its code object (file and first
    line) and compiled again: it must compile to that very code object (the bytecode,
@@ -12,63 +11,71 @@ tests verified against posenc's walk (``tests/test_hf_digests.py``):
 2. **Normal form.**  Its syntax tree without docstrings, comments, annotations,
    decorators and formatting; its arguments and local names renamed in the order they
    first appear.  Attribute names, global names and constants stay as they are.
-3. **Reach.**  The same for everything it can call that is Python code: the methods of
-   its class it calls through ``self``, and every function a global it loads binds (its
-   module's helpers, ``vision_utils``' functions), transitively; other globals by what
-   they are (a module's name, a class's name, a plain value).
-4. **Digest.**  A SHA-256 of all of it.  :data:`TABLE` (``verified.json``, data) lists
-   the digests the tests verified, each with what posenc runs for it (a ``get_rope_index``
-   convention, a walk, a method replacement) and the releases it was seen in.
-   ``python -m posenc_torch.hf.digests`` prints the installed release's digests and
-   which are unknown.
+3. **Reach.**  The same for everything it can call that is Python code: the methods it
+   calls through ``self``, resolved on the class the object has, and every function a
+   global, a closure cell or a default binds, transitively.  Other values by what they
+   are: a module by its name (it must be the module ``sys.modules`` holds under that
+   name), a class by its qualified name (it must be the class found there), a plain
+   value by its repr, a builtin by its name (the function's builtins must be the real
+   ones, unchanged).
+4. **Digest.**  A SHA-256 of all of it.
 
-A digest is computed once per code identity (the function objects, their code objects
-and the objects their globals bind), so a call that routes pays for a dictionary lookup.
+:class:`Watch` holds the identity of everything the digest was computed from (the
+globals' and builtins' objects, the closure cells' contents, each function's code and
+defaults, the methods reached through ``self``); a replacement asks
+:meth:`Watch.unchanged` on every call and hands the call back to transformers when
+anything changed since the decision.
 """
 
 from __future__ import annotations
 
 import __future__
 import ast
+import builtins
 import functools
 import hashlib
 import inspect
 import json
 import linecache
+import sys
 import textwrap
 import types
-from pathlib import Path
 from typing import NamedTuple
-
-from ._graphs import _code_part
 
 
 class Unverified(Exception):
     """The code cannot be digested, or its digest is not in the table; says which."""
 
 
-class Entry(NamedTuple):
-    """One row of the table: the digest, the function's name, what posenc runs for it, and
-    the transformers releases the tests verified it under."""
-
-    digest: str
-    function: str
-    use: str
-    releases: tuple[str, ...]
-
-
-def _load_table() -> dict[str, Entry]:
-    rows = json.loads((Path(__file__).parent / "verified.json").read_text())
-    return {row["digest"]: Entry(row["digest"], row["function"], row["use"],
-                                 tuple(row["releases"])) for row in rows}
+#: The builtins as Python started them (a function whose builtins are another mapping,
+#: or whose builtin was rebound since, is not digested).
+_BUILTINS: dict[str, object] = dict(vars(builtins))
+_ABSENT = object()
+# replacement -> the function it replaced, while a handle has it installed (a registry,
+# not an attribute: ``functools.wraps`` would copy one onto a user's wrapper).  Digests
+# and watches see an active replacement as what it replaced.
+_ORIGINALS: dict[object, object] = {}
 
 
-#: The verified digests.
-TABLE: dict[str, Entry] = _load_table()
+def original_of(obj: object) -> object:
+    """The function an active replacement ``obj`` replaced; ``obj`` itself otherwise."""
+    try:
+        return _ORIGINALS.get(obj, obj)
+    except TypeError:  # unhashable
+        return obj
 
 
 # ---------------------------------------------------------------------------------------
 # 1. Source, checked against the code object.
+
+
+def code_part(code: types.CodeType) -> tuple:
+    """A code object as what it executes, not where it was written."""
+    consts = tuple(code_part(c) if isinstance(c, types.CodeType) else (type(c).__name__, c)
+                   for c in code.co_consts)
+    return (code.co_code, consts, code.co_names, code.co_varnames, code.co_freevars,
+            code.co_cellvars, code.co_argcount, code.co_posonlyargcount,
+            code.co_kwonlyargcount, code.co_flags, getattr(code, "co_exceptiontable", b""))
 
 
 def _future_flags(namespace: dict) -> int:
@@ -94,18 +101,30 @@ def _find_code(code: types.CodeType, name: str, line: int) -> types.CodeType | N
 @functools.cache
 def _imported(filename: str) -> tuple[str, ...]:
     """The names the module in ``filename`` binds by import statements outside functions
-    and classes (CPython compiles a method call on such a name differently)."""
-    try:
-        module = ast.parse("".join(linecache.getlines(filename)))
-    except SyntaxError:
-        return ()
-    names, todo = set(), list(module.body)
-    while todo:
-        node = todo.pop()
+    and classes (CPython compiles a method call on such a name differently): each import
+    statement outside a ``def`` or ``class`` block parsed alone (parsing whole modeling
+    files would cost most of ``patch()``)."""
+    lines = linecache.getlines(filename)
+    names: set[str] = set()
+    inside, i = False, 0
+    while i < len(lines):
+        line = lines[i]
+        stripped = line.lstrip()
+        i += 1
+        if stripped and line[0] not in " \t#)]}\n":
+            inside = stripped.startswith(("def ", "async def ", "class ", "@"))
+        if inside or not stripped.startswith(("import ", "from ")):
+            continue
+        statement = stripped
+        while (statement.count("(") > statement.count(")")
+               or statement.rstrip().endswith("\\")) and i < len(lines):
+            statement, i = statement + lines[i], i + 1
+        try:
+            node = ast.parse(statement.strip()).body[0]
+        except (SyntaxError, IndexError):
+            continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            todo.extend(n for n in ast.iter_child_nodes(node) if isinstance(n, ast.stmt))
     return tuple(sorted(n for n in names if n.isidentifier() and n != "*"))
 
 
@@ -119,11 +138,20 @@ def _tree(func: types.FunctionType) -> ast.FunctionDef:
     source = textwrap.dedent("".join(lines))
     # A method is compiled inside a class of its class's name (super(), name mangling),
     # after the module's imports, on the lines it has in the file.
+    # A function defined in a function (a decorator's wrapper) inside a function that
+    # binds its free variables.
     parts = func.__qualname__.split(".")
     owner = parts[-2] if len(parts) > 1 and parts[-2] != "<locals>" else None
-    body = f"class {owner}:\n" + textwrap.indent(source, "    ") if owner else source
+    if owner:
+        body, above = f"class {owner}:\n" + textwrap.indent(source, "    "), 1
+    elif code.co_freevars:
+        body = (f"def _enclosing():\n    {' = '.join(code.co_freevars)} = None\n"
+                + textwrap.indent(source, "    "))
+        above = 2
+    else:
+        body, above = source, 0
     imports = "".join(f"import {name}\n" for name in _imported(code.co_filename))
-    padding = first - (2 if owner else 1) - imports.count("\n")
+    padding = first - 1 - above - imports.count("\n")
     if padding < 0:
         raise Unverified(f"{func.__qualname__} is too near the top of its file to be checked")
     try:
@@ -132,7 +160,7 @@ def _tree(func: types.FunctionType) -> ast.FunctionDef:
     except SyntaxError as e:
         raise Unverified(f"the source of {func.__qualname__} does not compile ({e})") from None
     again = _find_code(compiled, code.co_name, code.co_firstlineno)
-    if again is None or _code_part(again) != _code_part(code):
+    if again is None or code_part(again) != code_part(code):
         raise Unverified(f"the source of {func.__qualname__} in {code.co_filename} is not the "
                          "code that runs (made by exec, or the file changed after import)")
     node = ast.parse(source).body[0]
@@ -146,19 +174,24 @@ def _tree(func: types.FunctionType) -> ast.FunctionDef:
 
 
 class _Normalize(ast.NodeTransformer):
-    """Drops docstrings, annotations and decorators; renames the bound names."""
+    """Drops docstrings, annotations and the definition's own decorators (evaluated once,
+    when it was defined); renames the bound names to ``<0>``, ``<1>``, ... (no global can
+    be called that)."""
 
     def __init__(self, bound: set[str]) -> None:
         self.bound = bound
         self.names: dict[str, str] = {}
+        self.top = True
 
     def rename(self, name: str) -> str:
         if name not in self.bound:
             return name
-        return self.names.setdefault(name, f"v{len(self.names)}")
+        return self.names.setdefault(name, f"<{len(self.names)}>")
 
     def visit_FunctionDef(self, node):  # noqa: N802 -- ast's naming
-        node.decorator_list, node.returns = [], None
+        if self.top:
+            node.decorator_list, self.top = [], False
+        node.returns = None
         if (node.body and isinstance(node.body[0], ast.Expr)
                 and isinstance(node.body[0].value, ast.Constant)
                 and isinstance(node.body[0].value.value, str)):
@@ -210,7 +243,7 @@ def _dump(node: object) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# 3 and 4. Reach and digest.
+# 3. Reach, and what a call checks.
 
 
 def _plain(value: object) -> bool:
@@ -221,9 +254,14 @@ def _plain(value: object) -> bool:
 
 def _what(value: object) -> str:
     if isinstance(value, types.ModuleType):
-        return f"module {value.__name__}"
+        real = sys.modules.get(value.__name__) is value
+        return f"module {value.__name__}" if real else f"a module {value.__name__!r} of its own"
     if isinstance(value, type):
-        return f"class {value.__module__}.{value.__qualname__}"
+        found = sys.modules.get(value.__module__)
+        for part in value.__qualname__.split("."):
+            found = getattr(found, part, None)
+        where = "" if found is value else " (not found under that name)"
+        return f"class {value.__module__}.{value.__qualname__}{where}"
     if _plain(value):
         return f"value {value!r}"
     if isinstance(value, types.BuiltinFunctionType):
@@ -235,89 +273,153 @@ def _unwrap_method(value: object) -> object:
     return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
 
 
-def _parts(func: types.FunctionType, owner: type | None
-           ) -> tuple[list[tuple[str, str]], list[tuple[types.FunctionType, type | None]]]:
-    """(role, normal form or what it is) of ``func`` and of everything it reaches, and the
-    functions reached (with the class whose methods they are)."""
-    out: list[tuple[str, str]] = []
-    seen: dict[int, str] = {}
-    reached: list[tuple[types.FunctionType, type | None]] = []
+def _class_value(cls: type, name: str) -> object:
+    """What ``type(obj).<name>`` gives, in a form that compares by identity."""
+    value = getattr(cls, name, _ABSENT)
+    return original_of(value.__func__ if isinstance(value, types.MethodType) else value)
 
-    def visit(f: types.FunctionType, role: str, cls: type | None) -> None:
-        if id(f) in seen:
-            out.append((role, f"same as {seen[id(f)]}"))
+
+def _same(now: tuple | dict | None, then: tuple | dict | None) -> bool:
+    """The same defaults, element by element (torch.compile rebuilds the containers)."""
+    if now is then:
+        return True
+    if now is None or then is None or len(now) != len(then):
+        return False
+    if isinstance(then, dict):
+        return all(now.get(k, _ABSENT) is v for k, v in then.items())
+    return all(a is b for a, b in zip(now, then))
+
+
+class Watch(NamedTuple):
+    """Everything a digest was computed from, by identity (see the module docstring)."""
+
+    names: tuple[tuple[object, str, object], ...]  # (namespace, name, object or _ABSENT)
+    cells: tuple[tuple[types.CellType, object], ...]
+    functions: tuple[tuple[types.FunctionType, types.CodeType, object, object], ...]
+    methods: tuple[tuple[str, object], ...]  # reached through self: (name, function)
+
+    def unchanged(self, obj: object = _ABSENT) -> bool:
+        """True while every global, builtin, cell, code object and default the decision
+        read is the object it read, and ``obj`` (the ``self`` of a method: its class, a
+        subclass, an instance attribute) resolves the methods reached through ``self`` to
+        the same functions."""
+        for namespace, name, value in self.names:
+            now = namespace.get(name, _ABSENT)
+            if now is not value and original_of(now) is not value:
+                return False
+        for cell, value in self.cells:
+            if cell.cell_contents is not value and original_of(cell.cell_contents) is not value:
+                return False
+        for func, code, defaults, kwdefaults in self.functions:
+            if (func.__code__ is not code or not _same(func.__defaults__, defaults)
+                    or not _same(func.__kwdefaults__, kwdefaults)):
+                return False
+        for name, value in self.methods if obj is not _ABSENT else ():
+            now = getattr(obj, name, _ABSENT)
+            now = getattr(now, "__func__", now)
+            if now is not value and original_of(now) is not value:
+                return False
+        return True
+
+
+class _Reach:
+    """The parts of a digest and its watch, collected while walking what a function
+    reaches."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[str, str]] = []
+        self.seen: dict[int, str] = {}
+        self.names: list[tuple[object, str, object]] = []
+        self.cells: list[tuple[types.CellType, object]] = []
+        self.functions: list[tuple] = []
+        self.methods: list[tuple[str, object]] = []
+
+    def value(self, value: object, role: str) -> None:
+        value = original_of(value)
+        if isinstance(value, types.FunctionType):
+            self.visit(value, role, None)
+        else:
+            self.parts.append((role, _what(value)))
+
+    def visit(self, f: types.FunctionType, role: str, cls: type | None) -> None:
+        if id(f) in self.seen:
+            self.parts.append((role, f"same as {self.seen[id(f)]}"))
             return
-        seen[id(f)] = role
-        reached.append((f, cls))
+        self.seen[id(f)] = role
+        self.functions.append((f, f.__code__, f.__defaults__,
+                               None if f.__kwdefaults__ is None else dict(f.__kwdefaults__)))
         node = _tree(f)
-        self_name = node.args.args[0].arg if cls is not None and node.args.args else None
-        loads = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
-                 and isinstance(n.ctx, ast.Load)}
-        calls = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
-                 and isinstance(n.value, ast.Name) and n.value.id == self_name}
         normal = _Normalize(_bound_names(node)).visit(node)
-        out.append((role, _dump(normal)))
+        # (read off the normal form: the decorators, evaluated at definition, are gone)
+        self_name = normal.args.args[0].arg if cls is not None and normal.args.args else None
+        loads = {n.id for n in ast.walk(normal) if isinstance(n, ast.Name)
+                 and isinstance(n.ctx, ast.Load) and not n.id.startswith("<")}
+        calls = {n.attr for n in ast.walk(normal) if isinstance(n, ast.Attribute)
+                 and isinstance(n.value, ast.Name) and n.value.id == self_name}
+        self.parts.append((role, _dump(normal)))
+        for i, default in enumerate((*(f.__defaults__ or ()),
+                                     *(f.__kwdefaults__ or {}).values())):
+            self.value(default, f"{role} default {i}")
         for cell_name, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=True):
-            value = cell.cell_contents
-            if isinstance(value, types.FunctionType):
-                visit(value, f"{role} cell {cell_name}", None)
-            else:
-                out.append((f"{role} cell {cell_name}", _what(value)))
-        for name in sorted(loads):
-            if name not in f.__globals__:
-                continue  # a builtin (its name is in the normal form) or a local
-            value = f.__globals__[name]
-            if isinstance(value, types.FunctionType):
-                visit(value, f"global {name}", None)
-            else:
-                out.append((f"{role} global {name}", _what(value)))
+            try:
+                contents = cell.cell_contents
+            except ValueError as e:
+                raise Unverified(f"the closure variable {cell_name} of {f.__qualname__} is "
+                                 "empty") from e
+            self.cells.append((cell, original_of(contents)))
+            self.value(contents, f"{role} cell {cell_name}")
+        free = set(f.__code__.co_freevars)
+        own_builtins = f.__builtins__ is not vars(builtins)
+        for name in sorted(loads - free):
+            if name in f.__globals__:
+                self.names.append((f.__globals__, name, original_of(f.__globals__[name])))
+                self.value(f.__globals__[name], f"{role} global {name}")
+                continue
+            self.names.append((f.__globals__, name, _ABSENT))
+            if name not in _BUILTINS:
+                continue  # a name bound nowhere: the call raises NameError as it would
+            if own_builtins or vars(builtins).get(name) is not _BUILTINS[name]:
+                raise Unverified(f"{f.__qualname__} reads the builtin {name} from builtins "
+                                 "that are not Python's own")
+            self.names.append((vars(builtins), name, _BUILTINS[name]))
         for name in sorted(calls):
-            value = _unwrap_method(inspect.getattr_static(cls, name, None))
+            value = original_of(_unwrap_method(inspect.getattr_static(cls, name, None)))
             if isinstance(value, types.FunctionType):
-                visit(value, f"self.{name}", cls)
-
-    visit(func, "function", owner)
-    return out, reached
-
-
-# (function, owner) -> (identity of what was reached, digest)
-_MEMO: dict[tuple, tuple[tuple, str, list]] = {}
+                self.methods.append((name, _class_value(cls, name)))
+                self.visit(value, f"self.{name}", cls)
+            elif value is not None:
+                self.parts.append((f"self.{name}", _what(value)))
 
 
-def _identity(reached: list[tuple[types.FunctionType, type | None]]) -> tuple:
-    """What a digest depends on, by identity: each function reached, its code, its cells'
-    and its globals' objects, and its class's attributes (cheap to recompute)."""
-    out = []
-    for f, cls in reached:
-        out.append((id(f.__code__), tuple(id(c.cell_contents) for c in f.__closure__ or ()),
-                    tuple(id(f.__globals__.get(n)) for n in f.__code__.co_names),
-                    tuple(map(id, vars(cls).values())) if cls is not None else ()))
-    return tuple(out)
+# (function, owner) -> (digest, watch)
+_MEMO: dict[tuple, tuple[str, Watch]] = {}
 
 
-def digest(func: object, owner: type | None = None) -> str:
-    """The digest of ``func`` (a method of ``owner``, or a plain function); Unverified
-    when its code cannot be read as it runs."""
+def identity(func: object, owner: type | None = None) -> tuple[str, Watch]:
+    """The digest of ``func`` (a method of ``owner``, or a plain function) and its watch;
+    Unverified when its code cannot be read as it runs.  Computed once per identity."""
     func = _unwrap_method(func)
     if not isinstance(func, types.FunctionType):
         raise Unverified(f"{func!r} is not a Python function")
     known = _MEMO.get((func, owner))
-    if known is not None and known[0] == _identity(known[2]):
-        return known[1]
-    parts, reached = _parts(func, owner)
-    value = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
-    _MEMO[(func, owner)] = (_identity(reached), value, reached)
-    return value
+    if known is not None and (known[1].unchanged() if owner is None
+                              else _still(known[1], owner)):
+        return known
+    reach = _Reach()
+    reach.visit(func, "function", owner)
+    value = hashlib.sha256(json.dumps(reach.parts).encode()).hexdigest()
+    watch = Watch(tuple(reach.names), tuple(reach.cells), tuple(reach.functions),
+                  tuple(reach.methods))
+    _MEMO[(func, owner)] = (value, watch)
+    return value, watch
 
 
-def verified(func: object, owner: type | None, kind: str) -> Entry:
-    """The table's entry for ``func``, which must be the function named ``kind``;
-    Unverified (naming the digest) otherwise."""
-    name = getattr(func, "__qualname__", repr(func))
-    value = digest(func, owner)
-    entry = TABLE.get(value)
-    if entry is None or entry.function != kind:
-        raise Unverified(f"{name} has the digest {value[:16]}, which no test of posenc_torch "
-                         "verified (`python -m posenc_torch.hf.digests` lists the installed "
-                         "ones)")
-    return entry
+def _still(watch: Watch, owner: type) -> bool:
+    """``watch.unchanged`` for an object of class ``owner`` itself."""
+    return watch._replace(methods=()).unchanged() and all(
+        _class_value(owner, name) is value for name, value in watch.methods)
+
+
+def digest(func: object, owner: type | None = None) -> str:
+    """The digest of ``func`` (see :func:`identity`)."""
+    return identity(func, owner)[0]

@@ -15,6 +15,7 @@ import torch
 
 from .. import ops as _ops
 from .._checks import InputError
+from ._digests import _ORIGINALS, Watch, original_of  # noqa: F401
 
 # (module name, attribute) -> the handle whose wrapper is installed there.
 _ACTIVE: dict[tuple[str, str], PatchHandle] = {}
@@ -29,12 +30,13 @@ class UnsupportedModelWarning(RuntimeWarning):
 
 class Decline(Exception):
     """Raised by a replacement's computation for a call it does not take (another call
-    form, inputs outside what posenc verified): the original function computes it,
-    counted as a fallback unless ``counted`` is False (the original only returns what
-    posenc computed before, e.g. a precomputed vision entry)."""
+    form, inputs outside what posenc verified), with the reason: the original function
+    computes it, counted as a fallback unless ``counted`` is False (the original only
+    returns what posenc computed before, e.g. a precomputed vision entry)."""
 
-    def __init__(self, counted: bool = True) -> None:
-        super().__init__()
+    def __init__(self, reason: str = "", counted: bool = True) -> None:
+        super().__init__(reason)
+        self.reason = reason
         self.counted = counted
 
 
@@ -109,10 +111,13 @@ class PatchHandle:
         Both are empty when ``patch(count=False)``.
     """
 
-    def __init__(self, model_types: tuple[str, ...], fallback: bool, count: bool) -> None:
+    def __init__(self, model_types: tuple[str, ...], fallback: bool, count: bool,
+                 rows: dict | None = None) -> None:
         self.model_types = model_types
         self.fallback = fallback
         self.count = count
+        # the rows of a user's table file beside the shipped table (``_table``)
+        self.rows = rows or {}
         # One int64 scalar tensor per counter, bumped in place by the replacements: an
         # in-place add is traced into compiled graphs like any other op, so counting
         # neither breaks a graph nor (as a Python int would) makes torch.compile guard
@@ -144,21 +149,27 @@ class PatchHandle:
         return bool(self._installed)
 
     def replace(self, owner: object, name: str, compute: Callable, target: str,
-                doc: str) -> None:
+                doc: str, watch: Watch | None = None) -> None:
         """Install, in place of ``owner.<name>``, a function with the original's signature
         that returns ``compute(*args, **kwargs)`` and counts it in ``calls[target]``, or
         calls the original and counts it in ``fallbacks[target]`` when ``compute`` raises
         :class:`Decline`, when posenc refuses the inputs (an ``InputError``) and the
-        handle falls back, or under functorch transforms and forward AD."""
+        handle falls back, under functorch transforms and forward AD, or when anything the
+        decision read has changed since (``watch``; for a method of the class ``owner``,
+        the methods it reaches through ``self`` are resolved on ``type(self)``)."""
         original = getattr(owner, name) if isinstance(owner, types.ModuleType) else \
             vars(owner)[name]
         self._add_counters(target)
         calls, fallbacks = self._calls.get(target), self._fallbacks.get(target)
         count, fallback = self.count, self.fallback
+        method = not isinstance(owner, types.ModuleType)
 
         def replacement(*args, **kwargs):
             counted = count
-            if not to_original():
+            if watch is not None and not (watch.unchanged(args[0]) if method and args
+                                          else watch.unchanged()):
+                pass  # what was decided on changed: the original computes it
+            elif not to_original():
                 try:
                     result = compute(*args, **kwargs)
                 except Decline as e:
@@ -197,8 +208,8 @@ class PatchHandle:
         original = getattr(module, name)
         replacement.__module__ = "posenc_torch.hf"
         replacement.__qualname__ = f"patched.{target}"
-        replacement.posenc_original = original
         setattr(module, name, replacement)
+        _ORIGINALS[replacement] = original
         _ACTIVE[(module.__name__, name)] = self
         self._installed.append((module, name, original, replacement, target))
         if listed:
@@ -229,6 +240,7 @@ class PatchHandle:
             while self._installed:
                 module, name, original, wrapper, target = self._installed.pop()
                 _ACTIVE.pop((module.__name__, name), None)
+                _ORIGINALS.pop(wrapper, None)
                 if getattr(module, name, None) is wrapper:
                     setattr(module, name, original)
                 else:

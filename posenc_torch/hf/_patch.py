@@ -4,33 +4,42 @@ guard) under one handle."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 from .._tables import MODELS
-from . import _packing_guard, _rope_index, _rotary, _transformers, _vision, _vision_methods
+from . import _packing_guard, _rope_index, _rotary, _table, _transformers, _vision_utils, _tower_methods_457
 from ._handle import _ACTIVE, LOCK, PatchHandle, UnsupportedModelWarning
 
 # The model types this integration knows and tests (tests/test_hf_models.py builds each
 # from a tiny config), from the one model table.  ``SUPPORTED_MODEL_TYPES`` is the subset
-# whose installed code fits.
+# written for the installed release (``_table.releases()``).
 KNOWN_MODEL_TYPES: tuple[str, ...] = tuple(MODELS)
 
 # Run by ``patch`` after the rotary functions, in order, each as
 # ``installer(handle, model_types)``; they replace attributes with
 # ``handle.install(owner, name, replacement, target)``, so ``undo()`` reverses them too.
 INSTALLERS: list[Callable[[PatchHandle, tuple[str, ...]], None]] = [
-    _rope_index.install, _vision.install, _vision_methods.install, _packing_guard.install]
+    _rope_index.install, _vision_utils.install, _tower_methods_457.install, _packing_guard.install]
 
 
-def support() -> dict[str, str | None]:
-    """Per known model type: None if the installed transformers lets posenc patch it, else
-    the reason, for the code installed now (the modeling modules are imported once; each
-    function's verdict is kept per content, see ``_graphs``)."""
+def written_supported() -> tuple[str, ...]:
+    """The model types ``patch()`` patches under the installed transformers release, as
+    written for it in the verified table's release facts (empty for a release they do
+    not name); reading it imports no modeling module and decides nothing."""
+    patched = set(_table.releases()["patched"].get(_transformers.version(), ()))
+    return tuple(mt for mt in KNOWN_MODEL_TYPES if mt in patched)
+
+
+def support(table: str | None = None) -> dict[str, str | None]:
+    """Per known model type: None if the installed code lets posenc patch it, else the
+    reason (imports the modeling modules; a digest lookup per rotary function)."""
+    rows = _table.user_rows(table, _transformers.version())
     reasons: dict[str, str | None] = {}
     for mt in KNOWN_MODEL_TYPES:
         try:
-            _rotary.plan(mt, _transformers.modeling_module(mt))
+            _rotary.plan(mt, _transformers.modeling_module(mt), rows)
             reasons[mt] = None
         except _transformers.Unsupported as e:
             reasons[mt] = str(e)
@@ -64,16 +73,17 @@ def _normalize(model_types: str | Iterable[str] | None) -> tuple[str, ...]:
 
 
 def patch(model_types: str | Sequence[str] | None = None, *,
-          fallback: bool = True, count: bool = True) -> PatchHandle:
+          fallback: bool = True, count: bool = True,
+          table: str | os.PathLike | None = None) -> PatchHandle:
     """Make transformers models use the posenc rotary kernels.
 
     Args:
         model_types: one or more of ``KNOWN_MODEL_TYPES`` (``model.config.model_type``,
             e.g. "llama", "qwen2_vl", "phi3"); None patches every one the installed
             transformers lets posenc patch (which imports the modeling module of every
-            known type: a few seconds, once per process).  A requested type whose installed
-            code posenc does not run exactly is left to transformers with one
-            ``UnsupportedModelWarning`` naming it and the reason.
+            known type).  A requested type whose installed code has no row in the verified
+            table is left to transformers with one ``UnsupportedModelWarning`` naming it,
+            the reason and the verify command.
         fallback: hand inputs the posenc kernels do not take (tensors on a device they were
             not built for: CUDA tensors unless ``posenc_torch._C.has_cuda()``; shapes other
             than transformers' layouts, an ``mrope_section`` that does not fit) to the
@@ -83,6 +93,12 @@ def patch(model_types: str | Sequence[str] | None = None, *,
         count: keep ``handle.calls`` / ``handle.fallbacks``.  Each counter is a CPU scalar
             tensor bumped in place, which compiled graphs include as a tiny op; pass False
             to leave it out (e.g. for CUDA graphs on the fallback path).
+        table: a table file written by ``python -m posenc_torch.hf.verify --write FILE``
+            for a transformers release the shipped table does not know (default: the
+            ``POSENC_TORCH_HF_TABLE`` environment variable, else none).  A file that is
+            malformed, foreign (another release or format), not a regular file of the
+            user's own, or whose rotary rows fail a sampled check is not used (one
+            warning).
 
     Returns:
         A ``PatchHandle``; ``handle.undo()`` (or leaving ``with patch(...):``) restores the
@@ -107,11 +123,12 @@ def patch(model_types: str | Sequence[str] | None = None, *,
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     requested = KNOWN_MODEL_TYPES if model_types is None else _normalize(model_types)
     with LOCK:
+        rows = _table.user_rows(table, _transformers.version())
         plans, refused, absent = [], {}, {}
         for mt in requested:
             try:
                 module = _transformers.modeling_module(mt)
-                plans.append((mt, module, _rotary.plan(mt, module)))
+                plans.append((mt, module, _rotary.plan(mt, module, rows)))
             except _transformers.Absent as e:
                 (absent if model_types is None else refused)[mt] = str(e)
             except _transformers.Unsupported as e:
@@ -124,16 +141,27 @@ def patch(model_types: str | Sequence[str] | None = None, *,
                                "with the installed transformers: " +
                                "; ".join(f"{mt}: {why}" for mt, why in refused.items()))
         for mt, module, names in plans:
-            for name, _ in names:
+            for planned in names:
+                name = planned.name
                 owner = _ACTIVE.get((module.__name__, name))
                 if owner is not None:
                     raise RuntimeError(
                         f"posenc_torch.hf.patch: {mt}.{name} is already patched by "
                         f"{owner!r}; undo that handle first")
+        # Code without a row: one warning for all such types, naming the command once.
+        unknown = {mt: why for mt, why in refused.items() if _table.COMMAND in why}
+        if len(unknown) > 1:
+            hint = f" (run `{_table.COMMAND}` and pass patch(table=FILE) or set {_table.ENV})"
+            warnings.warn(
+                f"posenc_torch.hf.patch leaves {', '.join(unknown)} to transformers: their code "
+                "has no row in the verified table" + hint + ": " + "; ".join(
+                    f"{mt}: {why.split(' (run `')[0]}" for mt, why in unknown.items()),
+                UnsupportedModelWarning, stacklevel=2)
         for mt, why in refused.items():
-            warnings.warn(f"posenc_torch.hf.patch leaves {mt} to transformers: {why}",
-                          UnsupportedModelWarning, stacklevel=2)
-        handle = PatchHandle(tuple(mt for mt, _, _ in plans), fallback, count)
+            if len(unknown) <= 1 or mt not in unknown:
+                warnings.warn(f"posenc_torch.hf.patch leaves {mt} to transformers: {why}",
+                              UnsupportedModelWarning, stacklevel=2)
+        handle = PatchHandle(tuple(mt for mt, _, _ in plans), fallback, count, rows)
         try:
             _rotary.install(handle, plans)
             for installer in INSTALLERS:

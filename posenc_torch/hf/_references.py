@@ -1,12 +1,11 @@
-"""posenc's references: the rotary forms posenc computes, each written as plain torch, and
-the decision which form (if any) a transformers function is.
+"""posenc's references: the rotary forms posenc computes, each written as plain torch.
 
 Each :class:`Form` pairs a reference with the way the posenc op computes the same thing
-(``pairing``, ``table``, ``cast``, ``permute``; ``_rotary.rotate_as``).  A transformers
-function is that form when the graph torch's tracer captures from it equals the
-reference's under every regime the form is computed in (``_graphs``): the tables shared
-over the batch and per row, and, when the function reads a dtype, every dtype pair of
-``Form.dtypes``.  The tests check each reference against the posenc op over shapes and
+(``pairing``, ``table``, ``cast``, ``permute``; ``_rotary.rotate_as``); a row of the
+verified table names a form by its ``name``.  The verify command
+(``posenc_torch.hf.verify``) finds a transformers function to be a form when the graph
+torch's tracer captures from it equals the reference's under every regime the form is
+computed in.  The tests check each reference against the posenc op over shapes and
 dtypes, and against transformers' own functions.
 """
 
@@ -16,8 +15,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-
-from . import _graphs
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 
@@ -36,7 +33,8 @@ REPRESENTATIVE = (BF16, F32)
 class Form(NamedTuple):
     """One form: ``reference(q, k, cos, sin[, mrope_section])`` and how posenc computes it.
 
-    layout: the tables' width the form takes (``_graphs.Regime``).
+    layout: the tables' width the form takes ("full", "partial", "half", "vision",
+        "sections"; ``verify._graphs.Regime``).
     pairing: "half" (channel j with j + R/2) or "adjacent" (2i with 2i + 1).
     table: "as_given"; "first_half_interleaved" (the first half of the tables, each entry
         twice: GLM, ERNIE-4.5); "doubled" (one half given, used for both: gpt-oss).
@@ -202,85 +200,6 @@ TEXT_FORMS: tuple[Form, ...] = (
 )
 VISION_FORM = Form("vision", _vision, "vision")
 SECTIONS_FORM = Form("sections", _sections, "sections")
-
-
-# ---------------------------------------------------------------------------------------
-# The decision.
-
-_REFERENCES: dict[str, _graphs.Tracer] = {}
-
-
-def regimes(form: Form, reads_dtype: bool) -> list[_graphs.Regime]:
-    """The captures that decide whether a function is ``form``: the representative dtypes
-    first, then (for a function that reads a dtype) every other pair the form takes."""
-    dtypes = sorted(DTYPES, key=lambda d: d != REPRESENTATIVE) if reads_dtype else [
-        REPRESENTATIVE]
-    shared = (True,) if form.layout == "vision" else (True, False)
-    return [_graphs.Regime(form.layout, s, d) for d in dtypes for s in shared]
-
-
-def reference(form: Form) -> _graphs.Tracer:
-    """The captures of ``form``'s reference (kept for the process)."""
-    if form.name not in _REFERENCES:
-        _REFERENCES[form.name] = _graphs.Tracer(form.reference, form.layout)
-    return _REFERENCES[form.name]
-
-
-def _difference(theirs: tuple, ours: tuple) -> tuple[int, str]:
-    """(how many ops differ, which) between two captures' op counts."""
-    a, b = dict(theirs), dict(ours)
-    extra = {op: n - b.get(op, 0) for op, n in a.items() if n > b.get(op, 0)}
-    missing = {op: n - a.get(op, 0) for op, n in b.items() if n > a.get(op, 0)}
-    words = "; ".join(part for part in (
-        "it also runs " + ", ".join(f"{op} x{n}" for op, n in extra.items()) if extra else "",
-        "it lacks " + ", ".join(f"{op} x{n}" for op, n in missing.items()) if missing else "",
-    ) if part)
-    return sum(extra.values()) + sum(missing.values()), words or "the same ops, combined otherwise"
-
-
-def _mismatch(theirs: _graphs.Tracer, form: Form, reads_dtype: bool) -> tuple[int, str] | None:
-    """None when the function traced by ``theirs`` is ``form``, else (how far, why): a
-    guard says the most (-1), then the fewest ops that differ, then a failed capture."""
-    ours = reference(form)
-    for regime in regimes(form, reads_dtype):
-        try:
-            got = theirs.graph(regime)
-        except _graphs.Refused as e:
-            return 10**6, str(e)
-        want = ours.graph(regime)
-        if got[0] != want[0]:
-            return _difference(got[1], want[1])
-    extra = sorted(theirs.guards - ours.guards)
-    if extra:
-        return -1, f"its trace holds only where {extra[0]} (a branch or specialization on a size)"
-    return None
-
-
-def which_form(func: Callable, forms: tuple[Form, ...], kind: str) -> dict:
-    """``{"form": name}`` for the first of ``forms`` that ``func`` is, else
-    ``{"form": None, "reason": why}``; decided once per content (``_graphs.decided``)."""
-    try:
-        reached = _graphs.reach(func)
-    except _graphs.Refused as e:
-        return {"form": None, "reason": f"it reaches what posenc does not look into: {e}"}
-
-    def decide() -> dict:
-        tracers: dict[str, _graphs.Tracer] = {}
-        misses = []
-        # the forms whose references read the same attributes first: usually the one
-        for form in sorted(forms, key=lambda f: len(
-                _graphs.reach(f.reference).attributes ^ reached.attributes)):
-            if form.layout not in tracers:
-                tracers[form.layout] = _graphs.Tracer(func, form.layout)
-            miss = _mismatch(tracers[form.layout], form, reached.reads_dtype)
-            if miss is None:
-                return {"form": form.name}
-            misses.append((*miss, form.name))
-        far, why, name = min(misses, key=lambda m: m[0])
-        return {"form": None, "reason": f"its graph is none of posenc's {kind} forms "
-                                        f"(closest: {name}: {why})"}
-
-    return _graphs.decided(kind, reached, decide)
 
 
 FORMS_BY_NAME = {form.name: form for form in (*TEXT_FORMS, VISION_FORM, SECTIONS_FORM)}

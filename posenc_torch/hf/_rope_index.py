@@ -32,8 +32,8 @@ import torch
 from .. import _installed
 from .. import positions as _positions
 from .._tables import CONVENTIONS, MROPE_MODELS
-from . import _digests, _transformers
-from ._handle import CallArguments, Decline, warn_once
+from . import _digests, _table, _transformers
+from ._handle import CallArguments, Decline, original_of, warn_once
 
 #: The model types whose get_rope_index is replaced.
 MODEL_TYPES = tuple(MROPE_MODELS)
@@ -140,23 +140,34 @@ def _owner_and_original(model_type: str) -> tuple[type, Callable]:
     owner = _OWNERS.get(model_type)
     if owner is None or vars(module).get(owner.__name__) is not owner or _NAME not in vars(owner):
         owner = _OWNERS[model_type] = _transformers.owner_class(module, _NAME)
-    original = vars(owner)[_NAME]
-    return owner, getattr(original, "posenc_original", original)
+    return owner, original_of(vars(owner)[_NAME])
 
 
-def installed_convention(model_type: str) -> str:
-    """The convention whose rules the installed transformers' ``get_rope_index`` of
-    ``model_type`` follows, by its digest; ValueError when its code is not one the tests
-    verified, or when this transformers has no such model."""
+def _decided(model_type: str, rows: dict | None = None) -> tuple[str, _digests.Watch]:
+    """(the convention of the installed ``get_rope_index`` of ``model_type``, its watch);
+    ValueError when its code is not one a verified table holds."""
     try:
         owner, original = _owner_and_original(model_type)
-        entry = _digests.verified(original, owner, _NAME)
+        if rows is None:
+            rows = _table.user_rows(None, _transformers.version())
+        entry, watch = _table.verified(original, owner, _NAME, rows)
     except (_transformers.Unsupported, _digests.Unverified, ImportError) as e:
         raise ValueError(f"the position-id rules of transformers {_transformers.version()} "
                          f"for {model_type} are not ones posenc_torch verified: {e}; pass "
                          f"convention= one of {_positions.MROPE_CONVENTIONS} explicitly"
                          ) from None
-    return entry.use
+    if entry.use not in CONVENTIONS:
+        raise ValueError(f"the verified row of {model_type}.{_NAME} names {entry.use!r}, "
+                         "not a convention")
+    return entry.use, watch
+
+
+def installed_convention(model_type: str) -> str:
+    """The convention whose rules the installed transformers' ``get_rope_index`` of
+    ``model_type`` follows, by its digest (the shipped table, and the file
+    ``$POSENC_TORCH_HF_TABLE`` names); ValueError when its code is not one a verified
+    table holds, or when this transformers has no such model."""
+    return _decided(model_type)[0]
 
 
 def install(handle, model_types: tuple[str, ...]) -> None:
@@ -167,7 +178,7 @@ def install(handle, model_types: tuple[str, ...]) -> None:
         if mt not in MODEL_TYPES:
             continue
         try:
-            convention = installed_convention(mt)
+            convention, watch = _decided(mt, handle.rows)
         except ValueError as e:
             warn_once(f"posenc_torch.hf.patch leaves {mt}.{_NAME} to transformers: {e}",
                       stacklevel=4)
@@ -175,7 +186,7 @@ def install(handle, model_types: tuple[str, ...]) -> None:
         owner, original = _owner_and_original(mt)
         handle.replace(owner, _NAME, _computation(original, mt, convention), f"{mt}.{_NAME}",
                        f"posenc_torch replacement for transformers' {owner.__qualname__}."
-                       f"{_NAME} (convention {convention}); see posenc_torch.hf.")
+                       f"{_NAME} (convention {convention}); see posenc_torch.hf.", watch)
 
 
 _installed.provide("convention", installed_convention)

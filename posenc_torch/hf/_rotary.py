@@ -1,12 +1,13 @@
 """The rotary functions of transformers' attention, replaced: which function of a model
-file is replaced (its graph, ``_references``), which calls posenc computes, and how.
+file is replaced (the one its attention calls, whose digest the verified table holds; the
+row names its form, ``_references``), which calls posenc computes, and how.
 
 The attention calls ``apply_rotary_pos_emb(q, k, cos, sin)`` (DeepSeek-V3:
 ``apply_rotary_pos_emb_interleave``), the vision towers ``apply_rotary_pos_emb_vision(q,
 k, cos, sin)`` and the 4.x Qwen2-VL / Qwen2.5-VL decoders
 ``apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section)``, all with positional
-arguments.  The decision is made for exactly that call form, over the inputs a capture
-covers (``_graphs``): the replacement computes a call in that form whose tensors have the
+arguments.  The row was verified for exactly that call form, over the inputs the verify
+command's capture covers: the replacement computes a call in that form whose tensors have the
 layout of the form (q, k (B, H, T, D) of one dtype, tables (1 or B, T, W) of one dtype,
 the width W the form takes; the vision and multimodal layouts likewise) and dtypes among
 ``_references.DTYPES``; any other call goes to the original function.
@@ -19,15 +20,17 @@ import functools
 import inspect
 import types
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from .. import rope as _rope
 from .._checks import KERNEL_DEVICES
 from .._tables import MODELS
-from . import _references, _transformers
-from ._handle import CallArguments, Decline, PatchHandle
-from ._references import DTYPES, SECTIONS_FORM, TEXT_FORMS, VISION_FORM, Form
+from . import _table, _transformers
+from ._digests import Unverified, Watch
+from ._handle import CallArguments, Decline, PatchHandle, original_of
+from ._references import DTYPES, FORMS_BY_NAME, SECTIONS_FORM, TEXT_FORMS, VISION_FORM, Form
 
 TEXT = "apply_rotary_pos_emb"
 MULTIMODAL = "apply_multimodal_rotary_pos_emb"
@@ -169,15 +172,7 @@ def _computation(form: Form, original: Callable, fallback: bool) -> Callable:
 
 
 # ---------------------------------------------------------------------------------------
-# Which functions are replaced.
-
-
-def form_of(name: str, func: Callable) -> tuple[Form | None, str | None]:
-    """(the form transformers' rotary function ``name`` is, None) or (None, why not)."""
-    verdict = _references.which_form(func, _FORMS[name], name)
-    if verdict["form"] is None:
-        return None, verdict["reason"]
-    return _references.FORMS_BY_NAME[verdict["form"]], None
+# Which functions are replaced: by their digest, looked up in the verified table.
 
 
 @functools.cache  # code objects are immutable
@@ -187,6 +182,16 @@ def global_loads(code: types.CodeType) -> frozenset[str]:
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= global_loads(const)
+    return frozenset(names)
+
+
+@functools.cache
+def _names(code: types.CodeType) -> frozenset[str]:
+    """Every name ``code`` and the functions nested in it use (globals among them)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
     return frozenset(names)
 
 
@@ -207,7 +212,7 @@ def callers(module: types.ModuleType) -> dict[str, list[str]]:
 
     def scan(qualname: str, obj: object) -> None:
         code = _code_of(obj)
-        if code is not None:
+        if code is not None and _names(code) & found.keys():  # (a set read first: cheap)
             for name in global_loads(code) & found.keys():
                 found[name].append(qualname)
 
@@ -221,50 +226,99 @@ def callers(module: types.ModuleType) -> dict[str, list[str]]:
     return found
 
 
-def plan(model_type: str, module: types.ModuleType) -> list[tuple[str, Form]]:
-    """The rotary names to replace in ``module``, each with its form; raises
-    ``Unsupported`` (with the reason) if the installed code is not one posenc runs."""
+def called(model_type: str, module: types.ModuleType) -> list[str]:
+    """The rotary names of ``module`` posenc replaces for ``model_type``: those its
+    attention calls; raises ``Unsupported`` when that is not a set posenc can patch."""
     Unsupported = _transformers.Unsupported
-    release = _transformers.version()
-    where = f"{module.__name__} (transformers {release})"
+    where = f"{module.__name__} (transformers {_transformers.version()})"
     found = callers(module)
-    called = [name for name in ROTARY_NAMES if found[name]]
-    for name in called:
+    names = [name for name in ROTARY_NAMES if found[name]]
+    for name in names:
         if not callable(getattr(module, name, None)):
             raise Unsupported(f"{', '.join(found[name])} in {where} call {name}, "
                               "but the module has no such function")
-    # The Qwen-VL types, llama and qwen2: every rotary name their attention calls is planned
-    # (the multimodal merge included); other model types only the text and interleave forms.
-    every_name = model_type in _VISION_MODEL_TYPES or model_type in ("llama", "qwen2")
+    every_name = MODELS[model_type].multimodal_rotary
     decoder = (TEXT, MULTIMODAL) if every_name else (TEXT,)
-    if not every_name and MULTIMODAL in called:
+    if not every_name and MULTIMODAL in names:
         raise Unsupported(
             f"the attention in {where} calls {MULTIMODAL}, whose section merge for this "
             "model is not one posenc_torch runs")
-    if not any(name in called for name in decoder):
+    if not any(name in names for name in decoder):
         absent = [n for n in decoder if not hasattr(module, n)]
         raise Unsupported(
             f"no attention in {where} calls {' or '.join(decoder)} "
             f"(absent from the module: {absent or 'none'}); this transformers version "
             f"computes the {model_type} decoder rotary embedding in a way posenc_torch does "
             "not know, so patching it would do nothing")
-    if model_type in _VISION_MODEL_TYPES and VISION not in called:
+    if model_type in _VISION_MODEL_TYPES and VISION not in names:
         raise Unsupported(
             f"the vision attention in {where} does not call {VISION}"
             f"{'' if hasattr(module, VISION) else ' (absent from the module)'}; this "
             "transformers version is not supported for the vision tower")
-    out: list[tuple[str, Form]] = []
-    for name in called:
-        if name not in (TEXT, INTERLEAVE) and not every_name:
-            continue
-        # Already replaced by an active handle: judge the function it replaced (patch
-        # then reports the conflict).
+    return [name for name in names if name in (TEXT, INTERLEAVE) or every_name]
+
+
+class Planned(NamedTuple):
+    """A rotary function to replace: its name, the form its row names, its watch."""
+
+    name: str
+    form: Form
+    watch: Watch
+
+
+def plan(model_type: str, module: types.ModuleType,
+         extra: dict | None = None) -> list[Planned]:
+    """The rotary functions to replace in ``module``, each with its form (its verified
+    row) and its watch; raises ``Unsupported`` (with the reason) for code posenc does not
+    know."""
+    out = []
+    for name in called(model_type, module):
+        # Already replaced by an active handle: the function it replaced (patch then
+        # reports the conflict).
         func = function(module, name)
-        form, reason = form_of(name, func)
-        if reason is not None:
-            raise Unsupported(f"{module.__name__}.{name} (transformers {release}): {reason}")
-        out.append((name, form))
+        try:
+            row, watch = _table.verified(func, None, name, extra)
+        except Unverified as e:
+            raise _transformers.Unsupported(f"{module.__name__}.{name}: {e}") from None
+        form = FORMS_BY_NAME.get(row.use)
+        if form is None or form not in _FORMS[name]:
+            raise _transformers.Unsupported(
+                f"{module.__name__}.{name}: its row names {row.use!r}, not a form of {name}")
+        if row.source is not None:
+            _sampled(form, func, f"{module.__name__}.{name}", row.source)
+        out.append(Planned(name, form, watch))
     return out
+
+
+def _sampled(form: Form, func: Callable, where: str, source: str) -> None:
+    """A row from a user's table file, checked once more on sampled inputs: ``func`` must
+    give what posenc gives for the row's form; Unsupported otherwise."""
+    gen = torch.Generator().manual_seed(0)
+    for dim, width in ((16, 16), (64, 64), (64, 32), (128, 96)):
+        if form.layout == "half":
+            width = dim // 2
+        elif form.layout != "partial":
+            width = dim
+        if form.layout == "vision":
+            q, k = (torch.randn(9, 3, dim, generator=gen) for _ in range(2))
+            args = (q, k, *(torch.randn(9, dim, generator=gen) for _ in range(2)))
+        else:
+            q = torch.randn(2, 4, 5, dim, generator=gen)
+            k = torch.randn(2, 2, 5, dim, generator=gen)
+            rows = (3, 2, 5, width) if form.layout == "sections" else (2, 5, width)
+            args = (q, k, *(torch.randn(rows, generator=gen) for _ in range(2)))
+            if form.layout == "sections":
+                args = (*args, [dim // 8, dim // 8 + dim // 16, dim // 4 - dim // 16])
+        try:
+            theirs, ours = func(*args), _run(form, args)
+            same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in
+                       zip(theirs, ours, strict=True))
+        except Exception:  # noqa: BLE001 -- whatever it raises, it is not the form
+            same = False
+        if not same:
+            raise _transformers.Unsupported(
+                f"{where}: the row of the table file {source!r} says {form.name!r}, which "
+                "its results on sampled inputs are not")
 
 
 def function(module: types.ModuleType, name: str) -> Callable:
@@ -273,16 +327,15 @@ def function(module: types.ModuleType, name: str) -> Callable:
     importable), else the attribute itself.  The decision is made on it; the replacement
     takes the attribute's place (the layer's too, so a kernel that ``kernelize`` attaches
     to it runs only for the calls posenc hands back)."""
-    func = getattr(module, name)
-    func = getattr(func, "posenc_original", func)
+    func = original_of(getattr(module, name))
     return _transformers.hub_kernel_function(func, name) or func
 
 
 def install(handle: PatchHandle, plans: list[tuple[str, types.ModuleType, list]]) -> None:
     """Install the replacement of every planned function."""
     for mt, module, names in plans:
-        for name, form in names:
+        for name, form, watch in names:
             handle.replace(module, name, _computation(form, function(module, name),
                                                       handle.fallback), f"{mt}.{name}",
                            f"posenc_torch replacement for transformers' {mt} {name} "
-                           f"({form.name}); see posenc_torch.hf.")
+                           f"({form.name}); see posenc_torch.hf.", watch)

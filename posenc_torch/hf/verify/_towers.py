@@ -3,8 +3,8 @@ replacement of one of its methods gives what the method gives on them (results a
 gradients that reach the tower's parameters) on probe grids: images and videos, grids
 that do and do not divide the window, a 1 x 2 x 2 grid, several grids at once, int64 and
 int32, with and without autograd, with the tower's own merge size, window, patch size and
-table side and with merge sizes 1, 2 and 4 (tests/test_hf_digests.py verifies the digest
-table's method rows with it).
+table side and with merge sizes 1, 2 and 4 (the verify command verifies the table's
+method rows with it).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _check(cls: type, name: str, replacement: Callable, original: Callable,
 
 
 def check_method(cls: type, name: str, replacement, original: Callable) -> str | None:
-    """None when ``replacement`` (a ``_vision_methods.Replacement``) gives what
+    """None when ``replacement`` (a ``_tower_methods_457.Replacement``) gives what
     ``original`` gives on tiny towers of ``cls``: with the values of a tower built from
     the class's default config, and with each of the merge sizes 1, 2 and 4; else the
     first difference."""

@@ -9,34 +9,34 @@ dict, and each returns the tensor it finds there instead of computing it; the mo
 ``get_image_features`` / ``get_video_features`` take those entries prefixed ``image_`` /
 ``video_`` (``accepts_precomputed_kwargs``), so ``model(**batch)`` carries them down.
 
-Which entries, with which arguments, is read off the installed code, per model
+Which entries, with which arguments, is decided by code identity, per model
 (:func:`vision_plan`):
 
 1. the model is built on the meta device from its config (or the given model is used),
    and every module of its modeling file whose ``forward`` calls one of those functions
-   is found; each call's arguments are read from its source: constants, ``grid_thw``,
-   ``self.<attribute>`` chains (evaluated on that module: merge size, window size, patch
-   size, table side, interpolation mode, ...), and the caller's ``kwargs`` (a call that
-   is not given them reads nothing precomputed and is left out).  Anything else, an
-   unknown function of that family, or two calls that would read one entry, and the model
-   type gets no kwargs (one warning);
-2. every planned call's function, as the module binds it, must be code the tests
-   verified against posenc's walk of the same name (its digest, ``_digests``).
+   is found; that forward's digest (``_digests``) must have a row in the verified table,
+   and the row holds its plan, written by the verify command from its source
+   (``verify._plans``): each call that reads its caller's ``kwargs``, with arguments that
+   are ``grid_thw``, constants or ``self.<attribute>`` chains, evaluated here on that
+   module (merge size, window size, patch size, table side, interpolation mode, ...).
+   A forward without a row, or two calls that would read one entry, and the model type
+   gets no kwargs (one warning);
+2. every planned call's function, as the module binds it, must have a verified row too
+   (checked against posenc's walk of the same name).
 
 The plan is kept per model or config object while its vision config stays the same, so a
 collator that calls this on every batch pays for the walks alone.
 
 transformers 4.57 towers compute these in methods and accept no precomputed kwargs: no
 kwargs there (one warning); ``patch()`` routes those methods to the walks instead
-(``_vision_methods``).  ``max_seqlen`` / ``max_window_seqlen`` are included only where
+(``_tower_methods_457``).  ``max_seqlen`` / ``max_window_seqlen`` are included only where
 transformers computes them (a flash-attention implementation), as it would compute them.
 """
 
 from __future__ import annotations
 
-import ast
 import inspect
-import textwrap
+import json
 import types
 import warnings
 import weakref
@@ -48,12 +48,12 @@ import torch
 from .. import _installed
 from .. import vision as _vision
 from .._checks import InputError
-from . import _digests, _transformers
-from ._handle import CallArguments, Decline, warn_once
+from . import _digests, _table, _transformers
+from ._handle import CallArguments, Decline, original_of, warn_once
 from ._rotary import global_loads
 
 # transformers' function -> (posenc's function, the kwargs entries it pops, its outputs)
-_FUNCTIONS: dict[str, tuple[Callable, tuple[str, ...]]] = {
+FUNCTIONS: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "get_vision_position_ids": (_vision.get_vision_position_ids, ("position_ids",)),
     "get_vision_cu_seqlens": (_vision.get_vision_cu_seqlens, ("cu_seqlens",)),
     "get_vision_attention_seqlens": (_vision.get_vision_attention_seqlens,
@@ -64,7 +64,7 @@ _FUNCTIONS: dict[str, tuple[Callable, tuple[str, ...]]] = {
         _vision.get_vision_interpolation_indices_and_weights, ("interp_indices", "interp_weights")),
 }
 _MAX = "get_max_seqlen"
-_FAMILY = (*_FUNCTIONS, "get_vision_bilinear_indices_and_weights",
+_FAMILY = (*FUNCTIONS, "get_vision_bilinear_indices_and_weights",
            "get_vision_nearest_position_ids", "get_vision_merged_shape")
 _GRID = object()  # the grids' place among a call's arguments
 
@@ -110,100 +110,63 @@ class VisionPlan(NamedTuple):
 
 
 def _run_posenc(call: Call, grid_thw: torch.Tensor) -> tuple:
-    ours = _FUNCTIONS[call.name][0]
+    ours = FUNCTIONS[call.name][0]
     args = {k: (grid_thw if v is _GRID else v) for k, v in call.arguments}
     result = ours(**args)
     return result if isinstance(result, tuple) else (result,)
 
 
 # ---------------------------------------------------------------------------------------
-# Reading the plan off the installed code.
+# The plan: the verified rows of the towers' forwards, evaluated on the model's modules.
+
+#: The table's function name of a vision-tower ``forward`` whose row holds its plan.
+FORWARD = "vision tower forward"
 
 
-def _attribute(node: ast.AST, module: torch.nn.Module) -> object:
-    """The value of a ``self.a.b`` chain (or a constant) on ``module``; _Refused else."""
-    if isinstance(node, ast.Constant):
-        return node.value
-    chain = []
-    while isinstance(node, ast.Attribute):
-        chain.append(node.attr)
-        node = node.value
-    if not (isinstance(node, ast.Name) and node.id == "self" and chain):
-        raise _Refused(f"an argument {ast.unparse(node)!r} that is not self.<attribute>")
+def tower_forwards(module: types.ModuleType) -> list[tuple[type, types.FunctionType]]:
+    """(class, forward as its body runs: decorators record) of every class of ``module``
+    whose forward calls one of the ``vision_utils`` functions or ``get_max_seqlen``."""
+    out = []
+    for cls in vars(module).values():
+        forward = inspect.unwrap(vars(cls).get("forward", None) or (lambda: None)) \
+            if isinstance(cls, type) and cls.__module__ == module.__name__ else None
+        if (isinstance(forward, types.FunctionType)
+                and global_loads(forward.__code__) & {*_FAMILY, _MAX}):
+            out.append((cls, forward))
+    return out
+
+
+def _value(expression: object, module: torch.nn.Module) -> object:
+    """An argument of a row's call: the grids' place, ``self.a.b`` on ``module``, or a
+    constant (``{"value": v}``)."""
+    if expression == "grid_thw":
+        return _GRID
+    if isinstance(expression, dict):
+        return expression["value"]
     value: object = module
-    for name in reversed(chain):
+    for name in str(expression).split(".")[1:]:
         value = getattr(value, name)
     return value
 
 
-def _calls_in(module: torch.nn.Module, func_module: types.ModuleType,
-              seen: dict[str, int], calls: list[Call]) -> None:
-    """Append the planned calls of ``module.forward``."""
-    forward = inspect.unwrap(type(module).forward)  # decorators record, the body computes
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError) as e:
-        raise _Refused(f"the source of {type(module).__qualname__}.forward cannot be read "
-                       f"({e})") from None
-    produced: dict[str, int] = {}  # variable -> index of the call whose last output it is
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id in (*_FAMILY, _MAX)):
-            continue
-        name = node.func.id
-        if name not in _FUNCTIONS and name != _MAX:
-            raise _Refused(f"{type(module).__qualname__}.forward calls {name}, which posenc "
-                           "does not precompute")
-        given = {kw.arg: kw.value for kw in node.keywords}
-        reads_kwargs = isinstance(given.get("kwargs"), ast.Name) and given["kwargs"].id == "kwargs"
-        if not reads_kwargs:
-            continue  # computes without looking for a precomputed entry
-        target = getattr(func_module, name)
-        params = [p for p in inspect.signature(target).parameters if p != "kwargs"]
-        bound = dict(zip(params, node.args, strict=False))
-        bound.update({k: v for k, v in given.items() if k != "kwargs"})
-        if name == _MAX:
-            source = bound.get("cu_seqlens")
-            if not isinstance(source, ast.Name) or source.id not in produced:
-                raise _Refused(f"{type(module).__qualname__}.forward measures "
-                               f"{ast.unparse(source) if source else 'nothing'}, not boundaries "
-                               "it computed")
-            key = bound.get("kwarg_name")
-            key = "max_seqlen" if key is None else _attribute(key, module)
-            call = Call(_MAX, (), (key,), produced[source.id])
+def _calls_of(sub: torch.nn.Module, use: str, seen: dict[str, int],
+              calls: list[Call]) -> None:
+    """Append the calls a forward's row lists (``use``: JSON, see ``verify._plans``),
+    evaluated on the module ``sub``."""
+    start = len(calls)
+    for spec in json.loads(use):
+        if spec["name"] == _MAX:
+            call = Call(_MAX, (), (_value(spec["key"], sub),), start + spec["of"])
+        elif spec["name"] in FUNCTIONS:
+            call = Call(spec["name"], tuple((p, _value(e, sub)) for p, e in spec["arguments"]),
+                        FUNCTIONS[spec["name"]][1])
         else:
-            arguments = []
-            for param, value in bound.items():
-                if param == "grid_thw":
-                    if not (isinstance(value, ast.Name) and value.id == "grid_thw"):
-                        raise _Refused(f"{name} is given {ast.unparse(value)} as its grids")
-                    arguments.append((param, _GRID))
-                else:  # (the config: read for its attention implementation)
-                    arguments.append((param, _attribute(value, module)))
-            if "grid_thw" not in bound:
-                raise _Refused(f"{name} is called without grid_thw")
-            call = Call(name, tuple(arguments), _FUNCTIONS[name][1])
+            raise _Refused(f"the row names {spec['name']}, which posenc does not precompute")
         for key in call.keys:
             if key in seen:
                 raise _Refused(f"two computations read the precomputed {key!r}")
             seen[key] = len(calls)
         calls.append(call)
-        parent = _assignment_of(tree, node)
-        if parent is not None:
-            produced[parent] = len(calls) - 1
-
-
-def _assignment_of(tree: ast.AST, call: ast.Call) -> str | None:
-    """The name the last output of ``call`` is assigned to (``a, b = f(...)`` -> "b")."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and node.value is call and len(node.targets) == 1:
-            target = node.targets[0]
-            if isinstance(target, ast.Tuple) and target.elts and isinstance(target.elts[-1],
-                                                                             ast.Name):
-                return target.elts[-1].id
-            if isinstance(target, ast.Name):
-                return target.id
-    return None
 
 
 def _meta_model(config) -> torch.nn.Module:
@@ -213,7 +176,7 @@ def _meta_model(config) -> torch.nn.Module:
         return transformers.AutoModel.from_config(config)
 
 
-def _read_plan(model: torch.nn.Module, model_type: str) -> VisionPlan:
+def _read_plan(model: torch.nn.Module, model_type: str, rows: dict) -> VisionPlan:
     module = _transformers.modeling_module(model_type)
     transformers = _transformers.module()
     generic = getattr(transformers.utils, "generic", None)
@@ -222,16 +185,15 @@ def _read_plan(model: torch.nn.Module, model_type: str) -> VisionPlan:
                        "vision-tower kwargs (its towers compute them in their methods)")
     calls: list[Call] = []
     seen: dict[str, int] = {}
+    forwards = dict(tower_forwards(module))
     classes: set[type] = set()
     for sub in model.modules():
         cls = type(sub)
-        forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
-        if (cls in classes or cls.__module__ != module.__name__
-                or not isinstance(forward, types.FunctionType)
-                or not (global_loads(forward.__code__) & {*_FAMILY, _MAX})):
+        if cls in classes or cls not in forwards:
             continue
         classes.add(cls)
-        _calls_in(sub, module, seen, calls)
+        row, _ = _table.verified(forwards[cls], cls, FORWARD, rows)
+        _calls_of(sub, row.use, seen, calls)
     if not any(c.name != _MAX for c in calls):
         raise _Refused(f"no module of {module.__name__} reads precomputed vision kwargs")
     config = model.config
@@ -245,15 +207,11 @@ def _read_plan(model: torch.nn.Module, model_type: str) -> VisionPlan:
 # The decision, and the plan kept per object.
 
 
-def _unrouted(func: object) -> object:
-    return getattr(func, "posenc_original", func)
-
-
 def _verify(plan: VisionPlan, module: types.ModuleType) -> None:
     """Unverified unless every planned function, as ``module`` binds it, is verified."""
     for call in plan.calls:
         if call.name != _MAX:
-            _digests.verified(_unrouted(getattr(module, call.name)), None, call.name)
+            _table.verified(original_of(getattr(module, call.name)), None, call.name)
 
 
 # id(config or model) -> (fingerprint, plan or why none was read); dropped with the object
@@ -285,8 +243,9 @@ def vision_plan(config_or_model: object) -> VisionPlan | None:
         else:
             try:
                 found = _read_plan(model if model is not None else _meta_model(config),
-                                   model_type)
-            except (_Refused, AttributeError, TypeError, ValueError) as e:
+                                   model_type, _table.user_rows(None, _transformers.version()))
+            except (_Refused, _digests.Unverified, AttributeError, TypeError, ValueError,
+                    KeyError) as e:
                 found = f"{e}"
             if known is None:
                 weakref.finalize(config_or_model, _PLANS.pop, id(config_or_model), None)
@@ -330,8 +289,10 @@ def precompute_vision_kwargs(config_or_model: object, image_grid_thw: torch.Tens
             continue
         try:
             out.update(plan.kwargs(grids, prefix))
-        except InputError as e:  # posenc's message names grid_thw[i]
-            raise type(e)(str(e).replace("grid_thw", f"{prefix}grid_thw")) from None
+        except (InputError, RuntimeError) as e:  # posenc's message names grid_thw (row i)
+            if "grid_thw" not in str(e):
+                raise
+            raise type(e)(str(e).replace("grid_thw", f"{prefix}grid_thw")) from e
     return out
 
 
@@ -350,7 +311,7 @@ _installed.provide("vision_kwargs", precompute_vision_kwargs)
 
 def _computation(name: str, original: Callable) -> Callable:
     binding = CallArguments(original)
-    keys, ours = _FUNCTIONS[name][1], _FUNCTIONS[name][0]
+    keys, ours = FUNCTIONS[name][1], FUNCTIONS[name][0]
 
     def compute(*args, **kw):
         arguments = binding.bind(args, kw)
@@ -371,22 +332,23 @@ def _computation(name: str, original: Callable) -> Callable:
 def install(handle, model_types: tuple[str, ...]) -> None:
     """Route the vision_utils functions the modules of ``model_types`` bind (transformers
     5.x; a 4.57 module binds none of them: its towers' methods are routed by
-    ``_vision_methods.install``), each whose code is verified."""
+    ``_tower_methods_457.install``), each whose code is verified."""
     for mt in model_types:
         try:
             module = _transformers.modeling_module(mt)
         except _transformers.Unsupported:
             continue
-        for name in _FUNCTIONS:
+        for name in FUNCTIONS:
             original = vars(module).get(name)
             if original is None:
                 continue
+            original = original_of(original)
             try:
-                _digests.verified(original, None, name)
+                _, watch = _table.verified(original, None, name, handle.rows)
             except _digests.Unverified as e:
                 warn_once(f"posenc_torch.hf.patch leaves {name} to transformers: {e}",
                           stacklevel=4)
                 continue
             handle.replace(module, name, _computation(name, original), f"{mt}.{name}",
                            f"posenc_torch route of transformers' {name} for {mt}; see "
-                           "posenc_torch.hf.")
+                           "posenc_torch.hf.", watch)

@@ -1,6 +1,6 @@
 """Prompts for ``get_rope_index`` laid out as the Qwen-VL processors lay them out, and the
 check that a ``get_rope_index`` gives, on all of them, what posenc's walk of one
-convention gives (tests/test_hf_digests.py verifies the digest table with it).
+convention gives (the verify command verifies the table's rows with it).
 
 A few prompts are written to tell the conventions apart; more are drawn from a fixed seed:
 images of one and two frames, videos of 1 to 16 frames, spatial merge sizes 1, 2 and 4
@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from posenc_torch._tables import CONVENTIONS, MROPE_MODELS, MROPE_QWEN3_VL
-from posenc_torch.hf import _rope_index, _transformers
+from ..._tables import CONVENTIONS, MROPE_MODELS, MROPE_QWEN3_VL
+from .. import _rope_index, _transformers
 
 def _stand_in(owner: type, config) -> types.SimpleNamespace:
     """An object holding ``config`` and the owner class's other methods (5.x's

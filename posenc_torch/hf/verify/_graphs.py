@@ -48,12 +48,8 @@ computes, op for op, what posenc's own reference of one form computes
    exactly commutative).  Nothing that could change a rounding is rewritten.  Ops that
    write in place are refused.
 
-A decision is kept under a key (:func:`content_key`) made of the code of everything
-reached, the values of the globals, cells and defaults it reads (functions by their own
-code, ``torch`` by its version), the torch and Python versions and the source of these
-deciding modules; it is stored on disk (``$POSENC_TORCH_CACHE``, else
-``$XDG_CACHE_HOME/posenc_torch`` or ``~/.cache/posenc_torch``; ``POSENC_TORCH_CACHE=off``
-keeps it in memory) so that a second process decides nothing again.
+The verify command runs these steps on transformers' functions and writes the verdict as
+a row of the table (``posenc_torch.hf._table``); nothing here runs inside ``patch()``.
 """
 
 from __future__ import annotations
@@ -62,17 +58,13 @@ import builtins
 import contextlib
 import dis
 import hashlib
-import json
-import os
-import sys
-import tempfile
-import time
 import types
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from .._digests import code_part
 
 #: Attribute names a reached function may read (see the module docstring).
 ALLOWED_ATTRIBUTES = frozenset({
@@ -85,6 +77,8 @@ ALLOWED_ATTRIBUTES = frozenset({
     # dtypes: constants, and the one read that makes the decision capture every dtype
     "float16", "bfloat16", "float32", "float64", "dtype",
 })
+_DTYPE_READS = frozenset({"dtype", "float16", "bfloat16", "float32", "float64", "view", "to",
+                          "float"})
 _BUILTINS = {name: getattr(builtins, name)
              for name in ("enumerate", "len", "range", "zip", "tuple", "list")}
 # Opcodes (CPython 3.11 to 3.13) that write state, import, or build strings.
@@ -93,7 +87,8 @@ _REFUSED_OPCODES = frozenset({
     "LOAD_NAME", "DELETE_NAME", "IMPORT_NAME", "IMPORT_FROM", "IMPORT_STAR",
     "LOAD_BUILD_CLASS", "LOAD_CLASSDEREF", "LOAD_SUPER_ATTR", "LOAD_FROM_DICT_OR_GLOBALS",
     "LOAD_FROM_DICT_OR_DEREF", "FORMAT_VALUE", "FORMAT_SIMPLE", "FORMAT_WITH_SPEC",
-    "CONVERT_VALUE", "BUILD_STRING", "BEFORE_WITH", "SETUP_WITH"})
+    "CONVERT_VALUE", "BUILD_STRING", "BEFORE_WITH", "SETUP_WITH", "STORE_SUBSCR",
+    "DELETE_SUBSCR", "DELETE_DEREF"})
 _ATTRIBUTE_OPCODES = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 
 
@@ -107,7 +102,7 @@ class Refused(Exception):
 
 class Reached(NamedTuple):
     """What a function can run: the functions in the order reached (the function first),
-    the attributes they read, and the key material (see :func:`content_key`)."""
+    the attributes they read, and what each holds."""
 
     functions: tuple[types.FunctionType, ...]
     attributes: frozenset[str]
@@ -115,7 +110,9 @@ class Reached(NamedTuple):
 
     @property
     def reads_dtype(self) -> bool:
-        return "dtype" in self.attributes
+        """Reads a dtype or an element size (``view`` to another dtype): captured under
+        every dtype pair."""
+        return bool(self.attributes & _DTYPE_READS)
 
 
 def _plain(value: object) -> bool:
@@ -131,9 +128,9 @@ def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
             yield from _codes(const)
 
 
-def _code_part(code: types.CodeType) -> tuple:
+def code_part(code: types.CodeType) -> tuple:
     """A code object as the key holds it: what it executes, not where it was written."""
-    consts = tuple(_code_part(c) if isinstance(c, types.CodeType) else (type(c).__name__, c)
+    consts = tuple(code_part(c) if isinstance(c, types.CodeType) else (type(c).__name__, c)
                    for c in code.co_consts)
     return (code.co_code.hex(), consts, code.co_names, code.co_varnames, code.co_freevars,
             code.co_cellvars, code.co_argcount, code.co_posonlyargcount,
@@ -173,6 +170,9 @@ def reach(func: object) -> Reached:
             for ins in dis.get_instructions(code):
                 if ins.opname in _REFUSED_OPCODES:
                     raise Refused(f"{name} uses {ins.opname}")
+                if ins.opname == "STORE_DEREF" and ins.argval in code.co_freevars:
+                    raise Refused(f"{name} writes the variable {ins.argval} of an enclosing "
+                                  "function (nonlocal)")
                 if ins.opname in _ATTRIBUTE_OPCODES:
                     read_here.append(ins.argval)
                 elif ins.opname == "LOAD_GLOBAL":
@@ -183,7 +183,8 @@ def reach(func: object) -> Reached:
         for g in sorted(globals_read):
             if g in f.__globals__:
                 reads.append((g, value_part(f.__globals__[g], f"the global {g} of {name}")))
-            elif g in _BUILTINS:
+            elif g in _BUILTINS and f.__builtins__ is vars(builtins) and \
+                    vars(builtins).get(g) is _BUILTINS[g]:
                 reads.append((g, ("builtin", g)))
             else:
                 raise Refused(f"{name} reads the builtin {g}")
@@ -203,7 +204,7 @@ def reach(func: object) -> Reached:
         defaults = [value_part(d, f"a default of {name}") for d in f.__defaults__ or ()]
         kwdefaults = sorted((k, value_part(v, f"the default of {k} in {name}"))
                             for k, v in (f.__kwdefaults__ or {}).items())
-        parts.append((index[id(f)], _code_part(f.__code__), tuple(reads), tuple(cells),
+        parts.append((index[id(f)], code_part(f.__code__), tuple(reads), tuple(cells),
                       tuple(defaults), tuple(kwdefaults)))
         return index[id(f)]
 
@@ -416,19 +417,10 @@ def _sha(value: object) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# 4. The verdict cache.
-
-_RULES = hashlib.sha256(b"".join(
-    (Path(__file__).parent / name).read_bytes() for name in ("_graphs.py", "_references.py")
-)).hexdigest()
-_MEMORY: dict[str, dict] = {}
-#: Seconds spent capturing and comparing in this process, and how many verdicts were
-#: decided here ("decided") or found on disk ("loaded").
-STATS = {"seconds": 0.0, "decided": 0, "loaded": 0}
-
+# 4. The context of a capture.
 
 @contextlib.contextmanager
-def _plain_mode() -> Iterator[None]:
+def plain_mode() -> Iterator[None]:
     """Captures run as plain eager code whatever the caller's context (CPU default device,
     autograd on, no inference mode, no autocast) and on one thread (their tensors are fake:
     spinning OpenMP threads only slow them down)."""
@@ -440,51 +432,3 @@ def _plain_mode() -> Iterator[None]:
             yield
     finally:
         torch.set_num_threads(threads)
-
-
-def content_key(kind: str, reached: Reached) -> str:
-    """The key of a decision of ``kind`` about what ``reached`` holds."""
-    return _sha((kind, reached.parts, torch.__version__, sys.version_info[:2], _RULES))
-
-
-def _cache_dir() -> Path | None:
-    setting = os.environ.get("POSENC_TORCH_CACHE")
-    if setting == "off":
-        return None
-    if setting:
-        return Path(setting)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "posenc_torch"
-
-
-def decided(kind: str, reached: Reached, decide: Callable[[], dict]) -> dict:
-    """``decide()``'s verdict (a small JSON-able dict) for this content, computed once:
-    kept in memory and on disk."""
-    key = content_key(kind, reached)
-    if key in _MEMORY:
-        return _MEMORY[key]
-    folder = _cache_dir()
-    path = None if folder is None else folder / "verdicts" / f"{key}.json"
-    if path is not None:
-        with contextlib.suppress(OSError, ValueError):
-            _MEMORY[key] = json.loads(path.read_text())
-            STATS["loaded"] += 1
-            return _MEMORY[key]
-    start = time.perf_counter()
-    with _plain_mode():
-        verdict = decide()
-    STATS["seconds"] += time.perf_counter() - start
-    STATS["decided"] += 1
-    _MEMORY[key] = verdict
-    if path is not None:
-        with contextlib.suppress(OSError):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as tmp:
-                json.dump(verdict, tmp)
-            os.replace(tmp.name, path)
-    return verdict
-
-
-def forget() -> None:
-    """Drop the verdicts held in memory (tests; the disk keeps its own)."""
-    _MEMORY.clear()

@@ -1,7 +1,7 @@
 """transformers 4.57's vision-tower methods routed by ``patch()`` to posenc's C walks.
 
 transformers 4.57 computes in methods of the vision model classes what 5.x computes in
-``vision_utils`` (routed by ``_vision``), each with one Python loop iteration per image
+``vision_utils`` (routed by ``_vision_utils``), each with one Python loop iteration per image
 or video:
 
 * ``rot_pos_emb(grid_thw)`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V,
@@ -41,8 +41,8 @@ from typing import NamedTuple
 import torch
 
 from .. import vision as _vision
-from . import _digests, _transformers
-from ._handle import CallArguments, Decline, warn_once
+from . import _digests, _table, _transformers
+from ._handle import CallArguments, Decline, original_of, warn_once
 
 # ---------------------------------------------------------------------------------------
 # The replacements (``self`` is the vision tower).
@@ -203,13 +203,13 @@ def install(handle, model_types: tuple[str, ...]) -> None:
                 continue
             try:
                 cls = _transformers.owner_class(module, name)
-                original = vars(cls)[name]
-                original = getattr(original, "posenc_original", original)
-                entry = _digests.verified(original, cls, name)
-            except (_transformers.Unsupported, _digests.Unverified) as e:
+                original = original_of(vars(cls)[name])
+                entry, watch = _table.verified(original, cls, name, handle.rows)
+                replacement = REPLACEMENTS[entry.use]
+            except (_transformers.Unsupported, _digests.Unverified, KeyError) as e:
                 warn_once(f"posenc_torch.hf.patch leaves {mt}.{name} to transformers: {e}",
                           stacklevel=4)
                 continue
-            handle.replace(cls, name, _computation(REPLACEMENTS[entry.use], original),
+            handle.replace(cls, name, _computation(replacement, original),
                            f"{mt}.{name}", f"posenc_torch route of transformers' "
-                           f"{cls.__qualname__}.{name}; see posenc_torch.hf.")
+                           f"{cls.__qualname__}.{name}; see posenc_torch.hf.", watch)

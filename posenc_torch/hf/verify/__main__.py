@@ -1,0 +1,5 @@
+"""``python -m posenc_torch.hf.verify``: see the package docstring."""
+
+from . import main
+
+raise SystemExit(main())
