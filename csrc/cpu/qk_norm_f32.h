@@ -72,6 +72,21 @@ PE_INLINE float qk_sum_f32(const float *restrict v, int64_t n, int W) {
 /* qk_sum_f32 for W = 8, n a multiple of 8 and fewer than 64 vectors (no cascade carry), in
  * registers: the same additions in the same order (the accumulators start from +0 and get
  * the joined levels' +0 added, as torch's do, which turns a -0 into +0). */
+/* The end of qk_sum8_f32 (a0 already given its +0 and the vectors left over): the other
+ * accumulators' +0, ((a0 + a1) + a2) + a3, then the lanes in order from 0. */
+PE_INLINE float qk_sum8_join(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 zero = _mm256_setzero_ps();
+    a1 = _mm256_add_ps(a1, zero);
+    a2 = _mm256_add_ps(a2, zero);
+    a3 = _mm256_add_ps(a3, zero);
+    a0 = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), a2), a3);
+    float lane[8];
+    _mm256_storeu_ps(lane, a0);
+    float s = 0.0f;
+    for (int l = 0; l < 8; ++l) s += lane[l];
+    return s;
+}
+
 PE_INLINE float qk_sum8_f32(const float *restrict v, int64_t n) {
     const int64_t nvec = n / 8, groups = nvec / 4;
     const __m256 zero = _mm256_setzero_ps();
@@ -83,16 +98,8 @@ PE_INLINE float qk_sum8_f32(const float *restrict v, int64_t n) {
         a3 = _mm256_add_ps(a3, _mm256_loadu_ps(v + 32 * i + 24));
     }
     a0 = _mm256_add_ps(a0, zero);
-    a1 = _mm256_add_ps(a1, zero);
-    a2 = _mm256_add_ps(a2, zero);
-    a3 = _mm256_add_ps(a3, zero);
     for (int64_t r = 4 * groups; r < nvec; ++r) a0 = _mm256_add_ps(a0, _mm256_loadu_ps(v + 8 * r));
-    a0 = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), a2), a3);
-    float lane[8];
-    _mm256_storeu_ps(lane, a0);
-    float s = 0.0f;
-    for (int l = 0; l < 8; ++l) s += lane[l];
-    return s;
+    return qk_sum8_join(a0, a1, a2, a3);
 }
 #endif
 
@@ -280,12 +287,48 @@ PE_INLINE void qk_forward_row_vec(const pe_qk_norm_args *a, pe_dtype dt, const f
     const pe_norm_form form = a->form;
     float *restrict x = m->x, *restrict t = m->t;
     const float *restrict c = m->c, *restrict ss = m->ss;
-    for (int64_t e = 0; e < D; e += PE_VW) {
-        const pe_vf xv = vx_load(xr + e * es, dt);
-        vx_store((char *)(x + e), xv, PE_FLOAT32);
-        vx_store((char *)(t + e), vf_mul(xv, xv), PE_FLOAT32);
+    float sum;
+    if (a->sum_lanes == 8 && D % 32 == 0 && D < 8 * 64) {
+        /* qk_sum8_f32's additions with the squares in registers: 8-lane vector i goes to
+         * accumulator i % 4 (AVX-512: the low and high halves of a01 are accumulators 0
+         * and 1, those of a23 are 2 and 3) */
+#if PE_VW == 8
+        pe_vf a0 = vf_zero(), a1 = vf_zero(), a2 = vf_zero(), a3 = vf_zero();
+        for (int64_t e = 0; e < D; e += 32) {
+            const pe_vf x0 = vx_load(xr + e * es, dt), x1 = vx_load(xr + (e + 8) * es, dt);
+            const pe_vf x2 = vx_load(xr + (e + 16) * es, dt), x3 = vx_load(xr + (e + 24) * es, dt);
+            vx_store((char *)(x + e), x0, PE_FLOAT32);
+            vx_store((char *)(x + e + 8), x1, PE_FLOAT32);
+            vx_store((char *)(x + e + 16), x2, PE_FLOAT32);
+            vx_store((char *)(x + e + 24), x3, PE_FLOAT32);
+            a0 = vf_add(a0, vf_mul(x0, x0));
+            a1 = vf_add(a1, vf_mul(x1, x1));
+            a2 = vf_add(a2, vf_mul(x2, x2));
+            a3 = vf_add(a3, vf_mul(x3, x3));
+        }
+        sum = qk_sum8_join(vf_add(a0, vf_zero()), a1, a2, a3);
+#else
+        pe_vf a01 = vf_zero(), a23 = vf_zero();
+        for (int64_t e = 0; e < D; e += 32) {
+            const pe_vf x0 = vx_load(xr + e * es, dt), x1 = vx_load(xr + (e + 16) * es, dt);
+            vx_store((char *)(x + e), x0, PE_FLOAT32);
+            vx_store((char *)(x + e + 16), x1, PE_FLOAT32);
+            a01 = vf_add(a01, vf_mul(x0, x0));
+            a23 = vf_add(a23, vf_mul(x1, x1));
+        }
+        sum = qk_sum8_join(_mm256_add_ps(_mm512_castps512_ps256(a01), _mm256_setzero_ps()),
+                           _mm512_extractf32x8_ps(a01, 1), _mm512_castps512_ps256(a23),
+                           _mm512_extractf32x8_ps(a23, 1));
+#endif
+    } else {
+        for (int64_t e = 0; e < D; e += PE_VW) {
+            const pe_vf xv = vx_load(xr + e * es, dt);
+            vx_store((char *)(x + e), xv, PE_FLOAT32);
+            vx_store((char *)(t + e), vf_mul(xv, xv), PE_FLOAT32);
+        }
+        sum = qk_sum_lanes_f32(t, D, a->sum_lanes);
     }
-    const float mean = qk_sum_lanes_f32(t, D, a->sum_lanes) / (float)D;
+    const float mean = sum / (float)D;
     const float r = 1.0f / sqrtf(mean + (float)a->eps);
     *rstd = r;
     const pe_vf rr = vf_set1(r);
@@ -350,7 +393,8 @@ PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, 
     const size_t es = pe_dtype_size(dt);
     const size_t wes = backward && a->form != PE_NORM_WEIGHT ? 4 : es;
     float *f = (float *)scratch;
-    qk_rows_f32 m = {{f, f + D}, f + 2 * D, f + 2 * D + R, f + 2 * D + 2 * R, 0, 0, 0, 0, 0};
+    qk_rows_f32 m = {{f, f + D}, f + 2 * D, f + 2 * D + R, f + 2 * D + 2 * R,
+                     0, 0, 0, 0, 0, {0, 0}};
     m.x = m.s + R;
     m.t = m.x + D;
     m.y = m.t + D;
@@ -367,8 +411,6 @@ PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, 
     }
 #ifdef PE_VW
     const int vec = a->pairing == PE_PAIR_HALF && R % (2 * PE_VW) == 0 && D % PE_VW == 0;
-#else
-    const int vec = 0;
 #endif
     for (int64_t i = i0; i < i0 + n; ++i) {
         const int64_t b = i / T, t = i % T;
