@@ -72,6 +72,21 @@ PE_INLINE float qk_sum_f32(const float *restrict v, int64_t n, int W) {
 /* qk_sum_f32 for W = 8, n a multiple of 8 and fewer than 64 vectors (no cascade carry), in
  * registers: the same additions in the same order (the accumulators start from +0 and get
  * the joined levels' +0 added, as torch's do, which turns a -0 into +0). */
+/* The end of qk_sum8_f32 (a0 already given its +0 and the vectors left over): the other
+ * accumulators' +0, ((a0 + a1) + a2) + a3, then the lanes in order from 0. */
+PE_INLINE float qk_sum8_join(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 zero = _mm256_setzero_ps();
+    a1 = _mm256_add_ps(a1, zero);
+    a2 = _mm256_add_ps(a2, zero);
+    a3 = _mm256_add_ps(a3, zero);
+    a0 = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), a2), a3);
+    float lane[8];
+    _mm256_storeu_ps(lane, a0);
+    float s = 0.0f;
+    for (int l = 0; l < 8; ++l) s += lane[l];
+    return s;
+}
+
 PE_INLINE float qk_sum8_f32(const float *restrict v, int64_t n) {
     const int64_t nvec = n / 8, groups = nvec / 4;
     const __m256 zero = _mm256_setzero_ps();
@@ -83,16 +98,8 @@ PE_INLINE float qk_sum8_f32(const float *restrict v, int64_t n) {
         a3 = _mm256_add_ps(a3, _mm256_loadu_ps(v + 32 * i + 24));
     }
     a0 = _mm256_add_ps(a0, zero);
-    a1 = _mm256_add_ps(a1, zero);
-    a2 = _mm256_add_ps(a2, zero);
-    a3 = _mm256_add_ps(a3, zero);
     for (int64_t r = 4 * groups; r < nvec; ++r) a0 = _mm256_add_ps(a0, _mm256_loadu_ps(v + 8 * r));
-    a0 = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), a2), a3);
-    float lane[8];
-    _mm256_storeu_ps(lane, a0);
-    float s = 0.0f;
-    for (int l = 0; l < 8; ++l) s += lane[l];
-    return s;
+    return qk_sum8_join(a0, a1, a2, a3);
 }
 #endif
 
@@ -145,12 +152,25 @@ PE_INLINE void qk_rotate_f32(const float *restrict x, float *restrict o, const f
 }
 
 #ifdef PE_VW
-/* v rounded to dt and back, a vector at a time (through the dtype's own store and load). */
+/* v rounded to dt and back, a vector at a time, in registers: the bits of vx_store then
+ * vx_load (bf16: bf16_round_hi keeps the rounded value, NaN quieted, in the high halves). */
 PE_INLINE pe_vf vf_round(pe_vf v, pe_dtype dt) {
     if (dt == PE_FLOAT32) return v;
-    char tmp[2 * PE_VW];
-    vx_store(tmp, v, dt);
-    return vx_load(tmp, dt);
+    if (dt == PE_BFLOAT16) return bf16_odd(bf16_round_hi(v));
+#if PE_VW == 16
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+#else
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+#endif
+}
+
+/* One normalized and weighted vector (qk_scale_row's arithmetic); w1 holds 1 + w for
+ * one_plus_weight (the same fp32 sum, made once per tile). */
+PE_INLINE pe_vf qk_scale_vec(pe_vf x, pe_vf w, pe_vf r, pe_norm_form form, pe_dtype dt) {
+    const pe_vf n = vf_mul(x, r);
+    if (form == PE_NORM_WEIGHT) return vf_round(vf_mul(w, vf_round(n, dt)), dt);
+    if (form == PE_NORM_ONE_PLUS_WEIGHT) return vf_round(vf_mul(n, w), dt);
+    return vf_round(vf_mul(w, n), dt);
 }
 #endif
 
@@ -176,9 +196,10 @@ PE_INLINE void qk_scale_row(float *restrict y, const float *restrict x, const fl
     }
 }
 
-/* Scratch rows of one thread (fp32): the two weights, cos, signed sine, sine, and five rows. */
+/* Scratch rows of one thread (fp32): the two weights, cos, signed sine, sine, five rows,
+ * and the two weights as qk_scale_vec takes them (1 + w for one_plus_weight, else w). */
 typedef struct qk_rows_f32 {
-    float *w[2], *c, *ss, *s, *x, *t, *y, *o, *g;
+    float *w[2], *c, *ss, *s, *x, *t, *y, *o, *g, *v[2];
 } qk_rows_f32;
 
 PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict w,
@@ -250,6 +271,120 @@ PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, pe_dtype dt, const floa
     store_row(dxrow, t, dt, D);
 }
 
+#ifdef PE_VW
+/*
+ * The rows of the common shapes (half pairing, R a multiple of 2 PE_VW, D of PE_VW) with
+ * fewer passes and no fp32 round trips through scratch: the same operations on the same
+ * values as qk_forward_row / qk_backward_row, so the same bits.
+ *
+ * Forward: the row as fp32 and its squares into scratch (L1) for torch's sum, then each
+ * pair of vectors (e, e + R/2) normalized, weighted, rotated and stored in q's dtype.
+ */
+PE_INLINE void qk_forward_row_vec(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict v,
+                                  const char *xr, char *orow, float *rstd, qk_rows_f32 *m) {
+    const int64_t D = a->head_dim, R = a->rot_dim, h = R / 2;
+    const int64_t es = (int64_t)pe_dtype_size(dt);
+    const pe_norm_form form = a->form;
+    float *restrict x = m->x, *restrict t = m->t;
+    const float *restrict c = m->c, *restrict ss = m->ss;
+    float sum;
+    if (a->sum_lanes == 8 && D % 32 == 0 && D < 8 * 64) {
+        /* qk_sum8_f32's additions with the squares in registers: 8-lane vector i goes to
+         * accumulator i % 4 (AVX-512: the low and high halves of a01 are accumulators 0
+         * and 1, those of a23 are 2 and 3) */
+#if PE_VW == 8
+        pe_vf a0 = vf_zero(), a1 = vf_zero(), a2 = vf_zero(), a3 = vf_zero();
+        for (int64_t e = 0; e < D; e += 32) {
+            const pe_vf x0 = vx_load(xr + e * es, dt), x1 = vx_load(xr + (e + 8) * es, dt);
+            const pe_vf x2 = vx_load(xr + (e + 16) * es, dt), x3 = vx_load(xr + (e + 24) * es, dt);
+            vx_store((char *)(x + e), x0, PE_FLOAT32);
+            vx_store((char *)(x + e + 8), x1, PE_FLOAT32);
+            vx_store((char *)(x + e + 16), x2, PE_FLOAT32);
+            vx_store((char *)(x + e + 24), x3, PE_FLOAT32);
+            a0 = vf_add(a0, vf_mul(x0, x0));
+            a1 = vf_add(a1, vf_mul(x1, x1));
+            a2 = vf_add(a2, vf_mul(x2, x2));
+            a3 = vf_add(a3, vf_mul(x3, x3));
+        }
+        sum = qk_sum8_join(vf_add(a0, vf_zero()), a1, a2, a3);
+#else
+        pe_vf a01 = vf_zero(), a23 = vf_zero();
+        for (int64_t e = 0; e < D; e += 32) {
+            const pe_vf x0 = vx_load(xr + e * es, dt), x1 = vx_load(xr + (e + 16) * es, dt);
+            vx_store((char *)(x + e), x0, PE_FLOAT32);
+            vx_store((char *)(x + e + 16), x1, PE_FLOAT32);
+            a01 = vf_add(a01, vf_mul(x0, x0));
+            a23 = vf_add(a23, vf_mul(x1, x1));
+        }
+        sum = qk_sum8_join(_mm256_add_ps(_mm512_castps512_ps256(a01), _mm256_setzero_ps()),
+                           _mm512_extractf32x8_ps(a01, 1), _mm512_castps512_ps256(a23),
+                           _mm512_extractf32x8_ps(a23, 1));
+#endif
+    } else {
+        for (int64_t e = 0; e < D; e += PE_VW) {
+            const pe_vf xv = vx_load(xr + e * es, dt);
+            vx_store((char *)(x + e), xv, PE_FLOAT32);
+            vx_store((char *)(t + e), vf_mul(xv, xv), PE_FLOAT32);
+        }
+        sum = qk_sum_lanes_f32(t, D, a->sum_lanes);
+    }
+    const float mean = sum / (float)D;
+    const float r = 1.0f / sqrtf(mean + (float)a->eps);
+    *rstd = r;
+    const pe_vf rr = vf_set1(r);
+    for (int64_t e = 0; e < h; e += PE_VW) {
+        const pe_vf y0 = qk_scale_vec(vf_load(x + e), vf_load(v + e), rr, form, dt);
+        const pe_vf y1 = qk_scale_vec(vf_load(x + e + h), vf_load(v + e + h), rr, form, dt);
+        vx_store(orow + e * es, vf_rot(y0, vf_load(c + e), y1, vf_load(ss + e)), dt);
+        vx_store(orow + (e + h) * es, vf_rot(y1, vf_load(c + e + h), y0, vf_load(ss + e + h)),
+                 dt);
+    }
+    for (int64_t e = R; e < D; e += PE_VW)
+        vx_store(orow + e * es, qk_scale_vec(vf_load(x + e), vf_load(v + e), rr, form, dt), dt);
+}
+
+/* Backward: one pass rotates the gradient back, rounds it, and stores the weight-gradient
+ * products while it keeps gn = dL/dn and x for the sum; a second pass stores dx. */
+PE_INLINE void qk_backward_row_vec(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict v,
+                                   const char *xr, const char *grow, char *dxrow, char *wprow,
+                                   float r, qk_rows_f32 *m) {
+    const int64_t D = a->head_dim, R = a->rot_dim, h = R / 2;
+    const int64_t es = (int64_t)pe_dtype_size(dt);
+    const pe_norm_form form = a->form;
+    const pe_dtype wdt = form == PE_NORM_WEIGHT ? dt : PE_FLOAT32;
+    const int64_t wes = (int64_t)pe_dtype_size(wdt);
+    float *restrict x = m->x, *restrict t = m->t, *restrict gn = m->o;
+    const float *restrict c = m->c, *restrict ss = m->ss;
+    const pe_vf rr = vf_set1(r);
+    for (int64_t e = 0; e < D; e += PE_VW) {
+        pe_vf gy = vx_load(grow + e * es, dt);
+        if (e < R)
+            gy = vf_rot(gy, vf_load(c + e), vx_load(grow + (e < h ? e + h : e - h) * es, dt),
+                        vf_load(ss + e));
+        const pe_vf g = vf_round(gy, dt), xv = vx_load(xr + e * es, dt), wv = vf_load(v + e);
+        const pe_vf n = vf_mul(xv, rr);
+        pe_vf gv, pv;
+        if (form == PE_NORM_WEIGHT) {
+            gv = vf_round(vf_mul(g, wv), dt);
+            pv = vf_round(vf_mul(g, vf_round(n, dt)), dt);
+        } else {
+            gv = vf_mul(g, wv);
+            pv = vf_mul(g, n);
+        }
+        vx_store(wprow + e * wes, pv, wdt);
+        vx_store((char *)(gn + e), gv, PE_FLOAT32);
+        vx_store((char *)(x + e), xv, PE_FLOAT32);
+        vx_store((char *)(t + e), vf_mul(gv, xv), PE_FLOAT32);
+    }
+    const float gsum = (-0.5f * qk_sum_lanes_f32(t, D, a->sum_lanes)) * ((r * r) * r);
+    const pe_vf g2 = vf_set1(gsum / (float)D), two = vf_set1(2.0f);
+    for (int64_t e = 0; e < D; e += PE_VW)
+        vx_store(dxrow + e * es,
+                 vf_add(vf_mul(vf_load(gn + e), rr), vf_mul(g2, vf_mul(two, vf_load(x + e)))),
+                 dt);
+}
+#endif
+
 /* Tokens i0 .. i0+n-1 (i = b T + t), all heads of q then k, tensors of dtype dt (a->dtype,
  * passed as a constant so that each dtype gets its own loops). */
 PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
@@ -258,15 +393,25 @@ PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, 
     const size_t es = pe_dtype_size(dt);
     const size_t wes = backward && a->form != PE_NORM_WEIGHT ? 4 : es;
     float *f = (float *)scratch;
-    qk_rows_f32 m = {{f, f + D}, f + 2 * D, f + 2 * D + R, f + 2 * D + 2 * R, 0, 0, 0, 0, 0};
+    qk_rows_f32 m = {{f, f + D}, f + 2 * D, f + 2 * D + R, f + 2 * D + 2 * R,
+                     0, 0, 0, 0, 0, {0, 0}};
     m.x = m.s + R;
     m.t = m.x + D;
     m.y = m.t + D;
     m.o = m.y + D;
     m.g = m.o + D;
+    m.v[0] = m.g + D;
+    m.v[1] = m.v[0] + D;
     const pe_qk_norm_tensor *xs[2] = {&a->q, &a->k};
-    for (int w = 0; w < 2; ++w)
-        if (xs[w]->heads) load_row(m.w[w], xs[w]->weight, dt, D);
+    for (int w = 0; w < 2; ++w) {
+        if (!xs[w]->heads) continue;
+        load_row(m.w[w], xs[w]->weight, dt, D);
+        for (int64_t e = 0; e < D; ++e)
+            m.v[w][e] = a->form == PE_NORM_ONE_PLUS_WEIGHT ? 1.0f + m.w[w][e] : m.w[w][e];
+    }
+#ifdef PE_VW
+    const int vec = a->pairing == PE_PAIR_HALF && R % (2 * PE_VW) == 0 && D % PE_VW == 0;
+#endif
     for (int64_t i = i0; i < i0 + n; ++i) {
         const int64_t b = i / T, t = i % T;
         qk_tables_f32(a, b, t, backward, m.c, m.ss, m.s);
@@ -277,10 +422,22 @@ PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, 
                 char *orow = (char *)pe_row(x->out, x->out_stride, es, b, t, h);
                 float *rstd = (float *)pe_row(x->rstd, x->rstd_stride, 4, b, t, h);
                 if (!backward) {
+#ifdef PE_VW
+                    if (vec) {
+                        qk_forward_row_vec(a, dt, m.v[w], xr, orow, rstd, &m);
+                        continue;
+                    }
+#endif
                     qk_forward_row(a, dt, m.w[w], xr, orow, rstd, &m);
                 } else {
                     const char *gr = pe_row(x->grad, x->grad_stride, es, b, t, h);
                     char *wp = (char *)pe_row(x->wprod, x->wprod_stride, wes, b, t, h);
+#ifdef PE_VW
+                    if (vec) {
+                        qk_backward_row_vec(a, dt, m.v[w], xr, gr, orow, wp, *rstd, &m);
+                        continue;
+                    }
+#endif
                     qk_backward_row(a, dt, m.w[w], xr, gr, orow, wp, *rstd, &m);
                 }
             }
