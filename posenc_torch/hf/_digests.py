@@ -279,6 +279,15 @@ def _class_value(cls: type, name: str) -> object:
     return original_of(value.__func__ if isinstance(value, types.MethodType) else value)
 
 
+_VALUES = (int, float, bool, str, bytes, type(None))
+
+
+def _same_value(now: object, then: object) -> bool:
+    """The same object; for plain immutable values, the same type and value (torch.compile
+    with dynamic shapes may hand an int default to the code as a symbolic int)."""
+    return now is then or (type(then) in _VALUES and type(now) is type(then) and now == then)
+
+
 def _same(now: tuple | dict | None, then: tuple | dict | None) -> bool:
     """The same defaults, element by element (torch.compile rebuilds the containers)."""
     if now is then:
@@ -286,8 +295,8 @@ def _same(now: tuple | dict | None, then: tuple | dict | None) -> bool:
     if now is None or then is None or len(now) != len(then):
         return False
     if isinstance(then, dict):
-        return all(now.get(k, _ABSENT) is v for k, v in then.items())
-    return all(a is b for a, b in zip(now, then))
+        return all(_same_value(now.get(k, _ABSENT), v) for k, v in then.items())
+    return all(_same_value(a, b) for a, b in zip(now, then, strict=True))
 
 
 class Watch(NamedTuple):
