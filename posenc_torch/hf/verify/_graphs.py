@@ -64,8 +64,6 @@ from typing import NamedTuple
 
 import torch
 
-from .._digests import code_part
-
 #: Attribute names a reached function may read (see the module docstring).
 ALLOWED_ATTRIBUTES = frozenset({
     # ops, each recorded as a graph node
