@@ -79,11 +79,13 @@ pytest-hf4: build
 
 # Position ids (packed rows and batches too), the get_rope_index patch, which functions are
 # patched (test_hf_decisions; the verified digests: test_hf_digests), the vision towers'
-# helpers (test_vision) and generation patched against plain (test_hf_generate) against the
-# other transformers 5.x releases (the version of each requirements file exactly); the
-# newest also runs the tiny model of every supported type.
+# helpers (test_vision), generation patched against plain (test_hf_generate) and the q/k
+# norm + rotary against transformers' norm classes (test_qk_norm) against the other
+# transformers 5.x releases (the version of each requirements file exactly); the newest
+# also runs the tiny model of every supported type.
 HF5_TESTS := test_positions.py test_hf_positions.py test_packed_positions.py test_packing.py \
-	test_hf_decisions.py test_hf_digests.py test_vision.py test_vision_hf.py test_hf_generate.py
+	test_hf_decisions.py test_hf_digests.py test_vision.py test_vision_hf.py test_hf_generate.py \
+	test_qk_norm.py
 HF5_LATEST_TESTS := $(HF5_TESTS) test_hf_models.py
 pytest-hf5_18: build
 	cd tests && PYTHONPATH=$(abspath $(HF5_18)) $(VERIFY) >/dev/null
@@ -119,9 +121,10 @@ $(COMPAT_STAMP): requirements-compat.txt
 
 # The op tests of another torch release: parity, gradcheck, opcheck, torch.compile, the
 # extension's build and ABI facts, and the error table (the classes of the README's
-# "Errors" on every torch, whatever exception type torch delivers from the shim).
+# "Errors" on every torch, whatever exception type torch delivers from the shim), and the
+# q/k norm's bit-identity with that torch's own reduction order.
 COMPAT_TESTS := test_rope.py test_mrope.py test_positions.py test_sinusoidal.py test_shim.py \
-	test_errors.py
+	test_errors.py test_qk_norm.py
 
 # The wheel built against .venv's torch, installed without dependencies (it must not
 # replace torch) beside torch 2.14.1, and the op tests run there, with the OpenMP-runtime
