@@ -55,6 +55,8 @@ import posenc_torch.hf
 names = ["posenc_torch"] + [m.name for m in pkgutil.walk_packages(posenc_torch.__path__,
                                                                   "posenc_torch.")]
 for name in names:
+    if name.endswith(".__main__"):
+        continue  # a command's entry point: importing it runs the command
     mod = importlib.import_module(name)
     where = os.path.realpath(getattr(mod, "__file__", "") or "")
     if not where.startswith(os.path.realpath(stage) + os.sep):

@@ -598,7 +598,7 @@ CASES = [
      ValueError, "position_ids must be"),
     # set_kernel_isa
     ("isa/type", lambda: P.set_kernel_isa(2), TypeError, "name must be a str"),
-    ("isa/value", lambda: P.set_kernel_isa("sse2"), ValueError, "isa must be"),
+    ("isa/value", lambda: P.set_kernel_isa("sse2"), ValueError, "name must be"),
     # hf.patch
     ("patch/type", lambda: _patch(model_types=["llama", 3]), TypeError,
      "model_types must be strings"),
