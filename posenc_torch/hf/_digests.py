@@ -140,7 +140,8 @@ def _tree(func: types.FunctionType) -> ast.FunctionDef:
     # after the module's imports, on the lines it has in the file.
     # A function defined in a function (a decorator's wrapper) inside a function that
     # binds its free variables.
-    parts = func.__qualname__.split(".")
+    # (the code's own qualified name: functools.wraps gives a wrapper its function's)
+    parts = getattr(code, "co_qualname", func.__qualname__).split(".")
     owner = parts[-2] if len(parts) > 1 and parts[-2] != "<locals>" else None
     if owner:
         body, above = f"class {owner}:\n" + textwrap.indent(source, "    "), 1

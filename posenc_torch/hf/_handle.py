@@ -112,10 +112,12 @@ class PatchHandle:
     """
 
     def __init__(self, model_types: tuple[str, ...], fallback: bool, count: bool,
-                 rows: dict | None = None) -> None:
+                 rows: dict | None = None, fuse_qk_norm: bool = False) -> None:
         self.model_types = model_types
         self.fallback = fallback
         self.count = count
+        # patch(fuse_qk_norm=...): the q/k-norm attentions run the fused op (_qk_attention)
+        self.fuse_qk_norm = fuse_qk_norm
         # the rows of a user's table file beside the shipped table (``_table``)
         self.rows = rows or {}
         # One int64 scalar tensor per counter, bumped in place by the replacements: an

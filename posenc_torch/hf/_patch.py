@@ -9,7 +9,8 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 from .._tables import MODELS
-from . import _packing_guard, _rope_index, _rotary, _table, _transformers, _vision_utils, _tower_methods_457
+from . import (_packing_guard, _qk_attention, _rope_index, _rotary, _table, _tower_methods_457,
+               _transformers, _vision_utils)
 from ._handle import _ACTIVE, LOCK, PatchHandle, UnsupportedModelWarning
 
 # The model types this integration knows and tests (tests/test_hf_models.py builds each
@@ -21,7 +22,8 @@ KNOWN_MODEL_TYPES: tuple[str, ...] = tuple(MODELS)
 # ``installer(handle, model_types)``; they replace attributes with
 # ``handle.install(owner, name, replacement, target)``, so ``undo()`` reverses them too.
 INSTALLERS: list[Callable[[PatchHandle, tuple[str, ...]], None]] = [
-    _rope_index.install, _vision_utils.install, _tower_methods_457.install, _packing_guard.install]
+    _qk_attention.install, _rope_index.install, _vision_utils.install, _tower_methods_457.install,
+    _packing_guard.install]
 
 
 def written_supported() -> tuple[str, ...]:
@@ -74,7 +76,7 @@ def _normalize(model_types: str | Iterable[str] | None) -> tuple[str, ...]:
 
 def patch(model_types: str | Sequence[str] | None = None, *,
           fallback: bool = True, count: bool = True,
-          table: str | os.PathLike | None = None) -> PatchHandle:
+          table: str | os.PathLike | None = None, fuse_qk_norm: bool = True) -> PatchHandle:
     """Make transformers models use the posenc rotary kernels.
 
     Args:
@@ -99,6 +101,12 @@ def patch(model_types: str | Sequence[str] | None = None, *,
             malformed, foreign (another release or format), not a regular file of the
             user's own, or whose rotary rows fail a sampled check is not used (one
             warning).
+        fuse_qk_norm: in the attentions that norm q and k per head right before the
+            rotary (Qwen3, Qwen3-VL, Qwen3-Next, Qwen3.5, Gemma 3, ...: the verified
+            table's "fused" release facts list them per release), run the norms and the
+            rotary as posenc's one fused op (``apply_qk_norm_rope``) by replacing the
+            attention's ``forward`` (True, the default; the same bits as without it), or
+            leave the norms to transformers and replace the rotary alone (False).
 
     Returns:
         A ``PatchHandle``; ``handle.undo()`` (or leaving ``with patch(...):``) restores the
@@ -118,7 +126,8 @@ def patch(model_types: str | Sequence[str] | None = None, *,
     every model of those types in the process, including ones built before the call.
     ``patch`` and ``undo`` are thread-safe (one lock orders them).
     """
-    for name, flag in (("fallback", fallback), ("count", count)):
+    for name, flag in (("fallback", fallback), ("count", count),
+                       ("fuse_qk_norm", fuse_qk_norm)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     requested = KNOWN_MODEL_TYPES if model_types is None else _normalize(model_types)
@@ -161,7 +170,8 @@ def patch(model_types: str | Sequence[str] | None = None, *,
             if len(unknown) <= 1 or mt not in unknown:
                 warnings.warn(f"posenc_torch.hf.patch leaves {mt} to transformers: {why}",
                               UnsupportedModelWarning, stacklevel=2)
-        handle = PatchHandle(tuple(mt for mt, _, _ in plans), fallback, count, rows)
+        handle = PatchHandle(tuple(mt for mt, _, _ in plans), fallback, count, rows,
+                             fuse_qk_norm)
         try:
             _rotary.install(handle, plans)
             for installer in INSTALLERS:

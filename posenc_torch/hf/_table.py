@@ -80,9 +80,10 @@ def _shipped() -> tuple[dict, dict[tuple[str, str], Row]]:
 
 def releases() -> dict:
     """The release facts: ``{"test_passes": {make target: transformers release},
-    "patched": {release: [model types patch() patches]}}``."""
+    "patched": {release: [model types patch() patches]}, "fused": {release: [model types
+    whose q/k norm + rotary patch() fuses]}}``."""
     data = _shipped()[0]
-    return {"test_passes": data["test_passes"], "patched": data["patched"]}
+    return {key: data[key] for key in ("test_passes", "patched", "fused")}
 
 
 def shipped() -> dict[tuple[str, str], Row]:

@@ -22,7 +22,12 @@ makes the rows, for every function ``patch()`` would replace in the installed re
   method gives, results and gradients (``_towers``);
 * a 5.x vision tower's ``forward``: the calls of ``vision_utils`` functions that read its
   caller's precomputed entries, with their arguments, read off its source (``_plans``);
-  the row holds that plan, which ``precompute_vision_kwargs`` follows.
+  the row holds that plan, which ``precompute_vision_kwargs`` follows;
+* an attention ``forward`` that names ``q_norm`` and ``k_norm``, and the class of its norm
+  modules: on tiny attentions of the class, the norm form of the fused q/k norm + rotary op
+  that gives what the norm gives, and the one template of posenc's fused ``forward`` that
+  gives what the ``forward`` gives, records of its cache and attention calls, results and
+  gradients (``_attention``).
 
 Integer walks are checked on samples; the project's table holds only rows its tests also
 verified.  ``make test`` runs ``--check`` under every transformers release it installs: a
@@ -44,7 +49,7 @@ from typing import NamedTuple
 import torch
 
 from ..._tables import CONVENTIONS, MODELS, MROPE_MODELS
-from .. import _digests, _rotary, _table, _transformers, _vision_utils, _tower_methods_457
+from .. import _digests, _qk_attention, _rotary, _table, _transformers, _vision_utils, _tower_methods_457
 from .._handle import original_of
 
 
@@ -55,7 +60,8 @@ class Function(NamedTuple):
     name: str
     func: object
     owner: type | None
-    kind: str  # "rotary", "get_rope_index", "vision_utils", "method", "plan"
+    kind: str  # "rotary", "get_rope_index", "vision_utils", "method", "plan", "norm",
+    # "attention"
 
 
 class Refusal(NamedTuple):
@@ -96,6 +102,28 @@ def functions() -> Iterator[Function | Refusal]:
                 yield Function(mt, name, original_of(func), None, "vision_utils")
         for cls, forward in _vision_utils.tower_forwards(module):
             yield Function(mt, _vision_utils.FORWARD, forward, cls, "plan")
+        yield from _attention_functions(mt, module)
+
+
+# norm class -> a module of it, from a tiny attention (what the norm check runs)
+_NORM_MODULES: dict[type, object] = {}
+
+
+def _attention_functions(mt: str, module) -> Iterator[Function]:
+    """The norm class and the ``forward`` of each q/k-norm attention candidate."""
+    from ._attention import tiny_attention
+
+    for cls in _qk_attention.candidates(module):
+        try:
+            norm = tiny_attention(mt, cls).q_norm
+        except Exception:  # noqa: BLE001 -- no tiny attention: the attention check says why
+            norm = None
+        if isinstance(norm, torch.nn.Module):
+            _NORM_MODULES[type(norm)] = norm
+            yield Function(mt, _qk_attention.NORM, original_of(type(norm).forward),
+                           type(norm), "norm")
+        yield Function(mt, _qk_attention.ATTENTION, original_of(vars(cls)["forward"]), cls,
+                       "attention")
 
 
 _DECIDED: dict[tuple[str, str, str], tuple[str | None, str]] = {}
@@ -133,6 +161,22 @@ def _decide(f: Function) -> tuple[str | None, str]:
             return plan(f.owner, f.func, _transformers.modeling_module(f.model_type)), ""
         except Refused as e:
             return None, str(e)
+    if f.kind == "norm":
+        from ._attention import check_norm
+
+        return check_norm(_NORM_MODULES[f.owner])
+    if f.kind == "attention":
+        from ._attention import check_attention, tiny_attention
+
+        try:
+            norm_cls = type(tiny_attention(f.model_type, f.owner).q_norm)
+            norm = Function(f.model_type, _qk_attention.NORM, original_of(norm_cls.forward),
+                            norm_cls, "norm")
+            _NORM_MODULES.setdefault(norm_cls, tiny_attention(f.model_type, f.owner).q_norm)
+            norm_use = decide(norm, _digests.digest(norm.func, norm_cls))[0]
+        except Exception as e:  # noqa: BLE001
+            return None, f"its norm class cannot be checked ({type(e).__name__}: {e})"
+        return check_attention(f.model_type, f.owner, f.func, norm_use)
     if f.kind == "vision_utils":
         from ._walks import check
 
@@ -179,6 +223,7 @@ def verdicts(kinds: set[str] | None = None) -> Iterator[Verdict | Refusal]:
 def _problems(found: list, release: str) -> list[str]:
     """What ``--check`` fails on (see the module docstring)."""
     written = set(_table.releases()["patched"].get(release, ()))
+    fused = set(_table.releases()["fused"].get(release, ()))
     out = []
     if not written:
         out.append(f"no patched set is written for transformers {release} in verified.json")
@@ -191,7 +236,8 @@ def _problems(found: list, release: str) -> list[str]:
         if v.shipped is not None and v.use != v.shipped.use:
             out.append(f"{where}: the shipped row {v.digest[:16]} says {v.shipped.use!r}, "
                        f"but it verifies as {v.use!r} ({v.reason})")
-        elif v.function.model_type in written and (v.shipped is None
+        elif v.function.model_type in (fused if v.function.kind in ("norm", "attention")
+                                       else written) and (v.shipped is None
                                                    or release not in v.shipped.releases):
             state = "no shipped row" if v.shipped is None else "a row not listing it"
             out.append(f"{where}: digest {v.digest}, {state} for {release}: "
@@ -262,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="add this release's rows to the shipped verified.json")
     parser.add_argument("--only", metavar="KINDS",
                         help="comma-separated kinds to verify: rotary, get_rope_index, "
-                             "vision_utils, method, plan (default: all)")
+                             "vision_utils, method, plan, norm, attention (default: all)")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     release = _transformers.version()
