@@ -201,6 +201,8 @@ METHODS: dict[str, Method] = {
         Method("liger", "Liger-Kernel", "peer", needs_cuda=True),
         Method("posenc_op", "torch.ops.posenc.rope alone (dispatcher call)", "posenc"),
         Method("hf_norm_posenc_rotary", "transformers q/k norm + posenc_torch rotary", "peer"),
+        Method("posenc_unfused", "posenc_torch.hf.patch(fuse_qk_norm=False): transformers' "
+               "q/k norm + posenc_torch rotary in the layer", "peer"),
         Method("copy", "clone q,k (allocating floor)", "floor"),
         Method("copy_into", "copy_ into preallocated q,k (bandwidth floor)", "floor"),
     )

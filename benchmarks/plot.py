@@ -23,7 +23,8 @@ from pathlib import Path
 MODE_LABEL = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
 COLORS = {"posenc": "#1b6ca8", "posenc_fused": "#0b3c66", "posenc_tables": "#6aa9d8",
           "hf_eager": "#d1495b", "hf_compile": "#edae49", "liger": "#66a182",
-          "posenc_op": "#9ecae1", "hf_norm_posenc_rotary": "#8e6c8a", "copy": "#555555",
+          "posenc_op": "#9ecae1", "hf_norm_posenc_rotary": "#8e6c8a",
+          "posenc_unfused": "#b39ddb", "copy": "#555555",
           "copy_into": "#999999",
           "packed": "#1b6ca8", "padded": "#d1495b"}
 LABELS = {"posenc": "posenc_torch", "posenc_fused": "posenc_torch apply_rope (fused)",
@@ -31,6 +32,7 @@ LABELS = {"posenc": "posenc_torch", "posenc_fused": "posenc_torch apply_rope (fu
           "hf_compile": "torch.compile(transformers)", "liger": "Liger-Kernel",
           "posenc_op": "posenc op alone",
           "hf_norm_posenc_rotary": "transformers norm + posenc_torch rotary",
+          "posenc_unfused": "patch(fuse_qk_norm=False)",
           "copy": "clone q,k (allocating floor)",
           "copy_into": "copy_ into preallocated q,k (bandwidth floor)",
           "packed": "packed batch (posenc_torch.packing)", "padded": "padded batch"}

@@ -38,6 +38,7 @@ import bench_mrope  # noqa: E402
 import bench_overhead  # noqa: E402
 import bench_packing  # noqa: E402
 import bench_positions  # noqa: E402
+import bench_qk_attention  # noqa: E402
 import bench_qk_norm  # noqa: E402
 import bench_rope  # noqa: E402
 import bench_rotary_step  # noqa: E402
@@ -51,6 +52,7 @@ TOPICS = {m.TOPIC: m for m in (
     bench_positions,
     bench_rotary_step,
     bench_qk_norm,
+    bench_qk_attention,
     bench_overhead,
     bench_layer,
     bench_packing,
@@ -275,6 +277,17 @@ TARGETS = (
     Target("8e. q/k norm + rotary: bytes saved for backward per q/k element in bf16 <= 2.5",
            {"op": "qk_norm_rope", "method": "posenc", "mode": "fwdbwd", "dtype": "bf16"},
            "saved_bytes_per_element", 2.5, "max", label="{model} T={seq}"),
+    Target("9a. patched Qwen3-VL attention, q/k norm + rotary (the fused forward), T>=4096: "
+           ">= 3x faster than patch(fuse_qk_norm=False)",
+           {"op": "qk_attention_prologue", "seq": _LONG, "method": "posenc_unfused"},
+           "posenc_speedup", 3.0, "min", label="T={seq} {dtype} {mode}"),
+    Target("9b. ... faster than torch.compile of the unpatched layer",
+           {"op": "qk_attention_prologue", "seq": _LONG, "method": "hf_compile"},
+           "posenc_speedup", 1.0, "min", label="T={seq} {dtype} {mode}"),
+    Target("9c. ... bytes saved for backward per q/k element in bf16 <= 2.5",
+           {"op": "qk_attention_prologue", "method": "posenc", "mode": "fwdbwd",
+            "dtype": "bf16"},
+           "saved_bytes_per_element", 2.5, "max", label="T={seq}"),
 )
 
 

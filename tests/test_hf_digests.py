@@ -11,7 +11,9 @@ the verify command's checks (``posenc_torch.hf.verify``):
   from a fixed seed (int64 and int32, images and videos, several at once) under every
   argument value the models use and more (``verify._walks``);
 * the 4.57 tower methods: the replacement the row names, on tiny towers of the class
-  (``verify._towers``).
+  (``verify._towers``);
+* the q/k-norm attentions of the fused types and their norm classes: the template and the
+  norm form the rows name, on tiny attentions (``verify._attention``).
 
 ``make test`` runs this file under every transformers release it installs.  Also here:
 the digest's own rules (what changes it and what does not).
@@ -33,8 +35,12 @@ from posenc_torch.hf.verify._walks import check as check_vision_utils
 
 pytestmark = pytest.mark.any_transformers
 RELEASE = transformers.__version__
-WALKS = [(f.model_type, f.name, f.func, f.owner) for f in verify.functions()
-         if isinstance(f, verify.Function) and f.kind != "rotary"]
+FUNCTIONS = [f for f in verify.functions() if isinstance(f, verify.Function)]
+WALKS = [(f.model_type, f.name, f.func, f.owner) for f in FUNCTIONS
+         if f.kind not in ("rotary", "norm", "attention")]
+# the q/k-norm attentions and their norm classes of the types the release facts list as fused
+FUSED = set(_table.releases()["fused"].get(RELEASE, ()))
+QK_NORM = [f for f in FUNCTIONS if f.kind in ("norm", "attention") and f.model_type in FUSED]
 
 
 def test_every_walk_has_a_verified_digest_that_lists_this_release():
@@ -49,6 +55,16 @@ def test_every_walk_has_a_verified_digest_that_lists_this_release():
             problems.append(f"{mt}.{name}: digest {value[:16]} does not list {RELEASE}")
     assert not problems, ("transformers " + RELEASE + " changed what posenc verified (run "
                           "`python -m posenc_torch.hf.verify`):\n" + "\n".join(problems))
+
+
+@pytest.mark.parametrize("f", QK_NORM, ids=lambda f: f"{f.model_type}.{f.name}")
+def test_q_k_norm_rows_verify(f):
+    """The norm class and the attention forward of each fused type have a row listing this
+    release, and the verify command's check on tiny attentions still gives the row's use."""
+    value = _digests.digest(f.func, f.owner)
+    entry = _table.shipped().get((value, f.name))
+    assert entry is not None and RELEASE in entry.releases, (f, value)
+    assert verify.decide(f, value) == (entry.use, "")
 
 
 def _cases(walks: list, none: str) -> list:

@@ -124,11 +124,12 @@ def make_inputs(model_type: str, config, kind: str, dtype: torch.dtype = torch.f
     return out
 
 
-def forward_backward(model_type: str, kind: str, dtype: torch.dtype, patched: bool):
+def forward_backward(model_type: str, kind: str, dtype: torch.dtype, patched: bool,
+                     **patch_kwargs):
     """Logits, {parameter name: gradient}, the model and the patch handle (None if unpatched)."""
     model = tiny_model(model_type, dtype)
     inputs = make_inputs(model_type, model.config, kind, dtype)
-    handle = hf.patch(model_type) if patched else None
+    handle = hf.patch(model_type, **patch_kwargs) if patched else None
     with handle or nullcontext():
         out = model(**inputs, labels=inputs["input_ids"], use_cache=False)
         out.loss.backward()
@@ -141,6 +142,22 @@ def text_target(model_type: str) -> str:
     if model_type in ("qwen2_vl", "qwen2_5_vl") and TRANSFORMERS_MAJOR < 5:
         return f"{model_type}.apply_multimodal_rotary_pos_emb"
     return f"{model_type}.apply_rotary_pos_emb"
+
+
+def fused_attention(model_type: str) -> str | None:
+    """The target of the decoder attention's forward where patch() runs it with the fused
+    q/k norm + rotary (the types the release facts list as fused), else None."""
+    from posenc_torch.hf import _qk_attention, _table, _transformers
+
+    if model_type not in _table.releases()["fused"].get(_transformers.version(), ()):
+        return None
+    (cls,) = _qk_attention.candidates(modeling(model_type))
+    return f"{model_type}.{cls.__name__}.forward"
+
+
+def decoder_target(model_type: str) -> str:
+    """The target that counts the decoder attention's rotary calls."""
+    return fused_attention(model_type) or text_target(model_type)
 
 
 def modeling(model_type: str):
@@ -182,6 +199,15 @@ def tower_methods(module) -> list[str]:
     return [name for name in VISION_METHODS if any(name in vars(c) for c in classes)]
 
 
+def qk_norm_attentions(model_type: str) -> list[type]:
+    """The attention classes patch() runs with the fused q/k norm + rotary: those of the
+    types the release facts list as fused."""
+    from posenc_torch.hf import _qk_attention, _table, _transformers
+
+    fused = _table.releases()["fused"].get(_transformers.version(), ())
+    return _qk_attention.candidates(modeling(model_type)) if model_type in fused else []
+
+
 @pytest.mark.parametrize("model_type", ORIGINAL_TYPES)
 def test_patch_replaces_what_the_attention_calls(model_type):
     tiny_model(model_type)  # imports the modeling file
@@ -190,6 +216,8 @@ def test_patch_replaces_what_the_attention_calls(model_type):
     if model_type in VL_TYPES:
         expected.append(f"{model_type}.apply_rotary_pos_emb_vision")
     names = [t.split(".", 1)[1] for t in expected]
+    # the q/k-norm attention's forward, run with the fused op (see test_hf_qk_attention.py)
+    expected += [f"{model_type}.{cls.__name__}.forward" for cls in qk_norm_attentions(model_type)]
     if model_type in VL_TYPES:  # a method, not a module function: see test_hf_positions.py
         expected.append(f"{model_type}.get_rope_index")
         # 5.x: the vision towers' vision_utils functions, routed (see test_vision_hf.py)
@@ -244,7 +272,8 @@ def test_fp32_logits_and_gradients_match(model_type, kind):
 
     # The posenc functions ran, once per decoder layer and vision block and modality.
     n_vision = VISION_DEPTH * (("image" in kind) + ("video" in kind))
-    expected = {text_target(model_type): LAYERS}
+    # (the fused forward calls no rotary function)
+    expected = {text_target(model_type): 0, decoder_target(model_type): LAYERS}
     if model_type in VL_TYPES:
         expected[f"{model_type}.apply_rotary_pos_emb_vision"] = n_vision
         # 3-D position ids: 5.x asks for them only with grids (see test_hf_positions.py)
@@ -271,7 +300,8 @@ def test_bf16_as_close_to_fp64_as_transformers(model_type):
     ref_logits, ref_grads, _, _ = forward_backward(model_type, kind, torch.float64, False)
     hf_logits, hf_grads, _, _ = forward_backward(model_type, kind, torch.bfloat16, False)
     pe_logits, pe_grads, _, handle = forward_backward(model_type, kind, torch.bfloat16, True)
-    assert all(n > 0 for n in handle.calls.values())
+    assert all(n > 0 for t, n in handle.calls.items()
+               if not (fused_attention(model_type) and t == text_target(model_type)))
     for name, hf_x, pe_x, ref_x in (
             ("logits", hf_logits, pe_logits, ref_logits),
             ("gradients", all_grads(hf_grads), all_grads(pe_grads), all_grads(ref_grads))):
@@ -291,7 +321,10 @@ def test_a_wrong_rotation_would_be_caught(model_type, broken, monkeypatch):
     real = getattr(pt_rope, name)
     monkeypatch.setattr(pt_rope, name,
                         lambda q, k, cos, sin, *a, **kw: real(q, k, cos, -sin, *a, **kw))
-    logits, _, _, handle = forward_backward(model_type, "image+video", torch.float32, True)
+    # (the text rotary function as patch(fuse_qk_norm=False) runs it; the fused forward's
+    # own check is in test_hf_qk_attention.py)
+    logits, _, _, handle = forward_backward(model_type, "image+video", torch.float32, True,
+                                            fuse_qk_norm=False)
     assert handle.calls[f"{model_type}.{name}"] > 0
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         torch.testing.assert_close(logits, ref_logits)
@@ -363,7 +396,9 @@ def test_compiled_attention_has_no_graph_break_in_rotary(model_type):
             torch._dynamo.reset()
             explained = torch._dynamo.explain(module)(*args, **kwargs)
             ops = [str(op) for graph_ops in explained.ops_per_graph for op in graph_ops]
-            assert "posenc.rope" in ops, f"{name}: no posenc op in the graphs: {ops}"
+            fused = name == "text" and fused_attention(model_type)
+            op = "posenc.qk_norm_rope" if fused else "posenc.rope"
+            assert op in ops, f"{name}: no {op} in the graphs: {ops}"
             for reason in explained.break_reasons:
                 where = " ".join(f"{f.filename} {f.name} {f.line}" for f in reason.user_stack)
                 assert not mentions_rotary(f"{reason.reason} {where}"), (name, reason)
@@ -379,7 +414,7 @@ def test_compiled_attention_has_no_graph_break_in_rotary(model_type):
         for _ in range(3):
             compiled(*args, **kwargs)
         assert counters["stats"]["unique_graphs"] == 1
-        assert handle.calls[text_target(model_type)] == 3
+        assert handle.calls[decoder_target(model_type)] == 3
     torch._dynamo.reset()
 
 

@@ -239,3 +239,18 @@ def test_the_templates_are_named_in_the_table():
     assert uses and uses <= {t.use for t in _qk_attention.TEMPLATES}
     norms = [_qk_attention.parse_norm(r.use) for r in rows if r.function == _qk_attention.NORM]
     assert norms and all(n is not None for n in norms)
+
+
+@pytest.mark.parametrize("model_type", FUSED[:1])
+def test_a_wrong_rotation_in_the_fused_op_would_be_caught(model_type, monkeypatch):
+    """The comparisons above can fail: the fused op rotating the wrong way moves the
+    logits."""
+    from posenc_torch import qk_norm
+
+    ref = run(model_type, torch.float32, "sdpa", None)
+    real = qk_norm.apply_qk_norm_rope
+    monkeypatch.setattr(qk_norm, "apply_qk_norm_rope",
+                        lambda q, k, cos, sin, *a, **kw: real(q, k, cos, -sin, *a, **kw))
+    out = run(model_type, torch.float32, "sdpa", {})
+    assert sum(out[2].calls[t] for t in attention_targets(out[2])) > 0
+    assert not torch.equal(out[0], ref[0])
