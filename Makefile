@@ -79,13 +79,14 @@ pytest-hf4: build
 
 # Position ids (packed rows and batches too), the get_rope_index patch, which functions are
 # patched (test_hf_decisions; the verified digests: test_hf_digests), the vision towers'
-# helpers (test_vision), generation patched against plain (test_hf_generate) and the q/k
-# norm + rotary against transformers' norm classes (test_qk_norm) against the other
+# helpers (test_vision), generation patched against plain (test_hf_generate), the q/k
+# norm + rotary against transformers' norm classes (test_qk_norm) and in patched models
+# (test_hf_qk_attention) against the other
 # transformers 5.x releases (the version of each requirements file exactly); the newest
 # also runs the tiny model of every supported type.
 HF5_TESTS := test_positions.py test_hf_positions.py test_packed_positions.py test_packing.py \
 	test_hf_decisions.py test_hf_digests.py test_vision.py test_vision_hf.py test_hf_generate.py \
-	test_qk_norm.py
+	test_qk_norm.py test_hf_qk_attention.py
 HF5_LATEST_TESTS := $(HF5_TESTS) test_hf_models.py
 pytest-hf5_18: build
 	cd tests && PYTHONPATH=$(abspath $(HF5_18)) $(VERIFY) >/dev/null

@@ -16,6 +16,7 @@ default patch and so the fused forward.)
 
 from __future__ import annotations
 
+import copy
 import warnings
 from contextlib import nullcontext
 
@@ -254,3 +255,27 @@ def test_a_wrong_rotation_in_the_fused_op_would_be_caught(model_type, monkeypatc
     out = run(model_type, torch.float32, "sdpa", {})
     assert sum(out[2].calls[t] for t in attention_targets(out[2])) > 0
     assert not torch.equal(out[0], ref[0])
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass (as a wrapper library would pass)."""
+
+
+@pytest.mark.skipif("qwen3" not in FUSED, reason="qwen3 is not fused under this release")
+def test_a_tensor_subclass_and_another_device_go_to_transformers():
+    model = models.tiny_model("qwen3", torch.float32, "sdpa").eval()
+    attn = model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(1, 5, model.config.hidden_size, generator=gen)
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(5)[None])
+    with torch.no_grad():
+        ref = attn(hidden, (cos, sin), None)[0]
+        with hf.patch("qwen3") as handle:
+            out = attn(hidden.as_subclass(_Marked), (cos, sin), None)[0]
+            assert _counts(handle) == (0, 1)
+            out_meta = copy.deepcopy(attn).to("meta")(
+                hidden.to("meta"), (cos.to("meta"), sin.to("meta")), None)[0]
+            assert _counts(handle) == (0, 2) and out_meta.device.type == "meta"
+            assert torch.equal(attn(hidden, (cos, sin), None)[0], ref)
+            assert _counts(handle) == (1, 2)
+    assert torch.equal(out.as_subclass(torch.Tensor), ref)

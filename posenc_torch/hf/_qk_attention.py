@@ -22,8 +22,8 @@ it keeps the norm modules and ``apply_rotary_pos_emb`` as they are for everyone 
 Calls go to transformers' ``forward`` (counted in ``handle.fallbacks``) when: the norm
 class has no row, the norm modules have hooks (or global module hooks exist), their
 ``forward`` was replaced on the instance, their weight is not a plain tensor of q's dtype
-and size, eps is not a float, CPU autocast is on, the hidden states are not a CPU tensor of
-float32, bfloat16 or float16, the rotary tables are not two 3-D tensors of that dtype, the
+and size, eps is not a float, CPU autocast is on, the hidden states are not a plain CPU tensor (no
+subclass) of float32, bfloat16 or float16, the rotary tables are not two 3-D tensors of that dtype, the
 call uses a keyword the forward's decorator renames, or the arguments do not bind.
 """
 
@@ -213,7 +213,7 @@ def computation(t: Template, original: Callable, module: dict, rows: dict) -> Ca
             raise Decline("a cache keyword the forward's decorator renames")
         self, hidden = a["self"], a.get("hidden_states")
         tables = a.get("position_embeddings")
-        if (not isinstance(hidden, torch.Tensor) or hidden.device.type != "cpu"
+        if (type(hidden) is not torch.Tensor or hidden.device.type != "cpu"
                 or hidden.dtype not in _DTYPES or torch.is_autocast_enabled("cpu")
                 or not isinstance(tables, tuple) or len(tables) != 2
                 or not all(isinstance(x, torch.Tensor) and x.dim() == 3
