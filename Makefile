@@ -104,16 +104,19 @@ pytest-hf5_latest: build
 # 5.x overlay with the kernels release it accepts beside it, which turns its rotary
 # functions into hub-kernel layers and from_pretrained's kernelize on; on the CPU, with a
 # local kernel mapping (POSENC_EXPECT_KERNELS: the tests fail rather than skip without it),
-# the patch tests of the original types (logits, gradients, generate, torch.compile) and
-# generation patched against plain (test_hf_generate) with those layers in place.
+# the patch tests of the original types (logits, gradients, generate, torch.compile),
+# generation patched against plain (test_hf_generate) and the fused q/k norm + rotary
+# (test_hf_qk_attention) with those layers in place, after verify --check (with kernels
+# importable the attention forwards are kernels' wrappers, which have rows of their own).
 $(HUB_KERNELS)/.installed: requirements-hub-kernels.txt | $(STAMP)
 	$(VPY) -m pip install -q --no-deps --upgrade --target $(HUB_KERNELS) -r requirements-hub-kernels.txt
 	touch $@
 
 pytest-hub-kernels: build $(HUB_KERNELS)/.installed
+	cd tests && PYTHONPATH=$(abspath $(HF5_LATEST)):$(abspath $(HUB_KERNELS)) $(VERIFY) >/dev/null
 	cd tests && PYTHONPATH=$(abspath $(HF5_LATEST)):$(abspath $(HUB_KERNELS)) POSENC_EXPECT_KERNELS=1 \
 		POSENC_EXPECT_TRANSFORMERS=$$(sed -n 's/^transformers==//p' ../requirements-hf5_latest.txt) \
-		$(PYTEST) test_hf_kernels.py test_hf_patch.py test_hf_generate.py
+		$(PYTEST) test_hf_kernels.py test_hf_patch.py test_hf_generate.py test_hf_qk_attention.py
 
 $(COMPAT_STAMP): requirements-compat.txt
 	$(PYTHON) -m venv $(COMPAT)
@@ -141,8 +144,9 @@ compat: wheel $(COMPAT_STAMP)
 # for this one install alone (PIP_CONSTRAINT=/dev/null; pip 23 reads an empty value as
 # unset).  The same wheel, the op tests, the OpenMP-runtime test, the tests in which
 # posenc_torch.hf hands a call posenc refuses to transformers (get_rope_index, the rotary
-# functions, the vision routes), and generation patched against plain (test_hf_generate).
-COMPAT_NEWEST_HF_TESTS := test_hf_positions.py test_hf_generate.py \
+# functions, the vision routes), generation patched against plain (test_hf_generate) and
+# the fused q/k norm + rotary in patched models (test_hf_qk_attention).
+COMPAT_NEWEST_HF_TESTS := test_hf_positions.py test_hf_generate.py test_hf_qk_attention.py \
 	test_hf_patch.py::test_unsupported_inputs_go_to_transformers \
 	test_vision_hf.py::test_a_route_whose_function_changed_falls_back
 $(COMPAT_NEWEST_STAMP): requirements-compat-newest.txt

@@ -207,7 +207,7 @@ def test_driver_writes_results_and_plots(tmp_path):
     assert all(r["status"] == "skipped" for r in rows if r["method"] == "liger")
     assert [t["target"][:2] for t in payload["targets"]] == \
         ["1.", "1b", "1c", "2a", "2b", "3.", "4.", "6.", "5a", "5b", "7.", "7b", "8a", "8b",
-         "8c", "8d", "8e"]
+         "8c", "8d", "8e", "9a", "9b", "9c"]
     assert "x clone" in proc.stdout and "x copy_" in proc.stdout
     assert (tmp_path / "smoke.csv").read_text().startswith("topic,op,model")
     plots = sorted(p.name for p in (tmp_path / "plots-smoke").glob("*.png"))

@@ -17,7 +17,8 @@ verified table (``_table``).  The digest is computed once per code identity:
    are: a module by its name (it must be the module ``sys.modules`` holds under that
    name), a class by its qualified name (it must be the class found there), a plain
    value by its repr, a builtin by its name (the function's builtins must be the real
-   ones, unchanged).
+   ones, unchanged); a global that is a transformers hub-kernel layer made of a function
+   by that function.
 4. **Digest.**  A SHA-256 of all of it.
 
 :class:`Watch` holds the identity of everything the digest was computed from (the
@@ -383,7 +384,8 @@ class _Reach:
         for name in sorted(loads - free):
             if name in f.__globals__:
                 self.names.append((f.__globals__, name, original_of(f.__globals__[name])))
-                self.value(f.__globals__[name], f"{role} global {name}")
+                self.value(_hub_function(original_of(f.__globals__[name]), name),
+                           f"{role} global {name}")
                 continue
             self.names.append((f.__globals__, name, _ABSENT))
             if name not in _BUILTINS:
@@ -399,6 +401,19 @@ class _Reach:
                 self.visit(value, f"self.{name}", cls)
             elif value is not None:
                 self.parts.append((f"self.{name}", _what(value)))
+
+
+def _hub_function(value: object, name: str) -> object:
+    """The function ``name`` a transformers hub-kernel layer is made of (with the
+    ``kernels`` package importable, transformers puts such a layer in its rotary functions'
+    place; ``patch()`` decides on and replaces the function inside, see ``_rotary``), else
+    ``value``."""
+    from . import _transformers
+
+    try:
+        return _transformers.hub_kernel_function(value, name) or value
+    except _transformers.Unsupported as e:
+        raise Unverified(str(e)) from None
 
 
 # (function, owner) -> (digest, watch)
