@@ -301,6 +301,15 @@ def _same(now: tuple | dict | None, then: tuple | dict | None) -> bool:
     return all(_same_value(a, b) for a, b in zip(now, then, strict=True))
 
 
+def _identical(now: object, then: object) -> bool:
+    """``now`` is ``then`` (or the replacement of it); a tuple element by element
+    (torch.compile traces no identity test of two tuples)."""
+    if type(then) is tuple:
+        return (type(now) is tuple and len(now) == len(then)
+                and all(_identical(a, b) for a, b in zip(now, then, strict=True)))
+    return now is then or original_of(now) is then
+
+
 class Watch(NamedTuple):
     """Everything a digest was computed from, by identity (see the module docstring)."""
 
@@ -315,11 +324,10 @@ class Watch(NamedTuple):
         subclass, an instance attribute) resolves the methods reached through ``self`` to
         the same functions."""
         for namespace, name, value in self.names:
-            now = namespace.get(name, _ABSENT)
-            if now is not value and original_of(now) is not value:
+            if not _identical(namespace.get(name, _ABSENT), value):
                 return False
         for cell, value in self.cells:
-            if cell.cell_contents is not value and original_of(cell.cell_contents) is not value:
+            if not _identical(cell.cell_contents, value):
                 return False
         for func, code, defaults, kwdefaults in self.functions:
             if (func.__code__ is not code or not _same(func.__defaults__, defaults)
