@@ -901,9 +901,11 @@ def test_the_release_facts_agree_with_the_pins_the_table_and_the_docs():
     assert stated in line, line
     import re
 
-    for doc in ("README.md", "docs/transformers.md", "docs/vision.md"):
-        named = set(re.findall(r"\b([45]\.\d+\.\d+)\b", (ROOT / doc).read_text()))
-        assert named <= releases, (doc, named - releases)
+    # (the statements of the README, the docs and the package's docstrings and comments)
+    for doc in (ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
+                *(ROOT / "posenc_torch").rglob("*.py")):
+        named = set(re.findall(r"\b([45]\.\d+\.\d+)\b", doc.read_text()))
+        assert named <= releases, (doc.name, named - releases)
 
 
 def test_code_without_rows_is_refused_with_one_warning_naming_the_command(monkeypatch):
