@@ -30,6 +30,7 @@ import linecache
 import sys
 import textwrap
 import types
+from collections.abc import Iterator
 from typing import NamedTuple
 
 
@@ -77,15 +78,13 @@ def _future_flags(namespace: dict) -> int:
     return flags
 
 
-def _find_code(code: types.CodeType, name: str, line: int) -> types.CodeType | None:
+def nested_codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code objects of the functions and classes nested in it, depth
+    first."""
+    yield code
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            if const.co_name == name and const.co_firstlineno == line:
-                return const
-            found = _find_code(const, name, line)
-            if found is not None:
-                return found
-    return None
+            yield from nested_codes(const)
 
 
 @functools.cache
@@ -149,7 +148,8 @@ def _tree(func: types.FunctionType) -> ast.FunctionDef:
                            flags=_future_flags(func.__globals__), dont_inherit=True)
     except SyntaxError as e:
         raise Unverified(f"the source of {func.__qualname__} does not compile ({e})") from None
-    again = _find_code(compiled, code.co_name, code.co_firstlineno)
+    again = next((c for c in nested_codes(compiled) if c.co_name == code.co_name
+                  and c.co_firstlineno == code.co_firstlineno), None)
     if again is None or code_part(again) != code_part(code):
         raise Unverified(f"the source of {func.__qualname__} in {code.co_filename} is not the "
                          "code that runs (made by exec, or the file changed after import)")

@@ -28,7 +28,7 @@ from .. import rope as _rope
 from .._checks import KERNEL_DEVICES
 from .._tables import MODELS
 from . import _table, _transformers
-from ._digests import Unverified, Watch
+from ._digests import Unverified, Watch, nested_codes
 from ._handle import CallArguments, Decline, PatchHandle, original_of
 
 TEXT = "apply_rotary_pos_emb"
@@ -225,21 +225,14 @@ def _computation(form: Form, original: Callable, fallback: bool) -> Callable:
 @functools.cache  # code objects are immutable
 def global_loads(code: types.CodeType) -> frozenset[str]:
     """Global names loaded by ``code`` and the functions nested in it."""
-    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname == "LOAD_GLOBAL"}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= global_loads(const)
-    return frozenset(names)
+    return frozenset(ins.argval for c in nested_codes(code) for ins in dis.get_instructions(c)
+                     if ins.opname == "LOAD_GLOBAL")
 
 
 @functools.cache
 def _names(code: types.CodeType) -> frozenset[str]:
     """Every name ``code`` and the functions nested in it use (globals among them)."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return frozenset(names)
+    return frozenset(name for c in nested_codes(code) for name in c.co_names)
 
 
 def _code_of(obj: object) -> types.CodeType | None:

@@ -167,14 +167,11 @@ def _read_plan(model: torch.nn.Module, model_type: str, rows: dict) -> VisionPla
     calls: list[Call] = []
     seen: dict[str, int] = {}
     forwards = dict(tower_forwards(module))
-    classes: set[type] = set()
     for sub in model.modules():
-        cls = type(sub)
-        if cls in classes or cls not in forwards:
-            continue
-        classes.add(cls)
-        row, _ = _table.verified(forwards[cls], cls, FORWARD, rows)
-        _calls_of(sub, row.use, seen, calls)
+        forward = forwards.pop(type(sub), None)  # (the first module of each class)
+        if forward is not None:
+            row, _ = _table.verified(forward, type(sub), FORWARD, rows)
+            _calls_of(sub, row.use, seen, calls)
     if not any(c.name != _MAX for c in calls):
         raise _Refused(f"no module of {module.__name__} reads precomputed vision kwargs")
     config = model.config
