@@ -302,7 +302,7 @@ def compute_mrope_decode_position_ids(
     Returns int64 ids (3, B', n), equal on the three rows (without ``prompt_position_ids``):
     what the Qwen-VL model's
     ``forward`` computes from its stored ``rope_deltas`` when it is given no position ids
-    (transformers 4.57.6, 5.17.0, 5.18.0 and 5.24.0 checked):
+    (transformers 4.57.6, 5.17.0, 5.18.0 and 5.25.0 checked):
 
     - ``"4.57"``, and 5.x without ``attention_mask``:
       ``ids[:, b, i] = past_length + i + deltas[b]``;
@@ -315,7 +315,7 @@ def compute_mrope_decode_position_ids(
     otherwise), so this needs transformers only then, and only for ``"installed"``.
     transformers 5.x's ``generate`` instead continues every row of the prompt's position ids
     from its last slot: ``ids[r, b, i] = prompt_position_ids[r, b, -1] + 1 + (past_length -
-    L) + i`` (checked 5.17.0, 5.18.0, 5.24.0; 4.57's ``generate`` uses the deltas as above).
+    L) + i`` (checked 5.17.0, 5.18.0, 5.25.0; 4.57's ``generate`` uses the deltas as above).
     That equals the deltas' result whenever the prompt's last real token holds its largest
     position, e.g. a prompt that ends in text after images, and not after a 5.x video whose
     temporal positions outrun ``max(h, w) // merge`` (the text then resumes below them);

@@ -799,11 +799,9 @@ def test_the_references_capture_without_guards_beyond_what_holds_for_every_input
     the replacement takes: chunk's (the gpt-oss form), for every width r >= 1 (3r - 1 =
     2r + (r - 1) with 0 <= r - 1 < r); the de-interleaving reshape's d != 1, the head size
     D = 2d being at least 4 wherever that form is computed."""
-    from posenc_torch.hf import _references
-
     allowed = {"half, one half of the tables": {"Eq(((3*r - 1)//r), 2)"},
                "half, de-interleaved input": {"Ne(d, 1)"}}
-    for form in (*_references.TEXT_FORMS, _references.VISION_FORM, _references.SECTIONS_FORM):
+    for form in _rotary.FORMS_BY_NAME.values():
         tracer = _forms.reference(form)
         for regime in _forms.regimes(form, True):
             tracer.graph(regime)
@@ -903,9 +901,11 @@ def test_the_release_facts_agree_with_the_pins_the_table_and_the_docs():
     assert stated in line, line
     import re
 
-    for doc in ("README.md", "docs/transformers.md", "docs/vision.md"):
-        named = set(re.findall(r"\b([45]\.\d+\.\d+)\b", (ROOT / doc).read_text()))
-        assert named <= releases, (doc, named - releases)
+    # (the statements of the README, the docs and the package's docstrings and comments)
+    for doc in (ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
+                *(ROOT / "posenc_torch").rglob("*.py")):
+        named = set(re.findall(r"\b([45]\.\d+\.\d+)\b", doc.read_text()))
+        assert named <= releases, (doc.name, named - releases)
 
 
 def test_code_without_rows_is_refused_with_one_warning_naming_the_command(monkeypatch):

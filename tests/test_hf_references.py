@@ -1,4 +1,4 @@
-"""posenc's references (``posenc_torch/hf/_references.py``) against the posenc ops that the
+"""posenc's references (``posenc_torch/hf/verify/_references.py``) against the posenc ops that the
 patch runs in their place (``_rotary.rotate_as`` and the vision / multimodal functions).
 
 ``patch()`` replaces a transformers function when its captured graph is a reference's
@@ -6,7 +6,7 @@ graph (test_hf_decisions.py); this file holds the other half of the argument: ea
 reference computes what posenc computes for it, on the inputs the replacement takes
 (``_rotary._fits``: the form's table widths, tables shared over the batch or per row,
 head sizes, one token and many, grouped heads, every dtype pair of
-``_references.DTYPES``):
+``_rotary.DTYPES``):
 
 * fp32 results: the same bits; gradients of q, k, cos and sin to fp32 rounding;
 * bf16 / fp16: element by element, posenc's value is the reference's, or at least as close
@@ -22,8 +22,9 @@ import itertools
 import pytest
 import torch
 
-from posenc_torch.hf import _references, _rotary
-from posenc_torch.hf._references import DTYPES, SECTIONS_FORM, TEXT_FORMS, VISION_FORM
+from posenc_torch.hf import _rotary
+from posenc_torch.hf._rotary import DTYPES, FORMS_BY_NAME, SECTIONS_FORM, TEXT_FORMS, VISION_FORM
+from posenc_torch.hf.verify._references import REFERENCES
 
 pytestmark = pytest.mark.any_transformers
 _FP32_SLACK = 2.0 ** -22
@@ -85,7 +86,7 @@ def _sections_cases():
 
 
 def _posenc(form, args):
-    compute = _rotary._computation(form, form.reference, fallback=True)
+    compute = _rotary._computation(form, REFERENCES[form.name], fallback=True)
     assert _rotary._fits(form, *args[:4]), "a case the replacement would not take"
     return compute(*args)
 
@@ -103,10 +104,11 @@ def _grads(outputs, inputs):
     return torch.autograd.grad(loss, inputs)
 
 
-def _check(form, label, args):
+def _check(form, label, args, reference=None):
+    reference = reference or REFERENCES[form.name]
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     ours = _posenc(form, args)
-    theirs = form.reference(*args)
+    theirs = reference(*args)
     for a, b in zip(ours, theirs, strict=True):
         assert (a.dtype, a.shape) == (b.dtype, b.shape), label
     if all(t.dtype == torch.float32 for t in tensors):
@@ -115,12 +117,12 @@ def _check(form, label, args):
         rest = args[len(leaves):]
         ours_g = _grads(_posenc(form, (*leaves, *rest)), leaves)
         leaves2 = [t.detach().requires_grad_() for t in tensors]
-        theirs_g = _grads(form.reference(*leaves2, *rest), leaves2)
+        theirs_g = _grads(reference(*leaves2, *rest), leaves2)
         for a, b in zip(ours_g, theirs_g, strict=True):  # sums in another order: to the scale
             torch.testing.assert_close(a, b, rtol=1.3e-6, atol=1e-6 * max(1.0, b.abs().max()),
                                        msg=label)
         return
-    exact = form.reference(*(t.double() for t in tensors), *args[len(tensors):])
+    exact = reference(*(t.double() for t in tensors), *args[len(tensors):])
     scale = 2 * max(t.abs().max().item() for t in tensors[:2]) * max(
         t.abs().max().item() for t in tensors[2:4])
     for a, b, e in zip(ours, theirs, exact, strict=True):
@@ -148,10 +150,14 @@ def test_the_sections_form_computes_what_posenc_computes():
 def test_a_wrong_posenc_path_would_be_found():
     """The comparison is not blind: posenc's half-pairing form against the adjacent
     reference (and the reverse) differs, in fp32 and in bf16."""
-    half, adjacent = _references.FORMS_BY_NAME["half"], _references.FORMS_BY_NAME["adjacent, partial"]
+    half = FORMS_BY_NAME["half"]
     for dtype in (torch.float32, torch.bfloat16):
         q = torch.randn(1, 2, 3, 8).to(dtype)
         cos, sin = _tables(torch.Generator().manual_seed(0), (1, 3, 8), dtype)
         args = (q, q.clone(), cos, sin)
         with pytest.raises(AssertionError):
-            _check(half._replace(reference=adjacent.reference), "swapped", args)
+            _check(half, "swapped", args, reference=REFERENCES["adjacent, partial"])
+
+
+def test_every_form_has_one_reference():
+    assert REFERENCES.keys() == FORMS_BY_NAME.keys()

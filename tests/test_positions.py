@@ -2,7 +2,7 @@
 4.57.6's own ``get_rope_index`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), the worked examples of the
 specification under every convention, convention resolution, decode-step ids, vision-tower
 patch ids, bad grids and op registration.  The comparison with the ``get_rope_index`` of
-whichever transformers is installed (4.57.6, 5.17.0, 5.18.0, 5.24.0) is in
+whichever transformers is installed (4.57.6, 5.17.0, 5.18.0, 5.25.0) is in
 test_hf_positions.py.
 """
 

@@ -221,7 +221,7 @@ def test_interpolation_fuzz():
 
 @pytest.mark.parametrize("model,side,mode,align,merge,padding", [
     ("qwen3_vl", 48, "bilinear", True, 2, "border"),        # also qwen3_vl_moe, qwen3_5, ...
-    ("paddleocr_vl", 27, "bilinear", False, 1, "border"),   # 5.24 (True under 5.17)
+    ("paddleocr_vl", 27, "bilinear", False, 1, "border"),   # 5.25 (True under 5.17, 5.18)
     ("kimi_k25", 64, "bicubic", False, 1, "border"),
     ("muse_glimmer", 32, "bilinear", False, 1, "zeros"),
 ])

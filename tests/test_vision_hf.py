@@ -164,6 +164,44 @@ def test_a_changed_vision_function_gets_no_kwargs(monkeypatch):
 
 
 @v5
+def test_a_vision_function_verified_in_the_users_table_file_gets_kwargs(monkeypatch, tmp_path):
+    """A vision_utils function whose code the shipped table does not hold gets no kwargs;
+    with the verify command's row for it in the user's table file it gets them (the
+    plan's functions are looked up in that file as the plan is), the same entries."""
+    import linecache
+
+    from posenc_torch.hf import verify
+    from posenc_torch.hf.verify._walks import check
+
+    model = tiny_qwen("qwen2_5_vl")
+    module = importlib.import_module("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+    name = "get_vision_window_index"
+    expected = hf.precompute_vision_kwargs(model.config, GRIDS["image"])
+    source = (f"def {name}(grid_thw, spatial_merge_size, window_size, patch_size, kwargs=None):\n"
+              "    index, cu = real(grid_thw, spatial_merge_size, window_size, patch_size, "
+              "kwargs)\n    return index, cu\n")
+    filename = f"<{name} of its own>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"real": getattr(module, name)}
+    exec(compile(source, filename, "exec", dont_inherit=True), namespace)
+    func = namespace[name]
+    assert check(name, func) is None
+    monkeypatch.setattr(module, name, func)
+    monkeypatch.setattr(_handle, "_WARNED", set())
+    with pytest.warns(hf.UnsupportedModelWarning, match="no verified table holds"):
+        assert hf.precompute_vision_kwargs(model.config, GRIDS["image"]) == {}
+    path = tmp_path / "table.json"
+    verify.write(path, [{"digest": _digests.digest(func), "function": name, "use": name,
+                         "releases": [importlib.import_module("transformers").__version__]}])
+    monkeypatch.setenv(_table.ENV, str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hf.UnsupportedModelWarning)
+        got = hf.precompute_vision_kwargs(model.config, GRIDS["image"])
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in got)
+
+
+@v5
 def test_bad_grids_name_the_row():
     model = tiny_qwen("qwen2_vl")
     with pytest.raises(ValueError, match=r"image_grid_thw\[1\]"):

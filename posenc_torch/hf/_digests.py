@@ -1,30 +1,20 @@
 """The identity of a transformers function: the digest of its normalized code and of
-everything it reaches, and the watch that tells, per call, that none of it changed.
+everything it reaches, and the watch that tells, per call, that none of it changed
+(docs/transformers.md, "The decision rule").
 
-Every function ``patch()`` replaces is decided by this digest alone, looked up in the
-verified table (``_table``).  The digest is computed once per code identity:
+The digest, computed once per code identity, is a SHA-256 of the function's syntax tree,
+read from its file and checked to compile to the very code object that runs (1.; not code
+made by ``exec`` or a file edited after import), in a normal form: no docstrings,
+annotations, own decorators or formatting, arguments and locals renamed in order (2.);
+and the same for everything it reaches (3.): the methods it calls through ``self``,
+resolved on the object's class, and every function a global, a closure cell or a default
+binds, transitively.  Other values count by what they are: a module by its name and a
+class by its qualified name (each the one found under that name), a plain value by its
+repr, a builtin by its name (the function's builtins must be Python's own, unchanged), a
+global that is a transformers hub-kernel layer made of a function by that function.
 
-1. **Source.**  The function's source is located from its code object (file and first
-   line) and compiled again: it must compile to that very code object (the bytecode,
-   constants and names; not the line numbers), so a function made by ``exec`` or a file
-   edited after it was imported is not mistaken for the file's text.
-2. **Normal form.**  Its syntax tree without docstrings, comments, annotations,
-   decorators and formatting; its arguments and local names renamed in the order they
-   first appear.  Attribute names, global names and constants stay as they are.
-3. **Reach.**  The same for everything it can call that is Python code: the methods it
-   calls through ``self``, resolved on the class the object has, and every function a
-   global, a closure cell or a default binds, transitively.  Other values by what they
-   are: a module by its name (it must be the module ``sys.modules`` holds under that
-   name), a class by its qualified name (it must be the class found there), a plain
-   value by its repr, a builtin by its name (the function's builtins must be the real
-   ones, unchanged); a global that is a transformers hub-kernel layer made of a function
-   by that function.
-4. **Digest.**  A SHA-256 of all of it.
-
-:class:`Watch` holds the identity of everything the digest was computed from (the
-globals' and builtins' objects, the closure cells' contents, each function's code and
-defaults, the methods reached through ``self``); a replacement asks
-:meth:`Watch.unchanged` on every call and hands the call back to transformers when
+:class:`Watch` holds, by identity, everything the digest was computed from; a replacement
+asks :meth:`Watch.unchanged` on every call and hands the call back to transformers when
 anything changed since the decision.
 """
 
@@ -41,6 +31,7 @@ import linecache
 import sys
 import textwrap
 import types
+from collections.abc import Iterator
 from typing import NamedTuple
 
 
@@ -88,15 +79,13 @@ def _future_flags(namespace: dict) -> int:
     return flags
 
 
-def _find_code(code: types.CodeType, name: str, line: int) -> types.CodeType | None:
+def nested_codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code objects of the functions and classes nested in it, depth
+    first."""
+    yield code
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            if const.co_name == name and const.co_firstlineno == line:
-                return const
-            found = _find_code(const, name, line)
-            if found is not None:
-                return found
-    return None
+            yield from nested_codes(const)
 
 
 @functools.cache
@@ -161,7 +150,8 @@ def _tree(func: types.FunctionType) -> ast.FunctionDef:
                            flags=_future_flags(func.__globals__), dont_inherit=True)
     except SyntaxError as e:
         raise Unverified(f"the source of {func.__qualname__} does not compile ({e})") from None
-    again = _find_code(compiled, code.co_name, code.co_firstlineno)
+    again = next((c for c in nested_codes(compiled) if c.co_name == code.co_name
+                  and c.co_firstlineno == code.co_firstlineno), None)
     if again is None or code_part(again) != code_part(code):
         raise Unverified(f"the source of {func.__qualname__} in {code.co_filename} is not the "
                          "code that runs (made by exec, or the file changed after import)")
@@ -248,10 +238,13 @@ def _dump(node: object) -> str:
 # 3. Reach, and what a call checks.
 
 
+_VALUES = (int, float, bool, str, bytes, type(None))
+
+
 def _plain(value: object) -> bool:
     if isinstance(value, (tuple, frozenset)):
         return all(map(_plain, value))
-    return value is None or type(value) in (int, float, bool, str, bytes)
+    return type(value) in _VALUES
 
 
 def _what(value: object) -> str:
@@ -279,9 +272,6 @@ def _class_value(cls: type, name: str) -> object:
     """What ``type(obj).<name>`` gives, in a form that compares by identity."""
     value = getattr(cls, name, _ABSENT)
     return original_of(value.__func__ if isinstance(value, types.MethodType) else value)
-
-
-_VALUES = (int, float, bool, str, bytes, type(None))
 
 
 def _same_value(now: object, then: object) -> bool:
@@ -435,8 +425,7 @@ def identity(func: object, owner: type | None = None) -> tuple[str, Watch]:
     if not isinstance(func, types.FunctionType):
         raise Unverified(f"{func!r} is not a Python function")
     known = _MEMO.get((func, owner))
-    if known is not None and (known[1].unchanged() if owner is None
-                              else _still(known[1], owner)):
+    if known is not None and known[1].unchanged(_ABSENT if owner is None else owner):
         return known
     reach = _Reach()
     reach.visit(func, "function", owner)
@@ -445,12 +434,6 @@ def identity(func: object, owner: type | None = None) -> tuple[str, Watch]:
                   tuple(reach.methods))
     _MEMO[(func, owner)] = (value, watch)
     return value, watch
-
-
-def _still(watch: Watch, owner: type) -> bool:
-    """``watch.unchanged`` for an object of class ``owner`` itself."""
-    return watch._replace(methods=()).unchanged() and all(
-        _class_value(owner, name) is value for name, value in watch.methods)
 
 
 def digest(func: object, owner: type | None = None) -> str:

@@ -102,13 +102,8 @@ def warn_once(message: str, stacklevel: int = 3) -> None:
 class PatchHandle:
     """What ``patch`` installed; undoes it with ``undo()`` or at the end of a ``with`` block.
 
-    Attributes:
-        model_types: the model types that were patched.
-        targets: ``"<model_type>.<function>"`` for every function that was replaced.
-        calls: per target, how many calls the posenc kernels computed.
-        fallbacks: per target, how many calls went to the original transformers function
-            (inputs posenc does not take, see the module docstring).
-        Both are empty when ``patch(count=False)``.
+    ``model_types``: the model types that were patched; ``targets``, ``calls`` and
+    ``fallbacks`` (empty when ``patch(count=False)``): below.
     """
 
     def __init__(self, model_types: tuple[str, ...], fallback: bool, count: bool,
@@ -137,7 +132,8 @@ class PatchHandle:
 
     @property
     def fallbacks(self) -> dict[str, int]:
-        """Per replaced function, how many calls went to the original function."""
+        """Per replaced function, how many calls went to the original function (inputs
+        posenc does not take, see ``posenc_torch.hf``)."""
         return {target: int(n) for target, n in self._fallbacks.items()}
 
     @property
@@ -199,23 +195,19 @@ class PatchHandle:
         its name in ``targets`` (where ``listed``: a replacement that computes).  Raises
         RuntimeError if another active handle replaced it."""
         with LOCK:
-            self._install(module, name, replacement, target, listed)
-
-    def _install(self, module: types.ModuleType, name: str, replacement: Callable,
-                 target: str, listed: bool) -> None:
-        owner = _ACTIVE.get((module.__name__, name))
-        if owner is not None:
-            raise RuntimeError(f"posenc_torch.hf.patch: {module.__name__}.{name} is already "
-                               f"patched by {owner!r}; undo that handle first")
-        original = getattr(module, name)
-        replacement.__module__ = "posenc_torch.hf"
-        replacement.__qualname__ = f"patched.{target}"
-        setattr(module, name, replacement)
-        _ORIGINALS[replacement] = original
-        _ACTIVE[(module.__name__, name)] = self
-        self._installed.append((module, name, original, replacement, target))
-        if listed:
-            self._targets.append(target)
+            owner = _ACTIVE.get((module.__name__, name))
+            if owner is not None:
+                raise RuntimeError(f"posenc_torch.hf.patch: {module.__name__}.{name} is "
+                                   f"already patched by {owner!r}; undo that handle first")
+            original = getattr(module, name)
+            replacement.__module__ = "posenc_torch.hf"
+            replacement.__qualname__ = f"patched.{target}"
+            setattr(module, name, replacement)
+            _ORIGINALS[replacement] = original
+            _ACTIVE[(module.__name__, name)] = self
+            self._installed.append((module, name, original, replacement, target))
+            if listed:
+                self._targets.append(target)
 
     def _add_counters(self, target: str) -> None:
         if self.count:
@@ -270,10 +262,6 @@ _PRIVATE = _ops.PRIVATE
 _DISABLE_FUNCTORCH = getattr(torch._C, "_DisableFuncTorch", None)
 
 
-def _transforms_active() -> bool:
-    return _PRIVATE is not None and _PRIVATE.transforms_active()
-
-
 def to_original() -> bool:
     """Calls under functorch transforms (torch.func.grad / vjp / jvp / vmap) and forward AD
     go to the original function: transformers' elementwise ops support every transform,
@@ -288,7 +276,7 @@ def bump(counter: torch.Tensor) -> None:
     tiny op; outside the functorch transforms, which would see the in-place add on a
     captured tensor."""
     if (not torch.compiler.is_compiling() and _DISABLE_FUNCTORCH is not None
-            and _transforms_active()):
+            and _PRIVATE is not None and _PRIVATE.transforms_active()):
         with _DISABLE_FUNCTORCH():
             counter.add_(1)
     else:

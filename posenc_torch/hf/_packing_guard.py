@@ -1,19 +1,14 @@
 """A packed batch reaching a Qwen-VL model in a way that does not give each example its own
-attention is warned about, once per reason (``posenc_torch.packing.packed_attention_leaks``
-compares where transformers will start sequences with where the position ids' examples
-start: a KV cache, a 2-D attention mask, flash-attention boundaries missing or other than
-the examples', position ids without the text row, non-consecutive text positions).
+attention is warned about, once per reason (``posenc_torch.packing.packed_attention_leaks``:
+a KV cache, a 2-D attention mask, flash-attention boundaries missing or other than the
+examples', position ids without the text row, non-consecutive text positions).
 
-``patch()`` wraps the ``forward`` of the class that owns ``get_rope_index`` (the
-``<Model>Model`` the ``...ForConditionalGeneration`` calls) for the Qwen-VL types it
-patches.  The wrapper resolves what the language model will do as transformers does:
-``use_cache=None`` is the text config's ``use_cache``, turned off under gradient
-checkpointing in training, and ``past_key_values`` given means a cache.  It reads the
-position ids (one device sync) when the call gives them.  Calls traced by ``torch.compile``
-are not checked (the check would read data and break the graph).  The wrapper only warns:
-arguments it cannot read (a shape of position ids it does not know, say) leave it silent,
-and the call goes on to transformers as it came.  The wrapper computes
-nothing itself, so it is not one of the handle's ``targets`` (``undo()`` removes it too).
+``patch()`` wraps the ``forward`` of the class that owns ``get_rope_index`` for the Qwen-VL
+types it patches.  The wrapper resolves ``use_cache`` as transformers does (``None``: the
+text config's, off under gradient checkpointing in training; a ``past_key_values`` given
+means a cache) and reads the position ids (one device sync) when the call gives them;
+traced calls are not checked.  It only warns (arguments it cannot read leave it silent),
+computes nothing, and is not one of the handle's ``targets`` (``undo()`` removes it too).
 """
 
 from __future__ import annotations

@@ -1,26 +1,19 @@
 """The Qwen-VL ``get_rope_index`` of transformers: which convention it follows, decided by
 its code, and its replacement by posenc's position walk.
 
-``posenc_torch.hf.patch()`` runs :func:`install` for the model types it patches.  For
-``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` and ``qwen3_vl_moe`` it replaces the
-``get_rope_index`` method of the class that defines it in the installed transformers
-(``<Model>Model`` in 4.57 and 5.x) with a wrapper that computes the same position ids and
-deltas with :func:`posenc_torch.compute_mrope_position_ids` under the convention ("4.57",
-"5.17" or "5.18") the installed method follows, bit for bit, dtypes included.
-
-Which convention is decided by the method's code (:func:`installed_convention`, which also
-answers the core's ``convention="installed"`` through ``posenc_torch._installed``): its
-digest and that of everything it calls (``_digests``) must be one the tests verified
-against posenc's walk of a convention; any other method is kept, with one warning.
-
-Inputs on another device are copied to the CPU once, walked there, and the results copied
-back once.  Calls the walk does not take go to the original method unchanged and count in
-``handle.fallbacks`` (with ``fallback=False`` they raise posenc's error instead): no
-``input_ids``, arguments that do not bind to the original signature, grids that disagree
-with the tokens (transformers raises on most of those, or ignores extra grids), values
-outside 0/1 in the mask or 0/1/2 in ``mm_token_type_ids``, and, for Qwen2.5-VL, seconds
-per grid that 5.18+ would compute in another precision (a Python list, float16/bfloat16) or
-a ``tokens_per_second`` that 5.17 cannot use (not a Python int).
+For ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` and ``qwen3_vl_moe``, :func:`install`
+replaces the ``get_rope_index`` of the class that defines it (``<Model>Model``) with the
+same position ids and deltas, bit for bit, dtypes included, from
+:func:`posenc_torch.compute_mrope_position_ids` under the convention ("4.57", "5.17" or
+"5.18") that the method's verified row names (:func:`installed_convention`, which also
+answers the core's ``convention="installed"``); any other method is kept, with one
+warning.  Inputs on another device are walked on the CPU and the results copied back once.
+Calls the walk does not take go to the original method (``handle.fallbacks``; with
+``fallback=False`` posenc's error): no ``input_ids``, arguments that do not bind, grids
+that disagree with the tokens, values outside 0/1 in the mask or 0/1/2 in
+``mm_token_type_ids``, and, for Qwen2.5-VL, seconds per grid that 5.18+ would compute in
+another precision (a Python list, float16/bfloat16) or a ``tokens_per_second`` that 5.17
+cannot use (not a Python int).
 """
 
 from __future__ import annotations
@@ -38,8 +31,6 @@ from ._handle import CallArguments, Decline, original_of, warn_once
 #: The model types whose get_rope_index is replaced.
 MODEL_TYPES = tuple(MROPE_MODELS)
 _NAME = "get_rope_index"
-
-
 
 
 def _tensor(value, name: str, dims: int | None = None) -> torch.Tensor | None:

@@ -1,16 +1,16 @@
 """The rotary functions of transformers' attention, replaced: which function of a model
 file is replaced (the one its attention calls, whose digest the verified table holds; the
-row names its form, ``_references``), which calls posenc computes, and how.
+row names its :class:`Form`), which calls posenc computes, and how.
 
 The attention calls ``apply_rotary_pos_emb(q, k, cos, sin)`` (DeepSeek-V3:
 ``apply_rotary_pos_emb_interleave``), the vision towers ``apply_rotary_pos_emb_vision(q,
 k, cos, sin)`` and the 4.x Qwen2-VL / Qwen2.5-VL decoders
-``apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section)``, all with positional
-arguments.  The row was verified for exactly that call form, over the inputs the verify
-command's capture covers: the replacement computes a call in that form whose tensors have the
-layout of the form (q, k (B, H, T, D) of one dtype, tables (1 or B, T, W) of one dtype,
-the width W the form takes; the vision and multimodal layouts likewise) and dtypes among
-``_references.DTYPES``; any other call goes to the original function.
+``apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section)``.  The row was verified
+for that call form over the inputs the verify command's capture covers, so the replacement
+computes only such calls whose tensors have the form's layout (q, k (B, H, T, D) of one
+dtype, tables (1 or B, T, W) of one dtype and the width W the form takes; the vision and
+multimodal layouts likewise) and dtypes among ``DTYPES``; any other call goes to the
+original function.
 """
 
 from __future__ import annotations
@@ -28,18 +28,65 @@ from .. import rope as _rope
 from .._checks import KERNEL_DEVICES
 from .._tables import MODELS
 from . import _table, _transformers
-from ._digests import Unverified, Watch
+from ._digests import Unverified, Watch, nested_codes
 from ._handle import CallArguments, Decline, PatchHandle, original_of
-from ._references import DTYPES, FORMS_BY_NAME, SECTIONS_FORM, TEXT_FORMS, VISION_FORM, Form
 
 TEXT = "apply_rotary_pos_emb"
 MULTIMODAL = "apply_multimodal_rotary_pos_emb"
 VISION = "apply_rotary_pos_emb_vision"
 INTERLEAVE = "apply_rotary_pos_emb_interleave"
 ROTARY_NAMES = (TEXT, MULTIMODAL, VISION, INTERLEAVE)
+
+
+class Form(NamedTuple):
+    """A rotary form posenc computes, named by the rows of the verified table (its
+    reference in plain torch: ``verify._references``).
+
+    layout: the tables' width the form takes ("full", "partial", "half", "vision",
+        "sections"; ``verify._graphs.Regime``).
+    pairing: "half" (channel j with j + R/2) or "adjacent" (2i with 2i + 1).
+    table: "as_given"; "first_half_interleaved" (the first half of the tables, each entry
+        twice: GLM, ERNIE-4.5); "doubled" (one half given, used for both: gpt-oss).
+    cast: None (result dtype ``result_type(q, cos)``); "each" (q's and k's own dtypes);
+        "fp32_to_q" (computed in fp32, both results in q's dtype).
+    permute: None; "input" (q, k de-interleaved first: channels 0, 2, 4, ..., then 1, 3,
+        5, ...); "output" (adjacent pairs rotated, results de-interleaved).
+    """
+
+    name: str
+    layout: str
+    pairing: str = "half"
+    table: str = "as_given"
+    cast: str | None = None
+    permute: str | None = None
+
+
+#: The forms of ``apply_rotary_pos_emb`` (and DeepSeek-V3's ``..._interleave``), in the
+#: order they are tried (the common ones first).
+TEXT_FORMS: tuple[Form, ...] = (
+    Form("half", "full"),
+    Form("half, partial", "partial"),
+    Form("half, each dtype", "full", cast="each"),
+    Form("adjacent, fp32", "full", pairing="adjacent", cast="fp32_to_q"),
+    Form("adjacent, partial", "partial", pairing="adjacent"),
+    Form("adjacent, first half of the tables, partial", "partial", pairing="adjacent",
+         table="first_half_interleaved"),
+    Form("adjacent, first half of the tables, fp32", "full", pairing="adjacent",
+         table="first_half_interleaved", cast="fp32_to_q"),
+    Form("half, one half of the tables", "half", table="doubled"),
+    Form("half, de-interleaved input", "full", permute="input"),
+    Form("adjacent, de-interleaved output", "full", pairing="adjacent",
+         table="first_half_interleaved", permute="output"),
+)
+VISION_FORM = Form("vision", "vision")
+SECTIONS_FORM = Form("sections", "sections")
+FORMS_BY_NAME = {form.name: form for form in (*TEXT_FORMS, VISION_FORM, SECTIONS_FORM)}
 _FORMS = {TEXT: TEXT_FORMS, INTERLEAVE: TEXT_FORMS, VISION: (VISION_FORM,),
           MULTIMODAL: (SECTIONS_FORM,)}
 _VISION_MODEL_TYPES = frozenset(name for name, m in MODELS.items() if m.vision_rotary)
+#: The (q and k, tables) dtypes of the calls posenc computes; others go to transformers.
+DTYPES = tuple((d, t) for d in (torch.float16, torch.bfloat16, torch.float32)
+               for t in dict.fromkeys((d, torch.float32)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -178,21 +225,14 @@ def _computation(form: Form, original: Callable, fallback: bool) -> Callable:
 @functools.cache  # code objects are immutable
 def global_loads(code: types.CodeType) -> frozenset[str]:
     """Global names loaded by ``code`` and the functions nested in it."""
-    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname == "LOAD_GLOBAL"}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= global_loads(const)
-    return frozenset(names)
+    return frozenset(ins.argval for c in nested_codes(code) for ins in dis.get_instructions(c)
+                     if ins.opname == "LOAD_GLOBAL")
 
 
 @functools.cache
 def _names(code: types.CodeType) -> frozenset[str]:
     """Every name ``code`` and the functions nested in it use (globals among them)."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return frozenset(names)
+    return frozenset(name for c in nested_codes(code) for name in c.co_names)
 
 
 def _code_of(obj: object) -> types.CodeType | None:

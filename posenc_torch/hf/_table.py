@@ -1,22 +1,15 @@
 """The verified table: which function digests posenc replaces, and with what.
 
-The project ships one (``verified.json``: data, no transformers source text), made and
+The shipped table (``verified.json``: data, no transformers source text) is made and
 re-checked by ``python -m posenc_torch.hf.verify`` under every transformers release
-``make test`` installs.  Each row holds a digest (``_digests``), the name of the function
-it was verified as, what posenc runs for it (``use``: a rotary form, a ``get_rope_index``
-convention, a ``vision_utils`` walk, a tower-method replacement) and the transformers
-releases it was verified under.  The same file holds the release facts the project states
-elsewhere (``releases()``): the transformers release of each test pass and the model
-types each release's ``patch()`` patches, written out.
-
-A user on a transformers release the shipped table does not know runs the verify command
-once with ``--write FILE`` and points ``patch(table=FILE)`` or the ``POSENC_TORCH_HF_TABLE``
-environment variable at it.  Such a file is read only when named, and is refused with one
-warning (never a crash or a wait) when it is not a regular file of the user's own that
-others cannot write, is larger than a table can be, is not a table of this format, or was
-written for another transformers release; its rows never override the shipped ones, and
-its rotary rows are checked once more on sampled inputs before use (``_rotary``).
-Nothing is written anywhere at run time.
+``make test`` installs.  A :class:`Row` holds a digest (``_digests``), the function it was
+verified as, what posenc runs for it (``use``) and the releases it was verified under.  The
+same file holds the release facts (:func:`releases`).  A user's table file (the verify
+command's ``--write FILE``, named by ``patch(table=FILE)`` or ``POSENC_TORCH_HF_TABLE``) is
+refused with one warning, never a crash or a wait, when it is not a regular file of the
+user's own that others cannot write, is larger than a table can be, is not a table of this
+format, or was written for another transformers release; its rows never override the
+shipped ones, and its rotary rows are checked on sampled inputs before use (``_rotary``).
 """
 
 from __future__ import annotations

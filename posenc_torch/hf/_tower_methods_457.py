@@ -1,36 +1,24 @@
 """transformers 4.57's vision-tower methods routed by ``patch()`` to posenc's C walks.
 
-transformers 4.57 computes in methods of the vision model classes what 5.x computes in
-``vision_utils`` (routed by ``_vision_utils``), each with one Python loop iteration per image
-or video:
+transformers 4.57 computes in methods of the vision model classes, with one Python loop
+iteration per image or video, what 5.x computes in ``vision_utils`` (``_vision_utils``):
+``rot_pos_emb`` (the Qwen-VL and GLM-4V towers: the patches' (row, col) ids, then a
+gather of the rotary table), ``get_window_index`` (Qwen2.5-VL: the window order and the
+window boundaries, the empty padding windows repeating the boundary before them) and
+``fast_pos_embed_interpolate`` (Qwen3-VL: bilinear taps and weights into the learned
+position table, their weighted sum, reordered into merge blocks and repeated per frame).
 
-* ``rot_pos_emb(grid_thw)`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V,
-  GLM-4V-MoE): the patches' (row, col) ids, then a gather of the rotary table;
-* ``get_window_index(grid_thw)`` (Qwen2.5-VL): the window order and the list of window
-  boundaries (one per window, the empty padding windows repeating the boundary before
-  them; ``forward`` drops the repeats with ``torch.unique_consecutive``);
-* ``fast_pos_embed_interpolate(grid_thw)`` (Qwen3-VL, Qwen3-VL-MoE): bilinear taps and
-  weights into the learned position table, their weighted sum, reordered into merge
-  blocks and repeated per frame.
-
-The replacement of each computes the grid-dependent part with the walk
-(``posenc_torch.vision``, convention "4.57") and the rest with the method's own
-expressions in the same order: the same rotary-table gather, the same embedding lookups,
-products and sum, so every result is the method's bit for bit, dtypes and devices
-included, and so are the gradients that reach the position table (the reordering is one
-gather, except where the gradient reaches the table through a grid of three frames or
-more: there the method's own per-grid repeat is kept, which sums the frames' gradients in
-its order).
-
-Which class gets which replacement is decided by the method's code: its digest
-(``_digests``) must be one the tests verified, on tiny towers of the class, against the
-replacement the table names.  A method that is not stays transformers' with one
-``UnsupportedModelWarning``.
-
-Calls go to the original method (``handle.fallbacks``) while compiling, under functorch
-transforms, in another call form, with grids that are not a non-empty 2-D integer tensor,
-grids the walk refuses (the method raises on most of those, or reads memory it never
-wrote), or tower values (merge size, window, patch size, table side) that are not ints.
+Each replacement computes the grid-dependent part with the walk (convention "4.57") and
+the rest with the method's own expressions in the same order, so every result is the
+method's bit for bit, dtypes and devices included, and so are the gradients that reach
+the position table (the reordering is one gather, except where the gradient reaches the
+table through a grid of three frames or more: there the method's own per-grid repeat is
+kept, which sums the frames' gradients in its order).  A class gets the replacement its
+method's verified row names (``_digests``, ``_table``); a method without one stays
+transformers' with one ``UnsupportedModelWarning``.  Calls go to the original method
+(``handle.fallbacks``) while compiling, in another call form, with grids that are not a
+non-empty 2-D integer tensor or that the walk refuses, or tower values (merge size,
+window, patch size, table side) that are not ints.
 """
 
 from __future__ import annotations
@@ -52,19 +40,16 @@ def _host(grid_thw: torch.Tensor) -> torch.Tensor:
     return grid_thw if grid_thw.device.type == "cpu" else grid_thw.cpu()
 
 
-def _rot_pos_emb(self, grid_thw: torch.Tensor) -> torch.Tensor:
+def _rot_pos_emb_with_ids(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # the method's ids come from torch.arange: int64 on the CPU whatever the grids' device
     pos_ids = _vision.get_vision_position_ids(_host(grid_thw), self.spatial_merge_size)
     max_grid_size = grid_thw[:, 1:].max()
     rotary_pos_emb_full = self.rotary_pos_emb(max_grid_size)
-    return rotary_pos_emb_full[pos_ids].flatten(1)
-
-
-def _rot_pos_emb_with_ids(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    pos_ids = _vision.get_vision_position_ids(_host(grid_thw), self.spatial_merge_size)
-    max_grid_size = grid_thw[:, 1:].max()
-    rotary_pos_emb_full = self.rotary_pos_emb(max_grid_size)
     return rotary_pos_emb_full[pos_ids].flatten(1), pos_ids
+
+
+def _rot_pos_emb(self, grid_thw: torch.Tensor) -> torch.Tensor:
+    return _rot_pos_emb_with_ids(self, grid_thw)[0]
 
 
 def _rot_pos_emb_blocks(self, grid_thw: torch.Tensor) -> torch.Tensor:

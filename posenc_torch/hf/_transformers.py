@@ -1,6 +1,6 @@
 """The one place that imports the installed transformers: its version, a model type's
-modeling module, its default config, the class of a module that defines a method, and the
-function inside a hub-kernel layer that transformers puts in place of a function."""
+modeling module, the class of a module that defines a method, and the function inside a
+hub-kernel layer that transformers puts in place of a function."""
 
 from __future__ import annotations
 
@@ -43,11 +43,6 @@ def modeling_module(model_type: str) -> types.ModuleType:
         raise (Absent if absent else Unsupported)(
             f"cannot import {name} from transformers {release} ({e}); model type "
             f"{model_type!r} needs a transformers version that has it") from e
-
-
-def default_config(model_type: str) -> object:
-    """The model type's config with its defaults (``AutoConfig.for_model``)."""
-    return module().AutoConfig.for_model(model_type)
 
 
 def owner_class(module_: types.ModuleType, name: str) -> type:

@@ -1,36 +1,22 @@
-"""The vision towers' precomputed keyword arguments: what the installed transformers'
-encoder of a model would compute from the patch grids on every forward, computed by
-posenc's C walks (``posenc_torch.vision``) once, in the data path.
+"""The 5.x vision towers' ``vision_utils`` functions: their precomputed keyword arguments,
+computed by posenc's C walks (``posenc_torch.vision``) once, in the data path
+(``precompute_vision_kwargs``), and ``patch()``'s routes of the calls themselves.
 
-transformers 5.x encoders call ``vision_utils`` functions (``get_vision_position_ids``,
-``get_vision_attention_seqlens``, ``get_vision_window_index``,
-``get_vision_interpolation_indices_and_weights``, ``get_max_seqlen``) with a ``kwargs``
-dict, and each returns the tensor it finds there instead of computing it; the models'
-``get_image_features`` / ``get_video_features`` take those entries prefixed ``image_`` /
-``video_`` (``accepts_precomputed_kwargs``), so ``model(**batch)`` carries them down.
-
-Which entries, with which arguments, is decided by code identity, per model
-(:func:`vision_plan`):
-
-1. the model is built on the meta device from its config (or the given model is used),
-   and every module of its modeling file whose ``forward`` calls one of those functions
-   is found; that forward's digest (``_digests``) must have a row in the verified table,
-   and the row holds its plan, written by the verify command from its source
-   (``verify._plans``): each call that reads its caller's ``kwargs``, with arguments that
-   are ``grid_thw``, constants or ``self.<attribute>`` chains, evaluated here on that
-   module (merge size, window size, patch size, table side, interpolation mode, ...).
-   A forward without a row, or two calls that would read one entry, and the model type
-   gets no kwargs (one warning);
-2. every planned call's function, as the module binds it, must have a verified row too
-   (checked against posenc's walk of the same name).
-
-The plan is kept per model or config object while its vision config stays the same, so a
-collator that calls this on every batch pays for the walks alone.
-
-transformers 4.57 towers compute these in methods and accept no precomputed kwargs: no
-kwargs there (one warning); ``patch()`` routes those methods to the walks instead
-(``_tower_methods_457``).  ``max_seqlen`` / ``max_window_seqlen`` are included only where
-transformers computes them (a flash-attention implementation), as it would compute them.
+transformers 5.x encoders call ``get_vision_position_ids``, ``get_vision_attention_seqlens``,
+``get_vision_window_index``, ``get_vision_interpolation_indices_and_weights`` and
+``get_max_seqlen`` with a ``kwargs`` dict, and each returns the entry it finds there instead
+of computing it; ``get_image_features`` / ``get_video_features`` take the entries prefixed
+``image_`` / ``video_``, so ``model(**batch)`` carries them down.  Which entries, with which
+arguments, is decided per model by code identity (:func:`vision_plan`): on the model (or
+one built on the meta device from the config), every module of its modeling file whose
+``forward`` calls those functions must have a verified row, which holds its plan
+(``verify._plans``: the calls that read precomputed entries, their arguments ``grid_thw``,
+constants or ``self.<attribute>`` chains, evaluated here on that module), and every planned
+function must have its own row.  Otherwise, or when two calls would read one entry, the
+model type gets no kwargs (one warning).  The plan is kept per model or config object while
+its vision config stays the same.  ``max_seqlen`` entries are given only where transformers
+computes them (a flash-attention implementation).  4.57 towers take no precomputed kwargs;
+``patch()`` routes their methods instead (``_tower_methods_457``).
 """
 
 from __future__ import annotations
@@ -101,19 +87,14 @@ class VisionPlan(NamedTuple):
                 if self.flash:
                     out[prefix + call.keys[0]] = value
                 continue
-            result = _run_posenc(call, grid_thw)
+            result = FUNCTIONS[call.name][0](
+                **{k: (grid_thw if v is _GRID else v) for k, v in call.arguments})
+            result = result if isinstance(result, tuple) else (result,)
             results.append(result)
             for key, value in zip(call.keys, result, strict=True):
                 if value is not None:  # max_seqlen: None outside flash-attention
                     out[prefix + key] = value
         return out
-
-
-def _run_posenc(call: Call, grid_thw: torch.Tensor) -> tuple:
-    ours = FUNCTIONS[call.name][0]
-    args = {k: (grid_thw if v is _GRID else v) for k, v in call.arguments}
-    result = ours(**args)
-    return result if isinstance(result, tuple) else (result,)
 
 
 # ---------------------------------------------------------------------------------------
@@ -186,14 +167,11 @@ def _read_plan(model: torch.nn.Module, model_type: str, rows: dict) -> VisionPla
     calls: list[Call] = []
     seen: dict[str, int] = {}
     forwards = dict(tower_forwards(module))
-    classes: set[type] = set()
     for sub in model.modules():
-        cls = type(sub)
-        if cls in classes or cls not in forwards:
-            continue
-        classes.add(cls)
-        row, _ = _table.verified(forwards[cls], cls, FORWARD, rows)
-        _calls_of(sub, row.use, seen, calls)
+        forward = forwards.pop(type(sub), None)  # (the first module of each class)
+        if forward is not None:
+            row, _ = _table.verified(forward, type(sub), FORWARD, rows)
+            _calls_of(sub, row.use, seen, calls)
     if not any(c.name != _MAX for c in calls):
         raise _Refused(f"no module of {module.__name__} reads precomputed vision kwargs")
     config = model.config
@@ -205,13 +183,6 @@ def _read_plan(model: torch.nn.Module, model_type: str, rows: dict) -> VisionPla
 
 # ---------------------------------------------------------------------------------------
 # The decision, and the plan kept per object.
-
-
-def _verify(plan: VisionPlan, module: types.ModuleType) -> None:
-    """Unverified unless every planned function, as ``module`` binds it, is verified."""
-    for call in plan.calls:
-        if call.name != _MAX:
-            _table.verified(original_of(getattr(module, call.name)), None, call.name)
 
 
 # id(config or model) -> (fingerprint, plan or why none was read); dropped with the object
@@ -238,12 +209,13 @@ def vision_plan(config_or_model: object) -> VisionPlan | None:
     known = _PLANS.get(id(config_or_model))
     try:
         module = _transformers.modeling_module(model_type)
+        rows = _table.user_rows(None, _transformers.version())
         if known is not None and known[0] == fingerprint:
             found = known[1]
         else:
             try:
                 found = _read_plan(model if model is not None else _meta_model(config),
-                                   model_type, _table.user_rows(None, _transformers.version()))
+                                   model_type, rows)
             except (_Refused, _digests.Unverified, AttributeError, TypeError, ValueError,
                     KeyError) as e:
                 found = f"{e}"
@@ -251,8 +223,10 @@ def vision_plan(config_or_model: object) -> VisionPlan | None:
                 weakref.finalize(config_or_model, _PLANS.pop, id(config_or_model), None)
             # (building a model may set fields of its config: read them afterwards)
             _PLANS[id(config_or_model)] = (_fingerprint(config), found)
-        if not isinstance(found, str):
-            _verify(found, module)  # by identity: a function changed since is seen
+        # every planned function, as the module binds it now, must be verified too
+        for call in () if isinstance(found, str) else found.calls:
+            if call.name != _MAX:
+                _table.verified(original_of(getattr(module, call.name)), None, call.name, rows)
     except (_digests.Unverified, _transformers.Unsupported, ImportError) as e:
         found = f"{e}"
     if isinstance(found, str):
@@ -299,17 +273,11 @@ def precompute_vision_kwargs(config_or_model: object, image_grid_thw: torch.Tens
 _installed.provide("vision_kwargs", precompute_vision_kwargs)
 
 
-# ---------------------------------------------------------------------------------------
-# patch(): transformers' own calls of the vision_utils functions routed to the walks.
-#
-# Each route keeps transformers' contract: an entry precomputed in ``kwargs`` is popped and
-# returned by the original function, as before.  A function whose code is verified
-# (its digest) goes to posenc's walk, with the caller's arguments; a grid the walk refuses
-# (posenc's InputError), an empty grid list, another call form or a traced call go to the
-# original function, so the patch changes no result and no error.
-
-
 def _computation(name: str, original: Callable) -> Callable:
+    """``patch()``'s route of transformers' ``name``: posenc's walk with the caller's
+    arguments.  An entry precomputed in ``kwargs``, a grid the walk refuses (posenc's
+    InputError), an empty grid list, another call form or a traced call go to the original
+    function (which pops a precomputed entry, as before): no result or error changes."""
     binding = CallArguments(original)
     keys, ours = FUNCTIONS[name][1], FUNCTIONS[name][0]
 

@@ -61,7 +61,7 @@ def _register() -> None:
 
 def tiny_attention(model_type: str, cls: type) -> torch.nn.Module:
     """A tiny random attention of ``cls`` (float32), attention function the recorder."""
-    config = _transformers.default_config(model_type)
+    config = _transformers.module().AutoConfig.for_model(model_type)
     if "text_config" in (getattr(config, "sub_configs", None) or {}):
         config = config.get_text_config()
     for name, value in _SIZES.items():

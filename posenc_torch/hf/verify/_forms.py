@@ -1,5 +1,5 @@
 """Which of posenc's rotary forms a tensor function is: its captures (``_graphs``) against
-the captures of each form's reference (``posenc_torch.hf._references``), under every
+the captures of each form's reference (``_references``), under every
 regime the form is computed in: the tables shared over the batch and per row, and, when
 the function reads a dtype or an element size, every dtype pair posenc takes."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .._references import DTYPES, REPRESENTATIVE, Form
+from .._rotary import DTYPES, Form
 from . import _graphs
+from ._references import REFERENCES, REPRESENTATIVE
 
 _REFERENCES: dict[str, _graphs.Tracer] = {}
 
@@ -25,7 +26,7 @@ def regimes(form: Form, reads_dtype: bool) -> list[_graphs.Regime]:
 def reference(form: Form) -> _graphs.Tracer:
     """The captures of ``form``'s reference (kept for the process)."""
     if form.name not in _REFERENCES:
-        _REFERENCES[form.name] = _graphs.Tracer(form.reference, form.layout)
+        _REFERENCES[form.name] = _graphs.Tracer(REFERENCES[form.name], form.layout)
     return _REFERENCES[form.name]
 
 
@@ -71,7 +72,7 @@ def which_form(func: Callable, forms: tuple[Form, ...], kind: str) -> dict:
     with _graphs.plain_mode():
         # the forms whose references read the same attributes first: usually the one
         for form in sorted(forms, key=lambda f: len(
-                _graphs.reach(f.reference).attributes ^ reached.attributes)):
+                _graphs.reach(REFERENCES[f.name]).attributes ^ reached.attributes)):
             if form.layout not in tracers:
                 tracers[form.layout] = _graphs.Tracer(func, form.layout)
             miss = _mismatch(tracers[form.layout], form, reached.reads_dtype)

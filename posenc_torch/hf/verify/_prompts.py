@@ -159,7 +159,7 @@ _DRAWN_PER_MERGE_SIZE = 6
 
 def _configs(model_type: str) -> list:
     """The model type's default config as stand-ins with each spatial merge size."""
-    config = _transformers.default_config(model_type)
+    config = _transformers.module().AutoConfig.for_model(model_type)
     for name, value in _QWEN_TOKEN_IDS.items():  # some releases leave them unset
         if getattr(config, name, None) is None:
             setattr(config, name, value)

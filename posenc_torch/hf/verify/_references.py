@@ -1,60 +1,20 @@
-"""posenc's references: the rotary forms posenc computes, each written as plain torch.
+"""posenc's references: the rotary forms posenc computes (``posenc_torch.hf._rotary.Form``),
+each written as plain torch.
 
-Each :class:`Form` pairs a reference with the way the posenc op computes the same thing
-(``pairing``, ``table``, ``cast``, ``permute``; ``_rotary.rotate_as``); a row of the
-verified table names a form by its ``name``.  The verify command
-(``posenc_torch.hf.verify``) finds a transformers function to be a form when the graph
-torch's tracer captures from it equals the reference's under every regime the form is
-computed in.  The tests check each reference against the posenc op over shapes and
+The verify command finds a transformers function to be a form when the graph torch's
+tracer captures from it equals the reference's under every regime the form is computed in
+(``_forms``).  The tests check each reference against the posenc op over shapes and
 dtypes, and against transformers' own functions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
-F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
-
-
-def _dtype_pairs(q_dtypes: tuple[torch.dtype, ...]) -> tuple[tuple[torch.dtype, ...], ...]:
-    """(q and k, tables): the tables in q's dtype or in fp32."""
-    return tuple(dict.fromkeys((d, t) for d in q_dtypes for t in (d, F32)))
-
-
-#: The (q and k, tables) dtypes of the calls posenc computes; others go to transformers.
-DTYPES = _dtype_pairs((F16, BF16, F32))
 #: The dtypes of a capture of a function that reads none (its graph does not depend on them).
-REPRESENTATIVE = (BF16, F32)
-
-
-class Form(NamedTuple):
-    """One form: ``reference(q, k, cos, sin[, mrope_section])`` and how posenc computes it.
-
-    layout: the tables' width the form takes ("full", "partial", "half", "vision",
-        "sections"; ``verify._graphs.Regime``).
-    pairing: "half" (channel j with j + R/2) or "adjacent" (2i with 2i + 1).
-    table: "as_given"; "first_half_interleaved" (the first half of the tables, each entry
-        twice: GLM, ERNIE-4.5); "doubled" (one half given, used for both: gpt-oss).
-    cast: None (result dtype ``result_type(q, cos)``); "each" (q's and k's own dtypes);
-        "fp32_to_q" (computed in fp32, both results in q's dtype).
-    permute: None; "input" (q, k de-interleaved first: channels 0, 2, 4, ..., then 1, 3,
-        5, ...); "output" (adjacent pairs rotated, results de-interleaved).
-    """
-
-    name: str
-    reference: Callable
-    layout: str
-    pairing: str = "half"
-    table: str = "as_given"
-    cast: str | None = None
-    permute: str | None = None
-
-    @property
-    def partial(self) -> bool:
-        return self.layout == "partial"
+REPRESENTATIVE = (torch.bfloat16, torch.float32)
 
 
 # ---------------------------------------------------------------------------------------
@@ -181,25 +141,18 @@ def _sections(q, k, cos, sin, mrope_section):
     return _turn(q, cos, sin, _halves), _turn(k, cos, sin, _halves)
 
 
-#: The forms of ``apply_rotary_pos_emb`` (and DeepSeek-V3's ``..._interleave``), in the
-#: order they are tried (the common ones first).
-TEXT_FORMS: tuple[Form, ...] = (
-    Form("half", _half_full, "full"),
-    Form("half, partial", _partial(_halves), "partial"),
-    Form("half, each dtype", _half_full_each, "full", cast="each"),
-    Form("adjacent, fp32", _pairs_fp32, "full", pairing="adjacent", cast="fp32_to_q"),
-    Form("adjacent, partial", _partial(_pairs), "partial", pairing="adjacent"),
-    Form("adjacent, first half of the tables, partial", _partial(_pairs, _first_half_twice),
-         "partial", pairing="adjacent", table="first_half_interleaved"),
-    Form("adjacent, first half of the tables, fp32", _interleaved_fp32, "full",
-         pairing="adjacent", table="first_half_interleaved", cast="fp32_to_q"),
-    Form("half, one half of the tables", _chunks, "half", table="doubled"),
-    Form("half, de-interleaved input", _deinterleaved_input, "full", permute="input"),
-    Form("adjacent, de-interleaved output", _deinterleaved_output, "full",
-         pairing="adjacent", table="first_half_interleaved", permute="output"),
-)
-VISION_FORM = Form("vision", _vision, "vision")
-SECTIONS_FORM = Form("sections", _sections, "sections")
-
-
-FORMS_BY_NAME = {form.name: form for form in (*TEXT_FORMS, VISION_FORM, SECTIONS_FORM)}
+#: Form name -> its reference ``reference(q, k, cos, sin[, mrope_section])``.
+REFERENCES: dict[str, Callable] = {
+    "half": _half_full,
+    "half, partial": _partial(_halves),
+    "half, each dtype": _half_full_each,
+    "adjacent, fp32": _pairs_fp32,
+    "adjacent, partial": _partial(_pairs),
+    "adjacent, first half of the tables, partial": _partial(_pairs, _first_half_twice),
+    "adjacent, first half of the tables, fp32": _interleaved_fp32,
+    "half, one half of the tables": _chunks,
+    "half, de-interleaved input": _deinterleaved_input,
+    "adjacent, de-interleaved output": _deinterleaved_output,
+    "vision": _vision,
+    "sections": _sections,
+}
