@@ -37,6 +37,17 @@ def test_package_is_an_installed_wheel_not_the_source_tree():
         assert not json.loads(direct_url).get("dir_info", {}).get("editable", False)
 
 
+def test_the_wheel_holds_every_module_of_the_source_tree():
+    """Every .py and .json file under posenc_torch/ in the source tree is installed (a
+    module left out of meson.build's install lists would be missing from the wheel while the
+    source tree's tests pass)."""
+    source = Path(__file__).resolve().parents[1] / "posenc_torch"
+    installed = Path(posenc_torch.__file__).resolve().parent
+    wanted = {p.relative_to(source) for ext in ("*.py", "*.json") for p in source.rglob(ext)}
+    missing = sorted(str(p) for p in wanted if not (installed / p).is_file())
+    assert wanted and not missing, missing
+
+
 def test_wheel_tags_say_abi3_for_cpython_3_11_on():
     tags = [line.split(":", 1)[1].strip() for line in _dist().read_text("WHEEL").splitlines()
             if line.startswith("Tag:")]
