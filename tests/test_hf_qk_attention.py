@@ -279,3 +279,25 @@ def test_a_tensor_subclass_and_another_device_go_to_transformers():
             assert torch.equal(attn(hidden, (cos, sin), None)[0], ref)
             assert _counts(handle) == (1, 2)
     assert torch.equal(out.as_subclass(torch.Tensor), ref)
+
+
+@pytest.mark.parametrize("model_type", [mt for mt in ("qwen3", "qwen3_next") if mt in FUSED])
+def test_compiled_fullgraph_from_the_first_call(model_type):
+    """torch.compile(fullgraph=True) of a freshly patched model, compiled on its first
+    call (nothing decided in eager calls before): the fused forward traces, and the logits
+    are those of the unpatched model compiled the same way (aot_eager on both sides)."""
+    model = models.tiny_model(model_type, torch.float32, "sdpa").eval()
+    input_ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(8))
+
+    def logits():
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        with torch.no_grad():
+            return compiled(input_ids=input_ids).logits
+
+    ref = logits()
+    with hf.patch(model_type) as handle:
+        out = logits()
+    torch._dynamo.reset()
+    assert torch.equal(out, ref)
+    assert _counts(handle) == (models.LAYERS if model_type == "qwen3" else 1, 0)

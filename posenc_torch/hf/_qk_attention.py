@@ -171,13 +171,10 @@ def _forward(self, t: Template, a: dict, kwargs: dict, cache_name: str, norm: No
 # ---------------------------------------------------------------------------------------
 # Which calls the fused forward takes.
 
-# norm class -> (its row, watch), or None where it has no row; decided once per class
-_NORMS: dict[type, tuple[Norm, _digests.Watch] | None] = {}
-
-
-def norm_row(cls: type, rows: dict) -> tuple[Norm, _digests.Watch] | None:
-    """The verified row of a norm class's ``forward`` (memoized), else None."""
-    if cls not in _NORMS:
+def norm_row(cls: type, rows: dict, memo: dict) -> tuple[Norm, _digests.Watch] | None:
+    """The verified row of a norm class's ``forward`` (kept in ``memo``, the handle's),
+    else None."""
+    if cls not in memo:
         found = None
         try:
             row, watch = _table.verified(original_of(getattr(cls, "forward", None)), cls,
@@ -187,8 +184,8 @@ def norm_row(cls: type, rows: dict) -> tuple[Norm, _digests.Watch] | None:
                 found = (norm, watch)
         except _digests.Unverified:
             pass
-        _NORMS[cls] = found
-    return _NORMS[cls]
+        memo[cls] = found
+    return memo[cls]
 
 
 def _global_hooks() -> bool:
@@ -198,8 +195,12 @@ def _global_hooks() -> bool:
         "_global_backward_pre_hooks"))
 
 
-def computation(t: Template, original: Callable, module: dict, rows: dict) -> Callable:
-    """``compute`` for ``PatchHandle.replace``: the fused forward, or Decline."""
+def computation(t: Template, original: Callable, module: dict, rows: dict,
+                norms: dict) -> Callable:
+    """``compute`` for ``PatchHandle.replace``: the fused forward, or Decline.  ``norms``:
+    the norm rows decided so far (``norm_row``), filled at install time for the modeling
+    module's norm classes; a class first seen while compiling is declined (its digest
+    reads source files, which is no code to trace)."""
     binding = CallArguments(original)
     cache_name = "cache" if "cache" in binding.keyword else "past_key_values"
     var_keyword = binding.var_keyword
@@ -223,7 +224,9 @@ def computation(t: Template, original: Callable, module: dict, rows: dict) -> Ca
         q_norm, k_norm = self._modules.get("q_norm"), self._modules.get("k_norm")
         if q_norm is None or k_norm is None or type(q_norm) is not type(k_norm):
             raise Decline("no q/k norm modules of one class")
-        found = norm_row(type(q_norm), rows)
+        if type(q_norm) not in norms and torch.compiler.is_compiling():
+            raise Decline("a norm class first seen while compiling")
+        found = norm_row(type(q_norm), rows, norms)
         if found is None or not (found[1].unchanged(q_norm) and found[1].unchanged(k_norm)):
             raise Decline("a norm class without a verified row")
         norm = found[0]
@@ -264,11 +267,16 @@ def install(handle, model_types: tuple[str, ...]) -> None:
     if not getattr(handle, "fuse_qk_norm", False):
         return
     fused = set(_table.releases()["fused"].get(_transformers.version(), ()))
+    norms: dict = {}
     for mt in model_types:
         try:
             module = _transformers.modeling_module(mt)
         except _transformers.Unsupported:
             continue
+        for value in vars(module).values():  # the norm classes the attentions build
+            if (isinstance(value, type) and value.__module__ == module.__name__
+                    and "Norm" in value.__name__ and "forward" in vars(value)):
+                norm_row(value, handle.rows, norms)
         for cls in candidates(module):
             original = original_of(vars(cls)["forward"])
             try:
@@ -284,6 +292,6 @@ def install(handle, model_types: tuple[str, ...]) -> None:
             if template is None:
                 continue
             handle.replace(cls, "forward", computation(template, original, vars(sys.modules[
-                cls.__module__]), handle.rows), f"{mt}.{cls.__name__}.forward",
+                cls.__module__]), handle.rows, norms), f"{mt}.{cls.__name__}.forward",
                 f"posenc_torch's fused q/k norm + rotary in transformers' "
                 f"{cls.__qualname__}.forward; see posenc_torch.hf.", watch)
