@@ -4,10 +4,12 @@ installed transformers: fp32 logits and the gradients of every parameter (the q/
 weights included) bit-identical to the unpatched model, with the eager and the SDPA
 attention; bf16 logits and gradients bit-identical to the model patched with
 ``fuse_qk_norm=False``; greedy generation with the dynamic cache (prefill, then T = 1
-steps) and the static cache as unpatched (where transformers raises, as 4.57's
-qwen3_next does with a static cache, the patched model raises the same); the calls the fused forward does not take
-(hooks on a norm, a norm class without a row, CPU autocast, a cache keyword the forward's
-decorator renames) go to transformers' forward, counted; ``undo()`` restores it.
+steps) and the static cache as unpatched (where transformers raises, as 4.57's qwen3_next
+does with a static cache, the patched model raises the same); what the attention function
+and the cache receive; torch.compile(fullgraph=True) from the first call; the calls the
+fused forward does not take (hooks on a norm, a norm class without a row, CPU autocast, a
+tensor subclass, another device) go to transformers' forward, counted; ``undo()`` restores
+it.
 
 (Generation compiled with ``fullgraph=True``, beam search, left padding and images for
 qwen3, qwen3_vl, qwen3_vl_moe and gemma3 are in test_hf_generate.py, which runs the

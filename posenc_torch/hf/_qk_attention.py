@@ -7,7 +7,8 @@ implementation for every template), where the verified table holds a row for the
 of transformers' ``forward`` (with everything it reaches: ``apply_rotary_pos_emb``, the
 attention functions).  The row names the template (``Template``): how the cache is
 updated, whether ``sliding_window`` goes to the attention function, whether q carries a
-gate (Qwen3-Next, Qwen3.5).  The norm modules (``self.q_norm``, ``self.k_norm``) are
+gate (Qwen3-Next, Qwen3.5), whether the rotary takes tables narrower than the head.  The
+norm modules (``self.q_norm``, ``self.k_norm``) are
 instances, so the digest of their class's ``forward`` has a row of its own naming the
 norm form of the fused op and the attribute that holds eps.  The verify command makes both
 kinds of row (``verify/_attention.py``): on tiny attentions of the class it runs
@@ -20,11 +21,13 @@ them needs the call that sees both, and only the attention's ``forward`` does.  
 it keeps the norm modules and ``apply_rotary_pos_emb`` as they are for everyone else.
 
 Calls go to transformers' ``forward`` (counted in ``handle.fallbacks``) when: the norm
-class has no row, the norm modules have hooks (or global module hooks exist), their
-``forward`` was replaced on the instance, their weight is not a plain tensor of q's dtype
-and size, eps is not a float, CPU autocast is on, the hidden states are not a plain CPU tensor (no
-subclass) of float32, bfloat16 or float16, the rotary tables are not two 3-D tensors of that dtype, the
-call uses a keyword the forward's decorator renames, or the arguments do not bind.
+class has no row (or is first seen while compiling), the norm modules have hooks (or global
+module hooks exist), their ``forward`` was replaced on the instance, their weight is not a
+plain tensor of the hidden states' dtype and the head's size, eps is not a float, CPU
+autocast is on, the hidden states are not a plain CPU tensor (no subclass) of float32,
+bfloat16 or float16, the rotary tables are not two 3-D tensors of that dtype (or are
+narrower than the head where the template's rotary refuses that), the call uses a cache
+keyword the forward's decorator renames, or the arguments do not bind.
 """
 
 from __future__ import annotations

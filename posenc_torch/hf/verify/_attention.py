@@ -13,10 +13,11 @@ recording attention function as its attention implementation) runs transformers'
 ``forward`` and each template's, with a recording cache and without, with the full and a
 half-width rotary, in eval and training mode, and once more (eval, full width, with and
 without a cache) with each bool attribute of the attention flipped and each None attribute
-set to 3 (a forward that branches on one shows it).  Where transformers' ``forward`` raises (a half-width table its rotary does not
-take), the template must decline the call (``partial=0``).  What the attention function and the cache receive (tensors by value, dtype and
-strides; keywords), the outputs and the float32 gradients of the hidden states and every
-parameter must be the same bits.  Exactly one template may pass.
+set to 3 (a forward that branches on one shows it).  Where transformers' ``forward``
+raises (a half-width table its rotary does not take), the template must decline the call
+(``partial=0``).  What the attention function and the cache receive (tensors by value,
+dtype and strides; keywords), the outputs and the float32 gradients of the hidden states
+and every parameter must be the same bits.  Exactly one template may pass.
 """
 
 from __future__ import annotations
