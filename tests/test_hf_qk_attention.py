@@ -264,7 +264,7 @@ class _Marked(torch.Tensor):
 
 
 @pytest.mark.skipif("qwen3" not in FUSED, reason="qwen3 is not fused under this release")
-def test_a_tensor_subclass_and_another_device_go_to_transformers():
+def test_a_tensor_subclass_another_device_and_float64_go_to_transformers():
     model = models.tiny_model("qwen3", torch.float32, "sdpa").eval()
     attn = model.model.layers[0].self_attn
     gen = torch.Generator().manual_seed(7)
@@ -278,8 +278,11 @@ def test_a_tensor_subclass_and_another_device_go_to_transformers():
             out_meta = copy.deepcopy(attn).to("meta")(
                 hidden.to("meta"), (cos.to("meta"), sin.to("meta")), None)[0]
             assert _counts(handle) == (0, 2) and out_meta.device.type == "meta"
+            attn64 = copy.deepcopy(attn).double()  # a dtype the fused op does not take
+            out64 = attn64(hidden.double(), (cos.double(), sin.double()), None)[0]
+            assert _counts(handle) == (0, 3) and out64.dtype == torch.float64
             assert torch.equal(attn(hidden, (cos, sin), None)[0], ref)
-            assert _counts(handle) == (1, 2)
+            assert _counts(handle) == (1, 3)
     assert torch.equal(out.as_subclass(torch.Tensor), ref)
 
 
