@@ -331,6 +331,28 @@ class Watch(NamedTuple):
         return True
 
 
+# code object -> its normal form (_normal_form), read once: each function is reached
+# from many digests (the rotary functions from every attention forward)
+_NORMAL: dict[types.CodeType, tuple[str, frozenset, frozenset]] = {}
+
+
+def _normal_form(f: types.FunctionType) -> tuple[str, frozenset, frozenset]:
+    """(the dump of the normal form of ``f``, the global or builtin names it loads, the
+    attributes it reads of its first argument), from its checked source."""
+    known = _NORMAL.get(f.__code__)
+    if known is None:
+        node = _tree(f)
+        normal = _Normalize(_bound_names(node)).visit(node)
+        # (read off the normal form: the decorators, evaluated at definition, are gone)
+        first = normal.args.args[0].arg if normal.args.args else None
+        loads = frozenset(n.id for n in ast.walk(normal) if isinstance(n, ast.Name)
+                          and isinstance(n.ctx, ast.Load) and not n.id.startswith("<"))
+        attributes = frozenset(n.attr for n in ast.walk(normal) if isinstance(n, ast.Attribute)
+                               and isinstance(n.value, ast.Name) and n.value.id == first)
+        known = _NORMAL[f.__code__] = (_dump(normal), loads, attributes)
+    return known
+
+
 class _Reach:
     """The parts of a digest and its watch, collected while walking what a function
     reaches."""
@@ -357,15 +379,9 @@ class _Reach:
         self.seen[id(f)] = role
         self.functions.append((f, f.__code__, f.__defaults__,
                                None if f.__kwdefaults__ is None else dict(f.__kwdefaults__)))
-        node = _tree(f)
-        normal = _Normalize(_bound_names(node)).visit(node)
-        # (read off the normal form: the decorators, evaluated at definition, are gone)
-        self_name = normal.args.args[0].arg if cls is not None and normal.args.args else None
-        loads = {n.id for n in ast.walk(normal) if isinstance(n, ast.Name)
-                 and isinstance(n.ctx, ast.Load) and not n.id.startswith("<")}
-        calls = {n.attr for n in ast.walk(normal) if isinstance(n, ast.Attribute)
-                 and isinstance(n.value, ast.Name) and n.value.id == self_name}
-        self.parts.append((role, _dump(normal)))
+        dump, loads, first_attributes = _normal_form(f)
+        calls = first_attributes if cls is not None else frozenset()
+        self.parts.append((role, dump))
         for i, default in enumerate((*(f.__defaults__ or ()),
                                      *(f.__kwdefaults__ or {}).values())):
             self.value(default, f"{role} default {i}")

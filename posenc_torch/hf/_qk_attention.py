@@ -264,22 +264,26 @@ def candidates(module) -> list[type]:
 
 def install(handle, model_types: tuple[str, ...]) -> None:
     """Replace the ``forward`` of the q/k-norm attention classes of ``model_types`` whose
-    code has a template row (``handle.fuse_qk_norm`` False: none); a class of a type the
-    release facts list as fused whose code has no row stays transformers' with one
-    ``UnsupportedModelWarning``."""
+    code has a template row (``handle.fuse_qk_norm`` False: none), among the types the
+    release facts list as fused for the installed release (every type under a release they
+    do not name); a class of a listed type whose code has no row stays transformers' with
+    one ``UnsupportedModelWarning``."""
     if not getattr(handle, "fuse_qk_norm", False):
         return
-    fused = set(_table.releases()["fused"].get(_transformers.version(), ()))
+    facts = _table.releases()["fused"]
+    release = _transformers.version()
+    fused = set(facts.get(release, ()))
     norms: dict = {}
     for mt in model_types:
+        # (a release the facts name: only its fused types can have rows, and digesting the
+        # other types' attentions would cost most of patch(); another release: every type)
+        if release in facts and mt not in fused:
+            continue
         try:
             module = _transformers.modeling_module(mt)
         except _transformers.Unsupported:
             continue
-        for value in vars(module).values():  # the norm classes the attentions build
-            if (isinstance(value, type) and value.__module__ == module.__name__
-                    and "Norm" in value.__name__ and "forward" in vars(value)):
-                norm_row(value, handle.rows, norms)
+        prewarmed = False
         for cls in candidates(module):
             original = original_of(vars(cls)["forward"])
             try:
@@ -294,6 +298,12 @@ def install(handle, model_types: tuple[str, ...]) -> None:
             template = _BY_USE.get(row.use)
             if template is None:
                 continue
+            if not prewarmed:  # the module's norm classes, which its attentions build
+                prewarmed = True
+                for value in vars(module).values():
+                    if (isinstance(value, type) and value.__module__ == module.__name__
+                            and "Norm" in value.__name__ and "forward" in vars(value)):
+                        norm_row(value, handle.rows, norms)
             handle.replace(cls, "forward", computation(template, original, vars(sys.modules[
                 cls.__module__]), handle.rows, norms), f"{mt}.{cls.__name__}.forward",
                 f"posenc_torch's fused q/k norm + rotary in transformers' "
