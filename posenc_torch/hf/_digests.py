@@ -331,15 +331,17 @@ class Watch(NamedTuple):
         return True
 
 
-# code object -> its normal form (_normal_form), read once: each function is reached
-# from many digests (the rotary functions from every attention forward)
-_NORMAL: dict[types.CodeType, tuple[str, frozenset, frozenset]] = {}
+# id(code object) -> (the code object, its normal form): read once per code object (by
+# identity: equal code made elsewhere is checked against its own file), as each function
+# is reached from many digests (the rotary functions from every attention forward)
+_NORMAL: dict[int, tuple[types.CodeType, tuple[str, frozenset, frozenset]]] = {}
 
 
 def _normal_form(f: types.FunctionType) -> tuple[str, frozenset, frozenset]:
     """(the dump of the normal form of ``f``, the global or builtin names it loads, the
     attributes it reads of its first argument), from its checked source."""
-    known = _NORMAL.get(f.__code__)
+    entry = _NORMAL.get(id(f.__code__))
+    known = entry[1] if entry is not None and entry[0] is f.__code__ else None
     if known is None:
         node = _tree(f)
         normal = _Normalize(_bound_names(node)).visit(node)
@@ -349,7 +351,8 @@ def _normal_form(f: types.FunctionType) -> tuple[str, frozenset, frozenset]:
                           and isinstance(n.ctx, ast.Load) and not n.id.startswith("<"))
         attributes = frozenset(n.attr for n in ast.walk(normal) if isinstance(n, ast.Attribute)
                                and isinstance(n.value, ast.Name) and n.value.id == first)
-        known = _NORMAL[f.__code__] = (_dump(normal), loads, attributes)
+        known = (_dump(normal), loads, attributes)
+        _NORMAL[id(f.__code__)] = (f.__code__, known)
     return known
 
 
