@@ -196,6 +196,12 @@ PE_INLINE void qk_scale_row(float *restrict y, const float *restrict x, const fl
     }
 }
 
+/* The gradient of the mean of squares from gr = dL/dr (the row sum of gn x): rsqrt's
+ * backward, or pow's with torch's own P = ms^-1.5 (PE_NORM_POW). */
+PE_INLINE float qk_grad_ms(pe_norm_form form, float gr, float r, float p) {
+    return form == PE_NORM_POW ? gr * (-0.5f * p) : (-0.5f * gr) * ((r * r) * r);
+}
+
 /* Scratch rows of one thread (fp32): the two weights, cos, signed sine, sine, five rows,
  * and the two weights as qk_scale_vec takes them (1 + w for one_plus_weight, else w). */
 typedef struct qk_rows_f32 {
@@ -208,9 +214,9 @@ PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, pe_dtype dt, const float
     float *restrict x = m->x, *restrict t = m->t, *restrict y = m->y;
     load_row(x, xr, dt, D);
     for (int64_t e = 0; e < D; ++e) t[e] = x[e] * x[e];
-    const float mean = qk_sum_lanes_f32(t, D, a->sum_lanes) / (float)D;
-    const float r = 1.0f / sqrtf(mean + (float)a->eps);
-    *rstd = r;
+    const float ms = qk_sum_lanes_f32(t, D, a->sum_lanes) / (float)D + (float)a->eps;
+    const float r = 1.0f / sqrtf(ms);
+    *rstd = a->form == PE_NORM_POW ? ms : r;
     qk_scale_row(y, x, w, r, D, a->form, dt);
     qk_rotate_f32(y, m->o, m->c, m->ss, a->rot_dim, D, a->pairing);
     store_row(orow, m->o, dt, D);
@@ -218,7 +224,7 @@ PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, pe_dtype dt, const float
 
 PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict w,
                                const char *xr, const char *grow, char *dxrow, char *wprow,
-                               float r, qk_rows_f32 *m) {
+                               float r, float p, qk_rows_f32 *m) {
     const int64_t D = a->head_dim;
     const pe_norm_form form = a->form;
     float *restrict x = m->x, *restrict t = m->t, *restrict gy = m->y, *restrict gn = m->o;
@@ -257,8 +263,7 @@ PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, pe_dtype dt, const floa
         t[e] = gn[e] * x[e];
     }
     store_row(wprow, wp, form == PE_NORM_WEIGHT ? dt : PE_FLOAT32, D);
-    const float gv = (-0.5f * qk_sum_lanes_f32(t, D, a->sum_lanes)) * ((r * r) * r);
-    const float gx2 = gv / (float)D;
+    const float gx2 = qk_grad_ms(form, qk_sum_lanes_f32(t, D, a->sum_lanes), r, p) / (float)D;
     e = 0;
 #ifdef PE_VW
     const pe_vf g2 = vf_set1(gx2), two = vf_set1(2.0f);
@@ -328,9 +333,9 @@ PE_INLINE void qk_forward_row_vec(const pe_qk_norm_args *a, pe_dtype dt, const f
         }
         sum = qk_sum_lanes_f32(t, D, a->sum_lanes);
     }
-    const float mean = sum / (float)D;
-    const float r = 1.0f / sqrtf(mean + (float)a->eps);
-    *rstd = r;
+    const float ms = sum / (float)D + (float)a->eps;
+    const float r = 1.0f / sqrtf(ms);
+    *rstd = form == PE_NORM_POW ? ms : r;
     const pe_vf rr = vf_set1(r);
     for (int64_t e = 0; e < h; e += PE_VW) {
         const pe_vf y0 = qk_scale_vec(vf_load(x + e), vf_load(v + e), rr, form, dt);
@@ -347,7 +352,7 @@ PE_INLINE void qk_forward_row_vec(const pe_qk_norm_args *a, pe_dtype dt, const f
  * products while it keeps gn = dL/dn and x for the sum; a second pass stores dx. */
 PE_INLINE void qk_backward_row_vec(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict v,
                                    const char *xr, const char *grow, char *dxrow, char *wprow,
-                                   float r, qk_rows_f32 *m) {
+                                   float r, float p, qk_rows_f32 *m) {
     const int64_t D = a->head_dim, R = a->rot_dim, h = R / 2;
     const int64_t es = (int64_t)pe_dtype_size(dt);
     const pe_norm_form form = a->form;
@@ -376,7 +381,7 @@ PE_INLINE void qk_backward_row_vec(const pe_qk_norm_args *a, pe_dtype dt, const 
         vx_store((char *)(x + e), xv, PE_FLOAT32);
         vx_store((char *)(t + e), vf_mul(gv, xv), PE_FLOAT32);
     }
-    const float gsum = (-0.5f * qk_sum_lanes_f32(t, D, a->sum_lanes)) * ((r * r) * r);
+    const float gsum = qk_grad_ms(form, qk_sum_lanes_f32(t, D, a->sum_lanes), r, p);
     const pe_vf g2 = vf_set1(gsum / (float)D), two = vf_set1(2.0f);
     for (int64_t e = 0; e < D; e += PE_VW)
         vx_store(dxrow + e * es,
@@ -405,7 +410,7 @@ PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, 
     const pe_qk_norm_tensor *xs[2] = {&a->q, &a->k};
     for (int w = 0; w < 2; ++w) {
         if (!xs[w]->heads) continue;
-        load_row(m.w[w], xs[w]->weight, dt, D);
+        load_row(m.w[w], xs[w]->weight, a->weight_f32 ? PE_FLOAT32 : dt, D);
         for (int64_t e = 0; e < D; ++e)
             m.v[w][e] = a->form == PE_NORM_ONE_PLUS_WEIGHT ? 1.0f + m.w[w][e] : m.w[w][e];
     }
@@ -432,13 +437,18 @@ PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, 
                 } else {
                     const char *gr = pe_row(x->grad, x->grad_stride, es, b, t, h);
                     char *wp = (char *)pe_row(x->wprod, x->wprod_stride, wes, b, t, h);
+                    float r = *rstd, p = 0.0f;
+                    if (a->form == PE_NORM_POW) { /* rstd holds ms */
+                        r = 1.0f / sqrtf(r);
+                        p = *(const float *)pe_row(x->ms_pow, x->ms_pow_stride, 4, b, t, h);
+                    }
 #ifdef PE_VW
                     if (vec) {
-                        qk_backward_row_vec(a, dt, m.v[w], xr, gr, orow, wp, *rstd, &m);
+                        qk_backward_row_vec(a, dt, m.v[w], xr, gr, orow, wp, r, p, &m);
                         continue;
                     }
 #endif
-                    qk_backward_row(a, dt, m.w[w], xr, gr, orow, wp, *rstd, &m);
+                    qk_backward_row(a, dt, m.w[w], xr, gr, orow, wp, r, p, &m);
                 }
             }
         }
