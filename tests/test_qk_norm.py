@@ -325,6 +325,34 @@ def test_every_simd_variant_and_thread_count(isa, threads, dtype):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("f", [FORMS[0]] + ([POW] if POW is not None else []),
+                         ids=["qwen3"] + (["gemma3n"] if POW is not None else []))
+def test_bf16_denormal_results_every_variant(isa, f):
+    """Weights so small that the normalized and weighted values, their rotations and the
+    gradients are fp32 denormals, which the avx512bf16 variant's hardware rounding would
+    take as zeros (those rows are rounded again in software)."""
+    s = Shape("qwen3-vl-8b-heads", 1, 32, 8, 6, 128)
+    q, k, dim = make_qk(s, "hf-transposed", torch.bfloat16)
+    cos, sin = make_tables(s, torch.bfloat16)
+    ref_norms, norms = make_norms(f, s.D, torch.bfloat16), make_norms(f, s.D, torch.bfloat16)
+    tiny = torch.tensor([1e-39, -3e-40, 2e-38, 1.0], dtype=torch.bfloat16).repeat(32)
+    for a, b in zip(ref_norms, norms, strict=True):
+        with torch.no_grad():
+            a.weight.copy_(tiny[torch.randperm(128)])
+        b.load_state_dict(a.state_dict())
+    qa, ka, qb, kb = (t.detach().clone().requires_grad_() for t in (q, k, q, k))
+    want = reference(f, qa, ka, cos, sin, *ref_norms, dim)
+    got = fused(f, qb, kb, cos, sin, *norms, dim)
+    assert any((w.float().abs() < 1.2e-38).logical_and(w != 0).any() for w in want)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    grads = [torch.randn_like(w) * 1e-37 for w in want]
+    torch.autograd.backward(want, grads)
+    torch.autograd.backward(got, grads)
+    assert torch.equal(qa.grad, qb.grad) and torch.equal(ka.grad, kb.grad)
+    for a, b in zip(ref_norms, norms, strict=True):
+        assert torch.equal(a.weight.grad, b.weight.grad)
+
+
 _CAPABILITY_SCRIPT = textwrap.dedent("""
     import sys
     import torch

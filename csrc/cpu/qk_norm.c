@@ -168,7 +168,11 @@ static qk_rows_fn rows_fn(pe_dtype dt) {
     if (dt == PE_FLOAT64) return qk_norm_rows_f64;
 #ifdef PE_HAVE_X86_VARIANTS
     switch (pe_isa_current()) {
-    case PE_ISA_AVX512_BF16: /* (no hardware-rounding variant of its own) */
+#ifdef PE_HAVE_AVX512BF16
+    case PE_ISA_AVX512_BF16: return pe_qk_norm_rows_f32_avx512bf16;
+#else
+    case PE_ISA_AVX512_BF16: /* (not built: the compiler lacks -mavx512bf16) */
+#endif
     case PE_ISA_AVX512: return pe_qk_norm_rows_f32_avx512;
     case PE_ISA_AVX2: return pe_qk_norm_rows_f32_avx2;
     default: break;
