@@ -74,14 +74,15 @@ def _check_call(q: object, k: object, cos: object, sin: object, q_weight: object
                 f"on {t.device}")
 
 
-def _weightless(x: object, name: str, form: int) -> torch.Tensor:
+def _weightless(x: object, name: str, form: int) -> torch.Tensor | None:
     """The weight of a norm without one (transformers' ``with_scale=False``): ones, whose
-    products are exact, so the result is the weightless norm's bit for bit."""
+    products are exact, so the result is the weightless norm's bit for bit.  (None when x
+    is not a tensor with a channel dim: the op's checks then name x.)"""
     if form != ops.QK_NORM_FORMS["pow"]:
         raise InputValueError(f"{name} may be None only for norm='pow' (a norm without a "
                               "weight, transformers' with_scale=False)")
-    if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        raise InputValueError(f"{name} is None: q and k must be 4-D tensors")
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return None
     return x.new_ones(x.shape[-1])
 
 

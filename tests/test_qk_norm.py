@@ -684,6 +684,8 @@ BAD = [
      {"norm": "weight_f32"}, TypeError, "q_weight dtype BFloat16 must equal q dtype Half"),
     ("no-weight-llama-form", lambda q, k, c, s, a, b: (q, k, c, s, None, b), {}, ValueError,
      "q_weight may be None only for norm='pow'"),
+    ("no-weight-q-not-a-tensor", lambda q, k, c, s, a, b: (q.tolist(), k, c, s, None, None),
+     {"norm": "pow"}, TypeError, "q must be a torch.Tensor"),
     ("norm-type", lambda *t: t, {"norm": 1}, TypeError, "norm must be a str"),
     ("pairing", lambda *t: t, {"pairing": "gptj"}, ValueError, "pairing must be"),
     ("unsqueeze-dim", lambda *t: t, {"unsqueeze_dim": 3}, ValueError, "unsqueeze_dim must be"),
