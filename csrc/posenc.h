@@ -186,8 +186,13 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
  *     PE_NORM_WEIGHT           y = rnd(w * rnd(n))          Llama / Qwen3 / Qwen3-VL
  *     PE_NORM_ONE_PLUS_WEIGHT  y = rnd(n * fl(1 + w))       Gemma 3 / Qwen3.5 / Qwen3-Next
  *     PE_NORM_WEIGHT_F32       y = rnd(w * n)               OLMo per-head (weight in fp32)
+ *     PE_NORM_POW              y = rnd(n * w)               Gemma 3n / Gemma 4 (r written
+ *                              as torch.pow(mean + eps, -0.5), which is 1 / sqrt on the CPU)
  *   out[e] = y[e] c[e] + sign(e) y[p(e)] s[e] for the R rotary channels (pairings as for
- *   RoPE), y[e] past R; one rounding at the store;  rstd[row] = r.
+ *   RoPE), y[e] past R; one rounding at the store;  rstd[row] = r, except for PE_NORM_POW:
+ *   rstd[row] = ms = mean + fl32(eps), from which the backward takes r again.
+ *   The weights are D values of the tensors' dtype, or fp32 with weight_f32 set (16-bit
+ *   tensors, every form but PE_NORM_WEIGHT: those convert the weight to fp32 anyway).
  *
  * All products and sums are fp32 and unfused for fp32 / bf16 / fp16 tensors (the forms'
  * 16-bit roundings are where transformers' norm modules round), fp64 tensors compute in
@@ -207,7 +212,11 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
  *   PE_NORM_WEIGHT           gn = rnd(gy * w),           wprod = rnd(gy * rnd(n))
  *   PE_NORM_ONE_PLUS_WEIGHT  gn = gy * fl(1 + w),        wprod = gy * n   (fp32)
  *   PE_NORM_WEIGHT_F32       gn = gy * w,                wprod = gy * n   (fp32)
- *   gr = sum of fl(gn[e] * x[e]) (the forward's order);  gv = fl(-0.5 gr) * ((r r) r);
+ *   PE_NORM_POW              gn = gy * w,                wprod = gy * n   (fp32)
+ *   gr = sum of fl(gn[e] * x[e]) (the forward's order);  gv = fl(-0.5 gr) * ((r r) r)
+ *   (rsqrt's backward), for PE_NORM_POW gv = gr * fl(-0.5 P) with P = ms^-1.5 (pow's
+ *   backward) given per row in ms_pow by the caller (torch's own pow kernel rounds it; its
+ *   vector and scalar paths differ, so it is not recomputed here);
  *   dx[e] = rnd(gn[e] r + (gv / D) (2 x[e])).
  * The weight gradient is the sum of wprod over rows, which the caller leaves to torch
  * (its order of additions depends on the layout of autograd's product); wprod is written
@@ -215,15 +224,18 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
  *
  * Shapes: q (B, T, Hq, D), k (B, T, Hk, D), any strides with unit channel stride; tables
  * cos, sin (Bc, T, R), Bc in {1, B}, unit channel stride, of the tensors' dtype; weights
- * D contiguous values of the tensors' dtype; rstd (B, T, H) fp32 (fp64 for fp64) with
- * the given strides.  Outputs must not overlap inputs.  PE_ERR_ARG for sizes out of range
- * (as for RoPE), an unknown form, dtype or pairing, sum_lanes not in {1, 4, 8, 16}, or a
- * NULL pointer where data is read or written.  Threads take blocks of tokens.
+ * D contiguous values (above); rstd and ms_pow (B, T, H) fp32 (fp64 for fp64) with the given
+ * strides.  Outputs must not overlap inputs.  PE_ERR_ARG for sizes out of range (as for
+ * RoPE), an unknown form, dtype or pairing, sum_lanes not in {1, 4, 8, 16}, weight_f32 with
+ * fp64 tensors or with 16-bit ones and PE_NORM_WEIGHT, or a NULL pointer where data is read
+ * or written.
+ * Threads take blocks of tokens.
  */
 typedef enum pe_norm_form {
     PE_NORM_WEIGHT = 0,
     PE_NORM_ONE_PLUS_WEIGHT = 1,
     PE_NORM_WEIGHT_F32 = 2,
+    PE_NORM_POW = 3,
 } pe_norm_form;
 
 /* One normalized and rotated tensor (q or k); strides are (b, t, h) in elements. */
@@ -235,6 +247,7 @@ typedef struct pe_qk_norm_tensor {
     void *rstd;          int64_t rstd_stride[3];   /* forward: written; backward: read */
     const void *grad;    int64_t grad_stride[3];   /* backward: gradient of the result */
     void *wprod;         int64_t wprod_stride[3];  /* backward: weight-gradient products */
+    const void *ms_pow;  int64_t ms_pow_stride[3]; /* backward, PE_NORM_POW: ms^-1.5 */
 } pe_qk_norm_tensor;
 
 typedef struct pe_qk_norm_args {
@@ -242,6 +255,7 @@ typedef struct pe_qk_norm_args {
     pe_pairing pairing;
     pe_norm_form form;
     pe_dtype dtype;            /* q, k, weights, tables, outputs, gradients */
+    int weight_f32;            /* the weights are fp32 (16-bit tensors, not PE_NORM_WEIGHT) */
     double eps;
     int sum_lanes;
     const void *cos, *sin;

@@ -96,7 +96,8 @@ def _qk_norm_rope_fake(q, k, cos, sin, q_weight, k_weight, eps, form, pairing, s
 
 @torch.library.register_fake("posenc::qk_norm_rope_backward")
 def _qk_norm_rope_backward_fake(grad_q, grad_k, q, k, cos, sin, q_weight, k_weight, q_rstd,
-                                k_rstd, eps, form, pairing, sum_lanes, heads_first):
+                                k_rstd, eps, form, pairing, sum_lanes, heads_first, q_pow=None,
+                                k_pow=None):
     check_same_device(grad_q=grad_q, grad_k=grad_k, q=q, k=k, cos=cos, sin=sin)
     return (q.new_empty(q.shape), k.new_empty(k.shape), q_weight.new_empty(q_weight.shape),
             k_weight.new_empty(k_weight.shape))
@@ -251,18 +252,41 @@ torch.library.register_autograd("posenc::rope_fused", _rope_fused_backward,
 # itself differentiable (create_graph), come from the same chain in torch ops.
 
 #: norm= of apply_qk_norm_rope -> the op's form (posenc.h, pe_norm_form)
-QK_NORM_FORMS = {"weight": 0, "one_plus_weight": 1, "weight_f32": 2}
+QK_NORM_FORMS = {"weight": 0, "one_plus_weight": 1, "weight_f32": 2, "pow": 3}
+_POW = QK_NORM_FORMS["pow"]
 
 
 def _qk_norm(x: torch.Tensor, w: torch.Tensor, eps: float, form: int) -> torch.Tensor:
     """transformers' per-head RMSNorm of each form in torch ops (fp64 stays fp64)."""
     x32 = x if x.dtype == torch.float64 else x.float()
-    n = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    ms = x32.pow(2).mean(-1, keepdim=True) + eps
+    if form == _POW:
+        return (x32 * torch.pow(ms, -0.5) * w.to(x32.dtype)).to(x.dtype)
+    n = x32 * torch.rsqrt(ms)
     if form == 0:
         return w * n.to(x.dtype)
     if form == 1:
         return (n * (1.0 + w.to(x32.dtype))).to(x.dtype)
     return (w.to(x32.dtype) * n).to(x.dtype)
+
+
+@torch.library.custom_op("posenc::eager_pow", mutates_args=())
+def eager_pow(x: torch.Tensor, exponent: float) -> torch.Tensor:
+    """``torch.pow(x, exponent)`` by torch's eager kernel, as one op that torch.compile
+    calls rather than generates: the backward of the pow form needs pow's bits as autograd's
+    ``pow_backward`` gets them (torch's CPU kernel rounds its vector path and its scalar
+    tail differently), the same in eager mode and in a compiled graph."""
+    return torch.pow(x, exponent)
+
+
+@eager_pow.register_fake
+def _eager_pow_fake(x, exponent):
+    return torch.empty_like(x)
+
+
+@eager_pow.register_vmap
+def _eager_pow_vmap(info, in_dims, x, exponent):
+    return eager_pow(x, exponent), in_dims[0]
 
 
 def _rotate(x: torch.Tensor, pairing: int) -> torch.Tensor:
@@ -319,9 +343,12 @@ def _qk_norm_rope_backward(ctx, grad_q, grad_k, _grad_q_rstd=None, _grad_k_rstd=
             got = iter(torch.autograd.grad(outs, wanted, (grad_q, grad_k), create_graph=True,
                                            allow_unused=True))
         return tuple(next(got) if n else None for n in need[:6]) + none
+    # pow: the rows' ms^-1.5 as autograd's pow_backward computes it (torch's pow on a
+    # contiguous tensor of the rows, the layout of the norm's mean, so the same kernel paths)
+    pows = (eager_pow(q_rstd, -1.5), eager_pow(k_rstd, -1.5)) if form == _POW else (None, None)
     dq, dk, dq_weight, dk_weight = qk_norm_rope_backward(
         grad_q, grad_k, q, k, cos, sin, q_weight, k_weight, q_rstd, k_rstd, eps, form,
-        pairing, sum_lanes, heads_first)
+        pairing, sum_lanes, heads_first, *pows)
     dcos = dsin = None
     if need[2] or need[3]:  # the rotation's own autograd, over the recomputed norm
         with torch.enable_grad():
@@ -728,11 +755,11 @@ def qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, form, pairing, sum_lan
 
 
 def qk_norm_rope_backward(grad_q, grad_k, q, k, cos, sin, q_weight, k_weight, q_rstd, k_rstd,
-                          eps, form, pairing, sum_lanes, heads_first):
+                          eps, form, pairing, sum_lanes, heads_first, q_pow=None, k_pow=None):
     """posenc::qk_norm_rope_backward -> (dq, dk, dq_weight, dk_weight); not differentiable
     itself (a create_graph backward takes the torch-ops chain instead)."""
     args = (grad_q, grad_k, q, k, cos, sin, q_weight, k_weight, q_rstd, k_rstd, eps, form,
-            pairing, sum_lanes, heads_first)
+            pairing, sum_lanes, heads_first, q_pow, k_pow)
     fast = _fast
     if fast is None or _is_compiling() or fast.transforms_active():
         return torch.ops.posenc.qk_norm_rope_backward(*args)

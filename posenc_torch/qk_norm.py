@@ -74,13 +74,25 @@ def _check_call(q: object, k: object, cos: object, sin: object, q_weight: object
                 f"on {t.device}")
 
 
+def _weightless(x: object, name: str, form: int) -> torch.Tensor | None:
+    """The weight of a norm without one (transformers' ``with_scale=False``): ones, whose
+    products are exact, so the result is the weightless norm's bit for bit.  (None when x
+    is not a tensor with a channel dim: the op's checks then name x.)"""
+    if form != ops.QK_NORM_FORMS["pow"]:
+        raise InputValueError(f"{name} may be None only for norm='pow' (a norm without a "
+                              "weight, transformers' with_scale=False)")
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return None
+    return x.new_ones(x.shape[-1])
+
+
 def apply_qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
     eps: float,
     unsqueeze_dim: int = 1,
     *,
@@ -99,6 +111,10 @@ def apply_qk_norm_rope(
                            (Gemma 3, Qwen3.5, Qwen3-Next, ...)
         "weight_f32"       ``(w * x32 * rsqrt(...)).to(dtype)``, the weight applied in fp32
                            (OLMo-style per-head norms: AFMoE, ...)
+        "pow"              ``(x32 * torch.pow(mean(x32^2) + eps, -0.5) * w.float())
+                           .to(dtype)`` (Gemma 3n, Gemma 4, ...); its gradients are
+                           autograd's through ``pow``, not ``rsqrt``.  A weight of None is
+                           the norm without one (``with_scale=False``: NeoMME)
 
     Shapes (``unsqueeze_dim=1``, the transformers layout; ``2`` swaps heads and seq):
         q:   (B, Hq, T, D), any strides with a contiguous last dim (transposed views of
@@ -106,9 +122,12 @@ def apply_qk_norm_rope(
         k:   (B, Hkv, T, D)
         cos, sin: (Bc, T, R) with Bc in {1, B}; R <= D even (R < D: partial rotary), e.g.
              Qwen3-VL's interleaved-MRoPE tables
-        q_weight, k_weight: (D,)
-    Every tensor has q's dtype (float32, float64, bfloat16 or float16).  Returns
-    ``(q_embed, k_embed)`` of q's and k's shapes and dtype.
+        q_weight, k_weight: (D,), or None for norm="pow" without a weight
+    Every tensor has q's dtype (float32, float64, bfloat16 or float16), except that the
+    weights may be float32 beside bfloat16 / float16 q and k for the forms that apply the
+    weight in fp32 ("one_plus_weight", "weight_f32", "pow": mixed-precision training keeps
+    them so); their gradients come back in the weights' dtype.  Returns ``(q_embed,
+    k_embed)`` of q's and k's shapes and dtype.
 
     fp32 results are bit-identical to transformers' norm modules followed by transformers'
     ``apply_rotary_pos_emb`` (torch's own order of the mean's additions); bf16 / fp16
@@ -123,6 +142,10 @@ def apply_qk_norm_rope(
     code = pairing_code(pairing)
     eps = check_real("eps", eps)
 
+    if q_weight is None:
+        q_weight = _weightless(q, "q_weight", form)
+    if k_weight is None:
+        k_weight = _weightless(k, "k_weight", form)
     if _is_compiling():
         _check_call(q, k, cos, sin, q_weight, k_weight, dim)
     try:

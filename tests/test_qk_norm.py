@@ -16,6 +16,8 @@ import pytest
 import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import apply_rotary_pos_emb as gemma3_apply
+from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
+from transformers.models.gemma3n.modeling_gemma3n import apply_rotary_pos_emb as _gemma3n_apply
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.olmo2.modeling_olmo2 import apply_rotary_pos_emb as olmo2_apply
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
@@ -33,6 +35,15 @@ from op_errors import raw_raises
 from posenc_torch.qk_norm import SUM_LANES, torch_sum_lanes
 from shapes import Shape
 
+try:  # transformers 5.x (not 4.57)
+    from transformers.models.afmoe.modeling_afmoe import AfmoeRMSNorm
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+    from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb as _gemma4_apply
+    from transformers.models.neomme.modeling_neomme import NeoMMERMSNorm
+    from transformers.models.neomme.modeling_neomme import apply_rotary_pos_emb as neomme_apply
+except ImportError:
+    AfmoeRMSNorm = Gemma4RMSNorm = NeoMMERMSNorm = neomme_apply = None
+
 pytestmark = pytest.mark.any_transformers  # the norm classes exist in 4.57 and 5.x alike
 
 EPS = 1e-6
@@ -46,6 +57,15 @@ class Form:
     norm_cls: type
     rotary: object  # the model's apply_rotary_pos_emb (used for fp32)
     norm: str
+    weightless: bool = False  # the norm has no weight (with_scale=False)
+
+
+def one_at_a_time(apply):
+    """Gemma 3n's and Gemma 4's rotary (5.x) take one tensor at a time."""
+    def both(q, k, cos, sin, unsqueeze_dim=1):
+        return (apply(q, cos, sin, unsqueeze_dim=unsqueeze_dim),
+                apply(k, cos, sin, unsqueeze_dim=unsqueeze_dim))
+    return both
 
 
 FORMS = [
@@ -55,7 +75,17 @@ FORMS = [
     Form("qwen3-next", Qwen3NextRMSNorm, qwen3_next_apply, "one_plus_weight"),
     Form("olmo2", Olmo2RMSNorm, olmo2_apply, "weight_f32"),
 ]
+if Gemma4RMSNorm is not None:  # 5.x: Gemma 3n's norm is the pow form (4.57's divides by sqrt)
+    FORMS += [Form("gemma3n", Gemma3nRMSNorm, one_at_a_time(_gemma3n_apply), "pow"),
+              Form("gemma3n-weightless", Gemma3nRMSNorm, one_at_a_time(_gemma3n_apply), "pow",
+                   weightless=True),
+              Form("gemma4", Gemma4RMSNorm, one_at_a_time(_gemma4_apply), "pow"),
+              Form("neomme-weightless", NeoMMERMSNorm, neomme_apply, "pow", weightless=True)]
 FORM_IDS = [f.name for f in FORMS]
+#: the pow form (transformers 5.x), or None
+POW = next((f for f in FORMS if f.name == "gemma3n"), None)
+needs_pow = pytest.mark.skipif(POW is None, reason="transformers 4.57's Gemma 3n norm divides "
+                               "by sqrt (another form); the pow form is 5.x's")
 
 SHAPES = [
     Shape("qwen3-vl-8b-heads", 1, 32, 8, 7, 128),
@@ -94,11 +124,15 @@ def make_tables(s: Shape, dtype: torch.dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def make_norms(f: Form, D: int, dtype: torch.dtype):
-    """Two of the model's norm modules (q_norm, k_norm) with random weights."""
+def make_norms(f: Form, D: int, dtype: torch.dtype, weight_dtype: torch.dtype | None = None):
+    """Two of the model's norm modules (q_norm, k_norm) with random weights (of
+    weight_dtype, else of dtype)."""
     norms = []
     for _ in range(2):
-        n = f.norm_cls(D, EPS).to(dtype)
+        if f.weightless:
+            norms.append(f.norm_cls(D, EPS, with_scale=False).to(dtype))
+            continue
+        n = f.norm_cls(D, EPS).to(weight_dtype or dtype)
         with torch.no_grad():
             n.weight.copy_(torch.randn(D) * 0.5 + (0.0 if f.norm == "one_plus_weight" else 1.0))
         norms.append(n)
@@ -115,16 +149,19 @@ def reference(f: Form, q, k, cos, sin, qn, kn, dim, pairing="half"):
 
 
 def fused(f: Form, q, k, cos, sin, qn, kn, dim, pairing="half"):
-    return pt.apply_qk_norm_rope(q, k, cos, sin, qn.weight, kn.weight, EPS, dim, norm=f.norm,
+    weights = (None, None) if f.weightless else (qn.weight, kn.weight)
+    return pt.apply_qk_norm_rope(q, k, cos, sin, *weights, EPS, dim, norm=f.norm,
                                  pairing=pairing)
 
 
 def check_forward_backward(f: Form, s: Shape, layout: str, dtype: torch.dtype,
-                           pairing: str = "half", tables=None) -> None:
+                           pairing: str = "half", tables=None,
+                           weight_dtype: torch.dtype | None = None) -> None:
     """Forward and the gradients of q, k and both weights are bit-identical."""
     q, k, dim = make_qk(s, layout, dtype)
     cos, sin = make_tables(s, dtype) if tables is None else tables
-    ref_norms, norms = make_norms(f, s.D, dtype), make_norms(f, s.D, dtype)
+    ref_norms = make_norms(f, s.D, dtype, weight_dtype)
+    norms = make_norms(f, s.D, dtype, weight_dtype)
     for a, b in zip(ref_norms, norms, strict=True):
         b.load_state_dict(a.state_dict())
     q_ref, k_ref = (t.detach().clone().requires_grad_() for t in (q, k))
@@ -137,9 +174,10 @@ def check_forward_backward(f: Form, s: Shape, layout: str, dtype: torch.dtype,
     grads = [torch.randn_like(w) for w in want]
     torch.autograd.backward(want, grads)
     torch.autograd.backward(got, grads)
-    pairs = [(q_new.grad, q_ref.grad, "dq"), (k_new.grad, k_ref.grad, "dk"),
-             (norms[0].weight.grad, ref_norms[0].weight.grad, "dq_weight"),
-             (norms[1].weight.grad, ref_norms[1].weight.grad, "dk_weight")]
+    pairs = [(q_new.grad, q_ref.grad, "dq"), (k_new.grad, k_ref.grad, "dk")]
+    if not f.weightless:
+        pairs += [(norms[0].weight.grad, ref_norms[0].weight.grad, "dq_weight"),
+                  (norms[1].weight.grad, ref_norms[1].weight.grad, "dk_weight")]
     for g, w, name in pairs:
         assert g.dtype == w.dtype
         assert torch.equal(g, w), f"{name} differs by {(g.double() - w.double()).abs().max()}"
@@ -164,6 +202,59 @@ def test_adjacent_pairing(f: Form, dtype):
                            pairing="adjacent")
     check_forward_backward(f, Shape("adjacent-partial", 1, 4, 2, 6, 64, R=32), "hf-transposed",
                            dtype, pairing="adjacent")
+
+
+@needs_pow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_pow_form_adjacent_pairing_and_long_rows(dtype):
+    """The pow form (Gemma 3n / Gemma 4) with adjacent pairs, partial rotary, and rows long
+    enough for torch's cascade levels; and with rows whose count leaves a tail past torch's
+    vector blocks of the pow (its scalar path rounds differently: 2 * 3 * 7 = 42 rows)."""
+    check_forward_backward(POW, Shape("adjacent", 2, 4, 2, 6, 64), "hf-transposed", dtype,
+                           pairing="adjacent")
+    check_forward_backward(POW, Shape("wide-rows", 1, 2, 1, 3, 4096, R=64), "contiguous", dtype)
+    check_forward_backward(POW, Shape("tail-rows", 2, 3, 1, 7, 256, R=128), "hf-transposed",
+                           dtype)
+
+
+# The forms that apply the weight in fp32 take an fp32 weight beside 16-bit q and k (as
+# mixed-precision training keeps the norm weights): AFMoE's OLMo-style norm (5.x), Gemma 3's
+# 1 + w, Gemma 3n's pow form (5.x).
+FP32_WEIGHT_FORMS = [FORMS[4], FORMS[2]] + (
+    [Form("afmoe", AfmoeRMSNorm, qwen3_apply, "weight_f32"), POW] if POW is not None else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("f", FP32_WEIGHT_FORMS, ids=[f.name for f in FP32_WEIGHT_FORMS])
+def test_fp32_weight_with_16bit_tensors(f: Form, dtype):
+    for s in (SHAPES[0], SHAPES[4], SHAPES[6]):
+        check_forward_backward(f, s, "hf-transposed", dtype, weight_dtype=torch.float32)
+
+
+def test_one_fp32_weight_and_one_16bit_weight():
+    """q_weight fp32, k_weight bf16: each gradient in its weight's dtype, autograd's bits."""
+    s = SHAPES[1]
+    q, k, dim = make_qk(s, "hf-transposed", torch.bfloat16)
+    cos, sin = make_tables(s, torch.bfloat16)
+    f = FORMS[2]
+    ref = make_norms(f, s.D, torch.bfloat16)
+    ref[0].float()
+    new = make_norms(f, s.D, torch.bfloat16)
+    new[0].float()
+    for a, b in zip(ref, new, strict=True):
+        b.load_state_dict(a.state_dict())
+    qa, ka, qb, kb = (t.detach().clone().requires_grad_() for t in (q, k, q, k))
+    want = reference(f, qa, ka, cos, sin, *ref, dim)
+    got = fused(f, qb, kb, cos, sin, *new, dim)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    grads = [torch.randn_like(w) for w in want]
+    torch.autograd.backward(want, grads)
+    torch.autograd.backward(got, grads)
+    assert new[0].weight.grad.dtype == torch.float32
+    assert new[1].weight.grad.dtype == torch.bfloat16
+    for a, b in zip(ref, new, strict=True):
+        assert torch.equal(a.weight.grad, b.weight.grad)
+    assert torch.equal(qa.grad, qb.grad) and torch.equal(ka.grad, kb.grad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -225,13 +316,41 @@ def test_every_simd_variant_and_thread_count(isa, threads, dtype):
     try:
         torch.set_num_threads(threads)
         assert pt.kernel_isa() == isa
-        for f in (FORMS[0], FORMS[3]):
+        for f in (FORMS[0], FORMS[3]) + ((POW,) if POW is not None else ()):
             check_forward_backward(f, Shape("qwen3-vl-8b-heads", 1, 32, 8, 40, 128),
                                    "hf-transposed", dtype)
         check_forward_backward(FORMS[4], Shape("head80", 2, 4, 2, 9, 80), "bthd-unsqueeze2",
                                dtype)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("f", [FORMS[0]] + ([POW] if POW is not None else []),
+                         ids=["qwen3"] + (["gemma3n"] if POW is not None else []))
+def test_bf16_denormal_results_every_variant(isa, f):
+    """Weights so small that the normalized and weighted values, their rotations and the
+    gradients are fp32 denormals, which the avx512bf16 variant's hardware rounding would
+    take as zeros (those rows are rounded again in software)."""
+    s = Shape("qwen3-vl-8b-heads", 1, 32, 8, 6, 128)
+    q, k, dim = make_qk(s, "hf-transposed", torch.bfloat16)
+    cos, sin = make_tables(s, torch.bfloat16)
+    ref_norms, norms = make_norms(f, s.D, torch.bfloat16), make_norms(f, s.D, torch.bfloat16)
+    tiny = torch.tensor([1e-39, -3e-40, 2e-38, 1.0], dtype=torch.bfloat16).repeat(32)
+    for a, b in zip(ref_norms, norms, strict=True):
+        with torch.no_grad():
+            a.weight.copy_(tiny[torch.randperm(128)])
+        b.load_state_dict(a.state_dict())
+    qa, ka, qb, kb = (t.detach().clone().requires_grad_() for t in (q, k, q, k))
+    want = reference(f, qa, ka, cos, sin, *ref_norms, dim)
+    got = fused(f, qb, kb, cos, sin, *norms, dim)
+    assert any((w.float().abs() < 1.2e-38).logical_and(w != 0).any() for w in want)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    grads = [torch.randn_like(w) * 1e-37 for w in want]
+    torch.autograd.backward(want, grads)
+    torch.autograd.backward(got, grads)
+    assert torch.equal(qa.grad, qb.grad) and torch.equal(ka.grad, kb.grad)
+    for a, b in zip(ref_norms, norms, strict=True):
+        assert torch.equal(a.weight.grad, b.weight.grad)
 
 
 _CAPABILITY_SCRIPT = textwrap.dedent("""
@@ -284,7 +403,7 @@ def fp64_reference(q, k, cos, sin, qw, kw, norm, dim, pairing="half"):
     """The chain in fp64, written from the definitions."""
     def one(x, w):
         n = x / torch.sqrt((x * x).mean(-1, keepdim=True) + EPS)
-        y = w * n if norm != "one_plus_weight" else n * (1 + w)
+        y = w * n if norm != "one_plus_weight" else n * (1 + w)  # pow: the same in fp64
         R = cos.shape[-1]
         c, s = cos.unsqueeze(dim), sin.unsqueeze(dim)
         yr = y[..., :R]
@@ -296,7 +415,7 @@ def fp64_reference(q, k, cos, sin, qw, kw, norm, dim, pairing="half"):
     return one(q, qw), one(k, kw)
 
 
-@pytest.mark.parametrize("norm", ["weight", "one_plus_weight", "weight_f32"])
+@pytest.mark.parametrize("norm", ["weight", "one_plus_weight", "weight_f32", "pow"])
 @pytest.mark.parametrize("s", [SHAPES[1], SHAPES[6]], ids=lambda s: s.name)
 def test_fp64_matches_fp64_reference(norm, s):
     q, k, dim = make_qk(s, "hf-transposed", torch.float64)
@@ -310,12 +429,13 @@ def test_fp64_matches_fp64_reference(norm, s):
 
 
 GRADCHECK = [("weight", "half", 1, None), ("one_plus_weight", "half", 2, None),
-             ("weight_f32", "adjacent", 1, None), ("weight", "half", 1, 4)]
+             ("weight_f32", "adjacent", 1, None), ("weight", "half", 1, 4),
+             ("pow", "half", 1, None), ("pow", "adjacent", 2, 4)]
 
 
 @pytest.mark.parametrize("norm,pairing,dim,R", GRADCHECK,
                          ids=["weight", "one_plus_weight-bthd", "weight_f32-adjacent",
-                              "weight-partial"])
+                              "weight-partial", "pow", "pow-bthd-adjacent-partial"])
 def test_gradcheck_and_gradgradcheck_fp64(norm, pairing, dim, R):
     s = Shape("tiny", 2, 2, 1, 3, 8, R=R, cos_batch=2)
     q, k, dim = make_qk(s, "hf-transposed" if dim == 1 else "bthd-unsqueeze2", torch.float64)
@@ -326,6 +446,24 @@ def test_gradcheck_and_gradgradcheck_fp64(norm, pairing, dim, R):
     def f(*a):
         return pt.apply_qk_norm_rope(*a, EPS, dim, norm=norm, pairing=pairing)
 
+    assert torch.autograd.gradcheck(f, args, fast_mode=True)
+    assert torch.autograd.gradgradcheck(f, args, fast_mode=True)
+
+
+def test_gradcheck_pow_without_weights_fp64():
+    s = Shape("tiny", 2, 2, 1, 3, 8, cos_batch=2)
+    q, k, dim = make_qk(s, "hf-transposed", torch.float64)
+    cos, sin = make_tables(s, torch.float64)
+    args = [t.detach().clone().requires_grad_() for t in (q, k, cos, sin)]
+
+    def f(q, k, c, s):
+        return pt.apply_qk_norm_rope(q, k, c, s, None, None, EPS, dim, norm="pow")
+
+    got = f(*args)
+    want = fp64_reference(q, k, cos, sin, torch.ones(8, dtype=torch.float64),
+                          torch.ones(8, dtype=torch.float64), "pow", dim)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-13, atol=1e-13)
     assert torch.autograd.gradcheck(f, args, fast_mode=True)
     assert torch.autograd.gradgradcheck(f, args, fast_mode=True)
 
@@ -346,36 +484,53 @@ def _op_args(dtype=torch.float32, rg=False, heads_first=True, form=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rg", [False, True], ids=["no-grad", "grad"])
-@pytest.mark.parametrize("form", [0, 1, 2])
+@pytest.mark.parametrize("form", [0, 1, 2, 3])
 def test_opcheck(dtype, rg, form):
     torch.library.opcheck(torch.ops.posenc.qk_norm_rope.default,
                           _op_args(dtype, rg, form=form))
 
 
-def test_opcheck_backward_op():
-    args = _op_args(torch.float32, heads_first=False, form=1)
+@pytest.mark.parametrize("form", [1, 3])
+def test_opcheck_backward_op(form):
+    args = _op_args(torch.float32, heads_first=False, form=form)
     q, k, cos, sin, qw, kw = args[:6]
     _, _, qr, kr = torch.ops.posenc.qk_norm_rope(*args)
     gq, gk = torch.randn_like(q), torch.randn_like(k)
+    pows = (qr.pow(-1.5), kr.pow(-1.5)) if form == 3 else ()
     torch.library.opcheck(torch.ops.posenc.qk_norm_rope_backward.default,
-                          (gq, gk, q, k, cos, sin, qw, kw, qr, kr, *args[6:]))
+                          (gq, gk, q, k, cos, sin, qw, kw, qr, kr, *args[6:], *pows))
 
 
-def _step(q, k, cos, sin, qw, kw):
-    qo, ko = pt.apply_qk_norm_rope(q, k, cos, sin, qw, kw, EPS)
+def test_opcheck_eager_pow():
+    torch.library.opcheck(torch.ops.posenc.eager_pow.default, (torch.rand(37) + 0.5, -1.5))
+
+
+def test_pow_form_backward_op_needs_the_pows():
+    args = _op_args(torch.float32, form=3)
+    q, k, cos, sin, qw, kw = args[:6]
+    _, _, qr, kr = torch.ops.posenc.qk_norm_rope(*args)
+    with raw_raises(ValueError, "q_pow"):
+        torch.ops.posenc.qk_norm_rope_backward(q, k, q, k, cos, sin, qw, kw, qr, kr, *args[6:])
+
+
+def _step(q, k, cos, sin, qw, kw, norm="weight"):
+    qo, ko = pt.apply_qk_norm_rope(q, k, cos, sin, qw, kw, EPS, norm=norm)
     return (qo * 2).sum() + ko.square().sum()
 
 
-def test_compile_fullgraph_forward_backward():
+@pytest.mark.parametrize("norm,T", [("weight", 16), ("pow", 16), ("pow", 7)])
+def test_compile_fullgraph_forward_backward(norm, T):
+    """Compiled gradients are eager's bits (pow: torch's eager pow kernel, also for the
+    rows of its scalar tail: 32 * 7 and 8 * 7 rows)."""
     torch._dynamo.reset()
-    s = Shape("qwen3-vl-8b-heads", 1, 32, 8, 16, 128)
+    s = Shape("qwen3-vl-8b-heads", 1, 32, 8, T, 128)
     q, k, _ = make_qk(s, "hf-transposed", torch.float32)
     cos, sin = make_tables(s, torch.float32)
     w = [torch.randn(128), torch.randn(128)]
     a = [t.detach().clone().requires_grad_() for t in (q, k, *w)]
     b = [t.detach().clone().requires_grad_() for t in (q, k, *w)]
-    torch.compile(_step, fullgraph=True)(a[0], a[1], cos, sin, a[2], a[3]).backward()
-    _step(b[0], b[1], cos, sin, b[2], b[3]).backward()
+    torch.compile(_step, fullgraph=True)(a[0], a[1], cos, sin, a[2], a[3], norm).backward()
+    _step(b[0], b[1], cos, sin, b[2], b[3], norm).backward()
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x.grad, y.grad)
 
@@ -517,6 +672,20 @@ BAD = [
     ("weight-dtype", lambda q, k, c, s, a, b: (q, k, c, s, a.bfloat16(), b), {}, TypeError,
      "q_weight dtype"),
     ("norm", lambda *t: t, {"norm": "gemma3n"}, ValueError, "norm must be one of"),
+    ("fp32-weight-llama-form", lambda q, k, c, s, a, b: (q.bfloat16(), k.bfloat16(),
+                                                         c.bfloat16(), s.bfloat16(), a, b),
+     {}, TypeError, r"q_weight dtype Float must equal q dtype BFloat16 \(or be Float for the "
+     "norms that apply the weight in fp32"),
+    ("fp32-weight-fp64-q", lambda q, k, c, s, a, b: (q.double(), k.double(), c.double(),
+                                                     s.double(), a.double(), b),
+     {"norm": "pow"}, TypeError, "k_weight dtype Float must equal q dtype Double$"),
+    ("bf16-weight-fp16-q", lambda q, k, c, s, a, b: (q.half(), k.half(), c.half(), s.half(),
+                                                     a.bfloat16(), b.half()),
+     {"norm": "weight_f32"}, TypeError, "q_weight dtype BFloat16 must equal q dtype Half"),
+    ("no-weight-llama-form", lambda q, k, c, s, a, b: (q, k, c, s, None, b), {}, ValueError,
+     "q_weight may be None only for norm='pow'"),
+    ("no-weight-q-not-a-tensor", lambda q, k, c, s, a, b: (q.tolist(), k, c, s, None, None),
+     {"norm": "pow"}, TypeError, "q must be a torch.Tensor"),
     ("norm-type", lambda *t: t, {"norm": 1}, TypeError, "norm must be a str"),
     ("pairing", lambda *t: t, {"pairing": "gptj"}, ValueError, "pairing must be"),
     ("unsqueeze-dim", lambda *t: t, {"unsqueeze_dim": 3}, ValueError, "unsqueeze_dim must be"),

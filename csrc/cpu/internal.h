@@ -174,7 +174,7 @@ int pe_bf16_hw_exact(void);
  * qk_norm_<isa>.c: tokens i0 .. i0+n-1, forward or backward, with a scratch buffer of
  * pe_qk_scratch_bytes.  Arguments are validated by qk_norm.c. */
 static inline size_t pe_qk_scratch_bytes(int64_t R, int64_t D) {
-    return (size_t)(3 * R + 7 * D) * sizeof(double);
+    return (size_t)(3 * R + 11 * D) * sizeof(double); /* qk_norm_f32.h: 3R + 17D floats */
 }
 void pe_qk_norm_rows_f32_baseline(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
                                   void *scratch);
@@ -183,6 +183,10 @@ void pe_qk_norm_rows_f32_avx2(const pe_qk_norm_args *a, int64_t i0, int64_t n, i
                               void *scratch);
 void pe_qk_norm_rows_f32_avx512(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
                                 void *scratch);
+#ifdef PE_HAVE_AVX512BF16
+void pe_qk_norm_rows_f32_avx512bf16(const pe_qk_norm_args *a, int64_t i0, int64_t n,
+                                    int backward, void *scratch);
+#endif
 #endif
 
 #endif /* POSENC_INTERNAL_H */

@@ -96,15 +96,17 @@ static void qk_norm_rows_f64(const pe_qk_norm_args *a, int64_t i0, int64_t n, in
                 double *rs = (double *)pe_row(X->rstd, X->rstd_stride, 8, b, tk, h);
                 if (!backward) {
                     for (int64_t e = 0; e < D; ++e) t[e] = x[e] * x[e];
-                    const double r = 1.0 / sqrt(qk_sum_f64(t, D, W) / (double)D + a->eps);
-                    *rs = r;
+                    const double ms = qk_sum_f64(t, D, W) / (double)D + a->eps;
+                    const double r = 1.0 / sqrt(ms);
+                    *rs = a->form == PE_NORM_POW ? ms : r;
                     for (int64_t e = 0; e < D; ++e)
                         y[e] = a->form == PE_NORM_ONE_PLUS_WEIGHT ? x[e] * r * (1.0 + wk[e])
                                                                   : wk[e] * (x[e] * r);
                     qk_rotate_f64(y, out, c, ss, R, D, a->pairing);
                     continue;
                 }
-                const double r = *rs;
+                const int pow_form = a->form == PE_NORM_POW;
+                const double r = pow_form ? 1.0 / sqrt(*rs) : *rs;
                 memcpy(g, pe_row(X->grad, X->grad_stride, 8, b, tk, h), (size_t)D * 8);
                 qk_rotate_f64(g, y, c, ss, R, D, a->pairing); /* y: gy */
                 double *wp = (double *)pe_row(X->wprod, X->wprod_stride, 8, b, tk, h);
@@ -113,7 +115,11 @@ static void qk_norm_rows_f64(const pe_qk_norm_args *a, int64_t i0, int64_t n, in
                     wp[e] = y[e] * (x[e] * r);
                     t[e] = o[e] * x[e];
                 }
-                const double gx2 = (-0.5 * qk_sum_f64(t, D, W)) * ((r * r) * r) / (double)D;
+                const double gr = qk_sum_f64(t, D, W);
+                const double gx2 = (pow_form ? gr * (-0.5 * *(const double *)pe_row(
+                                                         X->ms_pow, X->ms_pow_stride, 8, b, tk, h))
+                                             : (-0.5 * gr) * ((r * r) * r)) /
+                                   (double)D;
                 for (int64_t e = 0; e < D; ++e) out[e] = o[e] * r + gx2 * (2.0 * x[e]);
             }
         }
@@ -126,7 +132,8 @@ static int tensor_ok(const pe_qk_norm_args *a, const pe_qk_norm_tensor *x, int b
                      int empty) {
     if (x->heads < 0) return 0;
     if (!x->heads || empty) return 1;
-    return x->x && x->weight && x->out && x->rstd && (!backward || (x->grad && x->wprod));
+    return x->x && x->weight && x->out && x->rstd &&
+           (!backward || (x->grad && x->wprod && (a->form != PE_NORM_POW || x->ms_pow)));
 }
 
 static int args_ok(const pe_qk_norm_args *a, int backward) {
@@ -134,9 +141,12 @@ static int args_ok(const pe_qk_norm_args *a, int backward) {
     if (a->rot_dim < 2 || a->rot_dim % 2 || a->rot_dim > a->head_dim) return 0;
     if (a->pairing != PE_PAIR_HALF && a->pairing != PE_PAIR_ADJACENT) return 0;
     if (a->form != PE_NORM_WEIGHT && a->form != PE_NORM_ONE_PLUS_WEIGHT &&
-        a->form != PE_NORM_WEIGHT_F32)
+        a->form != PE_NORM_WEIGHT_F32 && a->form != PE_NORM_POW)
         return 0;
     if (!pe_dtype_valid(a->dtype)) return 0;
+    if (a->weight_f32 && (a->dtype == PE_FLOAT64 ||
+                          (a->dtype != PE_FLOAT32 && a->form == PE_NORM_WEIGHT)))
+        return 0;
     if (a->sum_lanes != 1 && a->sum_lanes != 4 && a->sum_lanes != 8 && a->sum_lanes != 16)
         return 0;
     if (a->q.heads < 0 || a->k.heads < 0) return 0;
@@ -158,7 +168,11 @@ static qk_rows_fn rows_fn(pe_dtype dt) {
     if (dt == PE_FLOAT64) return qk_norm_rows_f64;
 #ifdef PE_HAVE_X86_VARIANTS
     switch (pe_isa_current()) {
-    case PE_ISA_AVX512_BF16: /* (no hardware-rounding variant of its own) */
+#ifdef PE_HAVE_AVX512BF16
+    case PE_ISA_AVX512_BF16: return pe_qk_norm_rows_f32_avx512bf16;
+#else
+    case PE_ISA_AVX512_BF16: /* (not built: the compiler lacks -mavx512bf16) */
+#endif
     case PE_ISA_AVX512: return pe_qk_norm_rows_f32_avx512;
     case PE_ISA_AVX2: return pe_qk_norm_rows_f32_avx2;
     default: break;

@@ -74,14 +74,17 @@ PE_INLINE float qk_sum_f32(const float *restrict v, int64_t n, int W) {
  * the joined levels' +0 added, as torch's do, which turns a -0 into +0). */
 /* The end of qk_sum8_f32 (a0 already given its +0 and the vectors left over): the other
  * accumulators' +0, ((a0 + a1) + a2) + a3, then the lanes in order from 0. */
-PE_INLINE float qk_sum8_join(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+PE_INLINE __m256 qk_sum8_vec(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     const __m256 zero = _mm256_setzero_ps();
     a1 = _mm256_add_ps(a1, zero);
     a2 = _mm256_add_ps(a2, zero);
     a3 = _mm256_add_ps(a3, zero);
-    a0 = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), a2), a3);
+    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), a2), a3);
+}
+
+PE_INLINE float qk_sum8_join(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     float lane[8];
-    _mm256_storeu_ps(lane, a0);
+    _mm256_storeu_ps(lane, qk_sum8_vec(a0, a1, a2, a3));
     float s = 0.0f;
     for (int l = 0; l < 8; ++l) s += lane[l];
     return s;
@@ -152,11 +155,25 @@ PE_INLINE void qk_rotate_f32(const float *restrict x, float *restrict o, const f
 }
 
 #ifdef PE_VW
-/* v rounded to dt and back, a vector at a time, in registers: the bits of vx_store then
- * vx_load (bf16: bf16_round_hi keeps the rounded value, NaN quieted, in the high halves). */
-PE_INLINE pe_vf vf_round(pe_vf v, pe_dtype dt) {
+/*
+ * v rounded to dt and back, a vector at a time, in registers: the bits of vx_store then
+ * vx_load (bf16: bf16_round_hi keeps the rounded value, NaN quieted, in the high halves).
+ * hw (the avx512bf16 variant, bf16 only): rounded by the hardware, which takes an fp32
+ * denormal as zero where software keeps it, so the lanes holding one are or-ed into *den
+ * and the caller does the row again in software (hw = 0) when *den is set.
+ */
+PE_INLINE pe_vf vf_round(pe_vf v, pe_dtype dt, int hw, unsigned *den) {
     if (dt == PE_FLOAT32) return v;
-    if (dt == PE_BFLOAT16) return bf16_odd(bf16_round_hi(v));
+    if (dt == PE_BFLOAT16) {
+#ifdef PE_BF16_HW
+        if (hw) {
+            *den |= _mm512_fpclass_ps_mask(v, 0x20);
+            const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+#endif
+        return bf16_odd(bf16_round_hi(v));
+    }
 #if PE_VW == 16
     return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 #else
@@ -164,13 +181,27 @@ PE_INLINE pe_vf vf_round(pe_vf v, pe_dtype dt) {
 #endif
 }
 
+/* vx_store, with vf_round's hardware bf16 rounding when hw */
+PE_INLINE void qk_store(char *p, pe_vf v, pe_dtype dt, int hw, unsigned *den) {
+#ifdef PE_BF16_HW
+    if (hw && dt == PE_BFLOAT16) {
+        *den |= _mm512_fpclass_ps_mask(v, 0x20);
+        _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+        return;
+    }
+#endif
+    vx_store(p, v, dt);
+}
+
 /* One normalized and weighted vector (qk_scale_row's arithmetic); w1 holds 1 + w for
  * one_plus_weight (the same fp32 sum, made once per tile). */
-PE_INLINE pe_vf qk_scale_vec(pe_vf x, pe_vf w, pe_vf r, pe_norm_form form, pe_dtype dt) {
+PE_INLINE pe_vf qk_scale_vec(pe_vf x, pe_vf w, pe_vf r, pe_norm_form form, pe_dtype dt, int hw,
+                             unsigned *den) {
     const pe_vf n = vf_mul(x, r);
-    if (form == PE_NORM_WEIGHT) return vf_round(vf_mul(w, vf_round(n, dt)), dt);
-    if (form == PE_NORM_ONE_PLUS_WEIGHT) return vf_round(vf_mul(n, w), dt);
-    return vf_round(vf_mul(w, n), dt);
+    if (form == PE_NORM_WEIGHT)
+        return vf_round(vf_mul(w, vf_round(n, dt, hw, den)), dt, hw, den);
+    if (form == PE_NORM_ONE_PLUS_WEIGHT) return vf_round(vf_mul(n, w), dt, hw, den);
+    return vf_round(vf_mul(w, n), dt, hw, den);
 }
 #endif
 
@@ -180,12 +211,15 @@ PE_INLINE void qk_scale_row(float *restrict y, const float *restrict x, const fl
     int64_t e = 0;
 #ifdef PE_VW
     const pe_vf rr = vf_set1(r), one = vf_set1(1.0f);
+    unsigned den = 0; /* (software rounding) */
     for (; e + PE_VW <= D; e += PE_VW) {
         const pe_vf n = vf_mul(vf_load(x + e), rr), wv = vf_load(w + e);
         pe_vf out;
-        if (form == PE_NORM_WEIGHT) out = vf_round(vf_mul(wv, vf_round(n, dt)), dt);
-        else if (form == PE_NORM_ONE_PLUS_WEIGHT) out = vf_round(vf_mul(n, vf_add(one, wv)), dt);
-        else out = vf_round(vf_mul(wv, n), dt);
+        if (form == PE_NORM_WEIGHT)
+            out = vf_round(vf_mul(wv, vf_round(n, dt, 0, &den)), dt, 0, &den);
+        else if (form == PE_NORM_ONE_PLUS_WEIGHT)
+            out = vf_round(vf_mul(n, vf_add(one, wv)), dt, 0, &den);
+        else out = vf_round(vf_mul(wv, n), dt, 0, &den);
         vx_store((char *)(y + e), out, PE_FLOAT32);
     }
 #endif
@@ -196,10 +230,17 @@ PE_INLINE void qk_scale_row(float *restrict y, const float *restrict x, const fl
     }
 }
 
+/* The gradient of the mean of squares from gr = dL/dr (the row sum of gn x): rsqrt's
+ * backward, or pow's with torch's own P = ms^-1.5 (PE_NORM_POW). */
+PE_INLINE float qk_grad_ms(pe_norm_form form, float gr, float r, float p) {
+    return form == PE_NORM_POW ? gr * (-0.5f * p) : (-0.5f * gr) * ((r * r) * r);
+}
+
 /* Scratch rows of one thread (fp32): the two weights, cos, signed sine, sine, five rows,
- * and the two weights as qk_scale_vec takes them (1 + w for one_plus_weight, else w). */
+ * the two weights as qk_scale_vec takes them (1 + w for one_plus_weight, else w), and the
+ * 8 rows of qk_forward_rows8. */
 typedef struct qk_rows_f32 {
-    float *w[2], *c, *ss, *s, *x, *t, *y, *o, *g, *v[2];
+    float *w[2], *c, *ss, *s, *x, *t, *y, *o, *g, *v[2], *xg;
 } qk_rows_f32;
 
 PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict w,
@@ -208,9 +249,9 @@ PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, pe_dtype dt, const float
     float *restrict x = m->x, *restrict t = m->t, *restrict y = m->y;
     load_row(x, xr, dt, D);
     for (int64_t e = 0; e < D; ++e) t[e] = x[e] * x[e];
-    const float mean = qk_sum_lanes_f32(t, D, a->sum_lanes) / (float)D;
-    const float r = 1.0f / sqrtf(mean + (float)a->eps);
-    *rstd = r;
+    const float ms = qk_sum_lanes_f32(t, D, a->sum_lanes) / (float)D + (float)a->eps;
+    const float r = 1.0f / sqrtf(ms);
+    *rstd = a->form == PE_NORM_POW ? ms : r;
     qk_scale_row(y, x, w, r, D, a->form, dt);
     qk_rotate_f32(y, m->o, m->c, m->ss, a->rot_dim, D, a->pairing);
     store_row(orow, m->o, dt, D);
@@ -218,7 +259,7 @@ PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, pe_dtype dt, const float
 
 PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict w,
                                const char *xr, const char *grow, char *dxrow, char *wprow,
-                               float r, qk_rows_f32 *m) {
+                               float r, float p, qk_rows_f32 *m) {
     const int64_t D = a->head_dim;
     const pe_norm_form form = a->form;
     float *restrict x = m->x, *restrict t = m->t, *restrict gy = m->y, *restrict gn = m->o;
@@ -230,12 +271,13 @@ PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, pe_dtype dt, const floa
 #ifdef PE_VW
     const pe_vf rr = vf_set1(r), one = vf_set1(1.0f);
     for (; e + PE_VW <= D; e += PE_VW) {
-        const pe_vf g = vf_round(vf_load(gy + e), dt), xv = vf_load(x + e), wv = vf_load(w + e);
-        const pe_vf n = vf_mul(xv, rr);
+        unsigned den = 0; /* (software rounding) */
+        const pe_vf g = vf_round(vf_load(gy + e), dt, 0, &den), xv = vf_load(x + e);
+        const pe_vf wv = vf_load(w + e), n = vf_mul(xv, rr);
         pe_vf gv, pv;
         if (form == PE_NORM_WEIGHT) {
-            gv = vf_round(vf_mul(g, wv), dt);
-            pv = vf_round(vf_mul(g, vf_round(n, dt)), dt);
+            gv = vf_round(vf_mul(g, wv), dt, 0, &den);
+            pv = vf_round(vf_mul(g, vf_round(n, dt, 0, &den)), dt, 0, &den);
         } else {
             gv = vf_mul(g, form == PE_NORM_ONE_PLUS_WEIGHT ? vf_add(one, wv) : wv);
             pv = vf_mul(g, n);
@@ -257,8 +299,7 @@ PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, pe_dtype dt, const floa
         t[e] = gn[e] * x[e];
     }
     store_row(wprow, wp, form == PE_NORM_WEIGHT ? dt : PE_FLOAT32, D);
-    const float gv = (-0.5f * qk_sum_lanes_f32(t, D, a->sum_lanes)) * ((r * r) * r);
-    const float gx2 = gv / (float)D;
+    const float gx2 = qk_grad_ms(form, qk_sum_lanes_f32(t, D, a->sum_lanes), r, p) / (float)D;
     e = 0;
 #ifdef PE_VW
     const pe_vf g2 = vf_set1(gx2), two = vf_set1(2.0f);
@@ -280,46 +321,93 @@ PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, pe_dtype dt, const floa
  * Forward: the row as fp32 and its squares into scratch (L1) for torch's sum, then each
  * pair of vectors (e, e + R/2) normalized, weighted, rotated and stored in q's dtype.
  */
-PE_INLINE void qk_forward_row_vec(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict v,
-                                  const char *xr, char *orow, float *rstd, qk_rows_f32 *m) {
+/* Whether a row's sum of squares is qk_sum8_f32's case (8 lanes, no cascade carry, whole
+ * groups of 4 vectors), which qk_sq8_row computes in registers. */
+PE_INLINE int qk_sum8_case(const pe_qk_norm_args *a) {
+    return a->sum_lanes == 8 && a->head_dim % 32 == 0 && a->head_dim < 8 * 64;
+}
+
+/* The row xr as fp32 into x, and qk_sum8_f32's additions of its squares in registers up to
+ * the lanes (qk_sum8_vec): 8-lane vector i goes to accumulator i % 4 (AVX-512: the low and
+ * high halves of a01 are accumulators 0 and 1, those of a23 are 2 and 3). */
+PE_INLINE __m256 qk_sq8_row(const char *xr, float *restrict x, int64_t D, pe_dtype dt) {
+    const int64_t es = (int64_t)pe_dtype_size(dt);
+#if PE_VW == 8
+    pe_vf a0 = vf_zero(), a1 = vf_zero(), a2 = vf_zero(), a3 = vf_zero();
+    for (int64_t e = 0; e < D; e += 32) {
+        const pe_vf x0 = vx_load(xr + e * es, dt), x1 = vx_load(xr + (e + 8) * es, dt);
+        const pe_vf x2 = vx_load(xr + (e + 16) * es, dt), x3 = vx_load(xr + (e + 24) * es, dt);
+        vx_store((char *)(x + e), x0, PE_FLOAT32);
+        vx_store((char *)(x + e + 8), x1, PE_FLOAT32);
+        vx_store((char *)(x + e + 16), x2, PE_FLOAT32);
+        vx_store((char *)(x + e + 24), x3, PE_FLOAT32);
+        a0 = vf_add(a0, vf_mul(x0, x0));
+        a1 = vf_add(a1, vf_mul(x1, x1));
+        a2 = vf_add(a2, vf_mul(x2, x2));
+        a3 = vf_add(a3, vf_mul(x3, x3));
+    }
+    return qk_sum8_vec(vf_add(a0, vf_zero()), a1, a2, a3);
+#else
+    pe_vf a01 = vf_zero(), a23 = vf_zero();
+    for (int64_t e = 0; e < D; e += 32) {
+        const pe_vf x0 = vx_load(xr + e * es, dt), x1 = vx_load(xr + (e + 16) * es, dt);
+        vx_store((char *)(x + e), x0, PE_FLOAT32);
+        vx_store((char *)(x + e + 16), x1, PE_FLOAT32);
+        a01 = vf_add(a01, vf_mul(x0, x0));
+        a23 = vf_add(a23, vf_mul(x1, x1));
+    }
+    return qk_sum8_vec(_mm256_add_ps(_mm512_castps512_ps256(a01), _mm256_setzero_ps()),
+                       _mm512_extractf32x8_ps(a01, 1), _mm512_castps512_ps256(a23),
+                       _mm512_extractf32x8_ps(a23, 1));
+#endif
+}
+
+/* The second pass of a forward row: x (fp32) normalized by r, weighted, rotated and stored
+ * in dt, each pair of vectors (e, e + R/2) at once.  Returns vf_round's denormal lanes. */
+PE_INLINE unsigned qk_forward_out_vec(const pe_qk_norm_args *a, pe_dtype dt,
+                                      const float *restrict v, const float *restrict x,
+                                      char *orow, float r, const qk_rows_f32 *m, int hw) {
     const int64_t D = a->head_dim, R = a->rot_dim, h = R / 2;
     const int64_t es = (int64_t)pe_dtype_size(dt);
     const pe_norm_form form = a->form;
-    float *restrict x = m->x, *restrict t = m->t;
     const float *restrict c = m->c, *restrict ss = m->ss;
+    const pe_vf rr = vf_set1(r);
+    unsigned den = 0;
+    for (int64_t e = 0; e < h; e += PE_VW) {
+        const pe_vf y0 = qk_scale_vec(vf_load(x + e), vf_load(v + e), rr, form, dt, hw, &den);
+        const pe_vf y1 =
+            qk_scale_vec(vf_load(x + e + h), vf_load(v + e + h), rr, form, dt, hw, &den);
+        qk_store(orow + e * es, vf_rot(y0, vf_load(c + e), y1, vf_load(ss + e)), dt, hw, &den);
+        qk_store(orow + (e + h) * es, vf_rot(y1, vf_load(c + e + h), y0, vf_load(ss + e + h)),
+                 dt, hw, &den);
+    }
+    for (int64_t e = R; e < D; e += PE_VW)
+        qk_store(orow + e * es,
+                 qk_scale_vec(vf_load(x + e), vf_load(v + e), rr, form, dt, hw, &den), dt, hw,
+                 &den);
+    return den;
+}
+
+PE_INLINE void qk_forward_out(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict v,
+                              const float *restrict x, char *orow, float r,
+                              const qk_rows_f32 *m, int hw) {
+    /* hardware bf16 rounding where exact, else the row again in software */
+    if (!hw || qk_forward_out_vec(a, dt, v, x, orow, r, m, 1))
+        qk_forward_out_vec(a, dt, v, x, orow, r, m, 0);
+}
+
+PE_INLINE void qk_forward_row_vec(const pe_qk_norm_args *a, pe_dtype dt,
+                                  const float *restrict v, const char *xr, char *orow,
+                                  float *rstd, qk_rows_f32 *m, int hw) {
+    const int64_t D = a->head_dim;
+    const int64_t es = (int64_t)pe_dtype_size(dt);
+    float *restrict x = m->x, *restrict t = m->t;
     float sum;
-    if (a->sum_lanes == 8 && D % 32 == 0 && D < 8 * 64) {
-        /* qk_sum8_f32's additions with the squares in registers: 8-lane vector i goes to
-         * accumulator i % 4 (AVX-512: the low and high halves of a01 are accumulators 0
-         * and 1, those of a23 are 2 and 3) */
-#if PE_VW == 8
-        pe_vf a0 = vf_zero(), a1 = vf_zero(), a2 = vf_zero(), a3 = vf_zero();
-        for (int64_t e = 0; e < D; e += 32) {
-            const pe_vf x0 = vx_load(xr + e * es, dt), x1 = vx_load(xr + (e + 8) * es, dt);
-            const pe_vf x2 = vx_load(xr + (e + 16) * es, dt), x3 = vx_load(xr + (e + 24) * es, dt);
-            vx_store((char *)(x + e), x0, PE_FLOAT32);
-            vx_store((char *)(x + e + 8), x1, PE_FLOAT32);
-            vx_store((char *)(x + e + 16), x2, PE_FLOAT32);
-            vx_store((char *)(x + e + 24), x3, PE_FLOAT32);
-            a0 = vf_add(a0, vf_mul(x0, x0));
-            a1 = vf_add(a1, vf_mul(x1, x1));
-            a2 = vf_add(a2, vf_mul(x2, x2));
-            a3 = vf_add(a3, vf_mul(x3, x3));
-        }
-        sum = qk_sum8_join(vf_add(a0, vf_zero()), a1, a2, a3);
-#else
-        pe_vf a01 = vf_zero(), a23 = vf_zero();
-        for (int64_t e = 0; e < D; e += 32) {
-            const pe_vf x0 = vx_load(xr + e * es, dt), x1 = vx_load(xr + (e + 16) * es, dt);
-            vx_store((char *)(x + e), x0, PE_FLOAT32);
-            vx_store((char *)(x + e + 16), x1, PE_FLOAT32);
-            a01 = vf_add(a01, vf_mul(x0, x0));
-            a23 = vf_add(a23, vf_mul(x1, x1));
-        }
-        sum = qk_sum8_join(_mm256_add_ps(_mm512_castps512_ps256(a01), _mm256_setzero_ps()),
-                           _mm512_extractf32x8_ps(a01, 1), _mm512_castps512_ps256(a23),
-                           _mm512_extractf32x8_ps(a23, 1));
-#endif
+    if (qk_sum8_case(a)) {
+        float lane[8];
+        _mm256_storeu_ps(lane, qk_sq8_row(xr, x, D, dt));
+        sum = 0.0f;
+        for (int l = 0; l < 8; ++l) sum += lane[l];
     } else {
         for (int64_t e = 0; e < D; e += PE_VW) {
             const pe_vf xv = vx_load(xr + e * es, dt);
@@ -328,26 +416,65 @@ PE_INLINE void qk_forward_row_vec(const pe_qk_norm_args *a, pe_dtype dt, const f
         }
         sum = qk_sum_lanes_f32(t, D, a->sum_lanes);
     }
-    const float mean = sum / (float)D;
-    const float r = 1.0f / sqrtf(mean + (float)a->eps);
-    *rstd = r;
-    const pe_vf rr = vf_set1(r);
-    for (int64_t e = 0; e < h; e += PE_VW) {
-        const pe_vf y0 = qk_scale_vec(vf_load(x + e), vf_load(v + e), rr, form, dt);
-        const pe_vf y1 = qk_scale_vec(vf_load(x + e + h), vf_load(v + e + h), rr, form, dt);
-        vx_store(orow + e * es, vf_rot(y0, vf_load(c + e), y1, vf_load(ss + e)), dt);
-        vx_store(orow + (e + h) * es, vf_rot(y1, vf_load(c + e + h), y0, vf_load(ss + e + h)),
-                 dt);
+    const float ms = sum / (float)D + (float)a->eps;
+    const float r = 1.0f / sqrtf(ms);
+    *rstd = a->form == PE_NORM_POW ? ms : r;
+    qk_forward_out(a, dt, v, x, orow, r, m, hw);
+}
+
+/* Up to 8 rows (heads h0 .. h0+n-1 of token (b, t)) of qk_sum8_case at once: each row's
+ * first pass, then their 8 lane sums, scales and 1 / sqrt as 8-lane vectors (lane g is
+ * row g: the same additions in the same order, and IEEE division and square root round as
+ * their scalar forms do), so that no row waits on its own chain of dependent additions,
+ * division and square root; then each row's second pass.  xg holds 8 rows of D floats. */
+PE_INLINE void qk_forward_rows8(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict v,
+                                const pe_qk_norm_tensor *X, int64_t b, int64_t t, int64_t h0,
+                                int n, float *restrict xg, const qk_rows_f32 *m, int hw) {
+    const int64_t D = a->head_dim;
+    const size_t es = pe_dtype_size(dt);
+    __m256 acc[8];
+    for (int g = 0; g < 8; ++g)
+        acc[g] = g < n ? qk_sq8_row(pe_row(X->x, X->x_stride, es, b, t, h0 + g), xg + g * D, D,
+                                    dt)
+                       : _mm256_setzero_ps();
+    /* 8 x 8 transpose: col[l] holds lane l of every row */
+    __m256 u[8], w[8], col[8];
+    for (int g = 0; g < 8; g += 2) {
+        u[g] = _mm256_unpacklo_ps(acc[g], acc[g + 1]);
+        u[g + 1] = _mm256_unpackhi_ps(acc[g], acc[g + 1]);
     }
-    for (int64_t e = R; e < D; e += PE_VW)
-        vx_store(orow + e * es, qk_scale_vec(vf_load(x + e), vf_load(v + e), rr, form, dt), dt);
+    for (int g = 0; g < 8; g += 4) {
+        w[g] = _mm256_shuffle_ps(u[g], u[g + 2], 0x44);
+        w[g + 1] = _mm256_shuffle_ps(u[g], u[g + 2], 0xee);
+        w[g + 2] = _mm256_shuffle_ps(u[g + 1], u[g + 3], 0x44);
+        w[g + 3] = _mm256_shuffle_ps(u[g + 1], u[g + 3], 0xee);
+    }
+    for (int l = 0; l < 4; ++l) {
+        col[l] = _mm256_permute2f128_ps(w[l], w[l + 4], 0x20);
+        col[l + 4] = _mm256_permute2f128_ps(w[l], w[l + 4], 0x31);
+    }
+    __m256 sum = _mm256_setzero_ps();
+    for (int l = 0; l < 8; ++l) sum = _mm256_add_ps(sum, col[l]);
+    const __m256 ms = _mm256_add_ps(_mm256_div_ps(sum, _mm256_set1_ps((float)D)),
+                                    _mm256_set1_ps((float)a->eps));
+    const __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_sqrt_ps(ms));
+    float msv[8], rv[8];
+    _mm256_storeu_ps(msv, ms);
+    _mm256_storeu_ps(rv, r);
+    for (int g = 0; g < n; ++g) {
+        *(float *)pe_row(X->rstd, X->rstd_stride, 4, b, t, h0 + g) =
+            a->form == PE_NORM_POW ? msv[g] : rv[g];
+        qk_forward_out(a, dt, v, xg + g * D,
+                       (char *)pe_row(X->out, X->out_stride, es, b, t, h0 + g), rv[g], m, hw);
+    }
 }
 
 /* Backward: one pass rotates the gradient back, rounds it, and stores the weight-gradient
  * products while it keeps gn = dL/dn and x for the sum; a second pass stores dx. */
-PE_INLINE void qk_backward_row_vec(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict v,
-                                   const char *xr, const char *grow, char *dxrow, char *wprow,
-                                   float r, qk_rows_f32 *m) {
+PE_INLINE unsigned qk_backward_row_vec(const pe_qk_norm_args *a, pe_dtype dt,
+                                       const float *restrict v, const char *xr, const char *grow,
+                                       char *dxrow, char *wprow, float r, float p,
+                                       qk_rows_f32 *m, int hw) {
     const int64_t D = a->head_dim, R = a->rot_dim, h = R / 2;
     const int64_t es = (int64_t)pe_dtype_size(dt);
     const pe_norm_form form = a->form;
@@ -356,32 +483,34 @@ PE_INLINE void qk_backward_row_vec(const pe_qk_norm_args *a, pe_dtype dt, const 
     float *restrict x = m->x, *restrict t = m->t, *restrict gn = m->o;
     const float *restrict c = m->c, *restrict ss = m->ss;
     const pe_vf rr = vf_set1(r);
+    unsigned den = 0;
     for (int64_t e = 0; e < D; e += PE_VW) {
         pe_vf gy = vx_load(grow + e * es, dt);
         if (e < R)
             gy = vf_rot(gy, vf_load(c + e), vx_load(grow + (e < h ? e + h : e - h) * es, dt),
                         vf_load(ss + e));
-        const pe_vf g = vf_round(gy, dt), xv = vx_load(xr + e * es, dt), wv = vf_load(v + e);
-        const pe_vf n = vf_mul(xv, rr);
+        const pe_vf g = vf_round(gy, dt, hw, &den), xv = vx_load(xr + e * es, dt);
+        const pe_vf wv = vf_load(v + e), n = vf_mul(xv, rr);
         pe_vf gv, pv;
         if (form == PE_NORM_WEIGHT) {
-            gv = vf_round(vf_mul(g, wv), dt);
-            pv = vf_round(vf_mul(g, vf_round(n, dt)), dt);
+            gv = vf_round(vf_mul(g, wv), dt, hw, &den);
+            pv = vf_round(vf_mul(g, vf_round(n, dt, hw, &den)), dt, hw, &den);
         } else {
             gv = vf_mul(g, wv);
             pv = vf_mul(g, n);
         }
-        vx_store(wprow + e * wes, pv, wdt);
+        qk_store(wprow + e * wes, pv, wdt, hw, &den);
         vx_store((char *)(gn + e), gv, PE_FLOAT32);
         vx_store((char *)(x + e), xv, PE_FLOAT32);
         vx_store((char *)(t + e), vf_mul(gv, xv), PE_FLOAT32);
     }
-    const float gsum = (-0.5f * qk_sum_lanes_f32(t, D, a->sum_lanes)) * ((r * r) * r);
+    const float gsum = qk_grad_ms(form, qk_sum_lanes_f32(t, D, a->sum_lanes), r, p);
     const pe_vf g2 = vf_set1(gsum / (float)D), two = vf_set1(2.0f);
     for (int64_t e = 0; e < D; e += PE_VW)
-        vx_store(dxrow + e * es,
+        qk_store(dxrow + e * es,
                  vf_add(vf_mul(vf_load(gn + e), rr), vf_mul(g2, vf_mul(two, vf_load(x + e)))),
-                 dt);
+                 dt, hw, &den);
+    return den;
 }
 #endif
 
@@ -394,7 +523,7 @@ PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, 
     const size_t wes = backward && a->form != PE_NORM_WEIGHT ? 4 : es;
     float *f = (float *)scratch;
     qk_rows_f32 m = {{f, f + D}, f + 2 * D, f + 2 * D + R, f + 2 * D + 2 * R,
-                     0, 0, 0, 0, 0, {0, 0}};
+                     0, 0, 0, 0, 0, {0, 0}, 0};
     m.x = m.s + R;
     m.t = m.x + D;
     m.y = m.t + D;
@@ -402,21 +531,35 @@ PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, 
     m.g = m.o + D;
     m.v[0] = m.g + D;
     m.v[1] = m.v[0] + D;
+    m.xg = m.v[1] + D; /* 8 rows */
     const pe_qk_norm_tensor *xs[2] = {&a->q, &a->k};
     for (int w = 0; w < 2; ++w) {
         if (!xs[w]->heads) continue;
-        load_row(m.w[w], xs[w]->weight, dt, D);
+        load_row(m.w[w], xs[w]->weight, a->weight_f32 ? PE_FLOAT32 : dt, D);
         for (int64_t e = 0; e < D; ++e)
             m.v[w][e] = a->form == PE_NORM_ONE_PLUS_WEIGHT ? 1.0f + m.w[w][e] : m.w[w][e];
     }
 #ifdef PE_VW
     const int vec = a->pairing == PE_PAIR_HALF && R % (2 * PE_VW) == 0 && D % PE_VW == 0;
+#ifdef PE_BF16_HW
+    const int hw = dt == PE_BFLOAT16; /* the avx512bf16 variant (simd.h) */
+#else
+    const int hw = 0;
+#endif
 #endif
     for (int64_t i = i0; i < i0 + n; ++i) {
         const int64_t b = i / T, t = i % T;
         qk_tables_f32(a, b, t, backward, m.c, m.ss, m.s);
         for (int w = 0; w < 2; ++w) {
             const pe_qk_norm_tensor *x = xs[w];
+#ifdef PE_VW
+            if (!backward && vec && qk_sum8_case(a)) {
+                for (int64_t h0 = 0; h0 < x->heads; h0 += 8)
+                    qk_forward_rows8(a, dt, m.v[w], x, b, t, h0,
+                                     x->heads - h0 < 8 ? (int)(x->heads - h0) : 8, m.xg, &m, hw);
+                continue;
+            }
+#endif
             for (int64_t h = 0; h < x->heads; ++h) {
                 const char *xr = pe_row(x->x, x->x_stride, es, b, t, h);
                 char *orow = (char *)pe_row(x->out, x->out_stride, es, b, t, h);
@@ -424,7 +567,7 @@ PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, 
                 if (!backward) {
 #ifdef PE_VW
                     if (vec) {
-                        qk_forward_row_vec(a, dt, m.v[w], xr, orow, rstd, &m);
+                        qk_forward_row_vec(a, dt, m.v[w], xr, orow, rstd, &m, hw);
                         continue;
                     }
 #endif
@@ -432,13 +575,20 @@ PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, 
                 } else {
                     const char *gr = pe_row(x->grad, x->grad_stride, es, b, t, h);
                     char *wp = (char *)pe_row(x->wprod, x->wprod_stride, wes, b, t, h);
+                    float r = *rstd, p = 0.0f;
+                    if (a->form == PE_NORM_POW) { /* rstd holds ms */
+                        r = 1.0f / sqrtf(r);
+                        p = *(const float *)pe_row(x->ms_pow, x->ms_pow_stride, 4, b, t, h);
+                    }
 #ifdef PE_VW
                     if (vec) {
-                        qk_backward_row_vec(a, dt, m.v[w], xr, gr, orow, wp, *rstd, &m);
+                        if (!hw ||
+                            qk_backward_row_vec(a, dt, m.v[w], xr, gr, orow, wp, r, p, &m, 1))
+                            qk_backward_row_vec(a, dt, m.v[w], xr, gr, orow, wp, r, p, &m, 0);
                         continue;
                     }
 #endif
-                    qk_backward_row(a, dt, m.w[w], xr, gr, orow, wp, *rstd, &m);
+                    qk_backward_row(a, dt, m.w[w], xr, gr, orow, wp, r, p, &m);
                 }
             }
         }

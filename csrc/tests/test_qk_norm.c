@@ -61,12 +61,15 @@ static void rotate_ref(const problem *p, int64_t t, const long double *y, long d
     for (int64_t e = R; e < D; ++e) o[e] = y[e];
 }
 
+/* Set by bad_arguments: run() passes weight_f32, and no ms_pow rows. */
+static int weight_f32_flag, no_ms_pow;
+
 /* Runs the op on p's data converted to dt (fp32 or fp64); out (B, T, H, D) as double. */
 static int run(const problem *p, pe_dtype dt, int nthreads, double *out[2], double *rstd[2],
                const double *grad[2], double *dx[2], int lanes) {
     const size_t es = dt == PE_FLOAT64 ? 8 : 4;
     const int64_t D = p->D, R = p->R, heads[2] = {HQ, HK};
-    void *xs[2], *os[2], *rs[2], *ws[2], *gs[2], *ps[2];
+    void *xs[2], *os[2], *rs[2], *ws[2], *gs[2], *ps[2], *pw[2];
     void *cs = malloc((size_t)(T * R) * es), *sn = malloc((size_t)(T * R) * es);
     for (int64_t i = 0; i < T * R; ++i) {
         if (dt == PE_FLOAT64) ((double *)cs)[i] = p->c[i], ((double *)sn)[i] = p->s[i];
@@ -75,6 +78,7 @@ static int run(const problem *p, pe_dtype dt, int nthreads, double *out[2], doub
     pe_qk_norm_args a = {0};
     a.batch = B, a.seq = T, a.head_dim = D, a.rot_dim = R, a.pairing = p->pairing;
     a.form = p->form, a.dtype = dt, a.eps = 1e-6, a.sum_lanes = lanes;
+    a.weight_f32 = weight_f32_flag;
     a.cos = cs, a.sin = sn, a.table_batch = 1, a.table_stride[0] = 0, a.table_stride[1] = R;
     a.nthreads = nthreads;
     pe_qk_norm_tensor *ts[2] = {&a.q, &a.k};
@@ -83,6 +87,7 @@ static int run(const problem *p, pe_dtype dt, int nthreads, double *out[2], doub
         xs[k] = malloc((size_t)n * es), os[k] = malloc((size_t)n * es);
         rs[k] = malloc((size_t)(n / D) * 8), ws[k] = malloc((size_t)D * es);
         gs[k] = malloc((size_t)n * es), ps[k] = malloc((size_t)n * es);
+        pw[k] = malloc((size_t)(n / D) * es);
         for (int64_t i = 0; i < n; ++i) {
             if (dt == PE_FLOAT64) {
                 ((double *)xs[k])[i] = p->x[k][i];
@@ -103,6 +108,8 @@ static int run(const problem *p, pe_dtype dt, int nthreads, double *out[2], doub
         memcpy(x->x_stride, st, sizeof st), memcpy(x->out_stride, st, sizeof st);
         memcpy(x->grad_stride, st, sizeof st), memcpy(x->wprod_stride, st, sizeof st);
         memcpy(x->rstd_stride, rst, sizeof rst);
+        x->ms_pow = no_ms_pow ? NULL : pw[k];
+        memcpy(x->ms_pow_stride, rst, sizeof rst);
     }
     int rc = pe_qk_norm_rope(&a);
     for (int k = 0; k < 2 && rc == PE_OK; ++k) {
@@ -113,6 +120,12 @@ static int run(const problem *p, pe_dtype dt, int nthreads, double *out[2], doub
             rstd[k][i] = dt == PE_FLOAT64 ? ((double *)rs[k])[i] : ((float *)rs[k])[i];
     }
     if (rc == PE_OK && grad) {
+        /* PE_NORM_POW: rstd holds ms; the caller's ms^-1.5 (here libm's pow) */
+        for (int k = 0; k < 2 && p->form == PE_NORM_POW; ++k)
+            for (int64_t i = 0; i < B * T * heads[k]; ++i) {
+                if (dt == PE_FLOAT64) ((double *)pw[k])[i] = pow(((double *)rs[k])[i], -1.5);
+                else ((float *)pw[k])[i] = (float)pow(((float *)rs[k])[i], -1.5);
+            }
         rc = pe_qk_norm_rope_backward(&a);
         for (int k = 0; k < 2 && rc == PE_OK; ++k)
             for (int64_t i = 0; i < B * T * heads[k] * D; ++i)
@@ -120,7 +133,7 @@ static int run(const problem *p, pe_dtype dt, int nthreads, double *out[2], doub
     }
     for (int k = 0; k < 2; ++k) {
         free(xs[k]), free(os[k]), free(rs[k]);
-        free(ws[k]), free(gs[k]), free(ps[k]);
+        free(ws[k]), free(gs[k]), free(ps[k]), free(pw[k]);
     }
     free(cs), free(sn);
     return rc;
@@ -130,7 +143,7 @@ static double out_q[B * T * HQ * 64], out_k[B * T * HK * 64];
 
 static void forward_matches_formula(pe_dtype dt, double tol) {
     static const int64_t dims[][2] = {{16, 16}, {20, 8}, {64, 64}, {40, 24}};
-    for (int form = 0; form < 3; ++form)
+    for (int form = 0; form <= PE_NORM_POW; ++form)
         for (int pairing = 0; pairing < 2; ++pairing)
             for (size_t d = 0; d < sizeof dims / sizeof dims[0]; ++d) {
                 static problem p;
@@ -159,7 +172,7 @@ static void backward_matches_differences(void) {
     static problem p;
     static double gq[B * T * HQ * 64], gk[B * T * HK * 64], dq[B * T * HQ * 64],
         dk[B * T * HK * 64], lo_q[B * T * HQ * 64], lo_k[B * T * HK * 64];
-    for (int form = 0; form < 3; ++form) {
+    for (int form = 0; form <= PE_NORM_POW; ++form) {
         fill(&p, 20, 8, (pe_norm_form)form, PE_PAIR_HALF);
         for (int64_t i = 0; i < B * T * HQ * 20; ++i) gq[i] = sin(0.7 * (double)i);
         for (int64_t i = 0; i < B * T * HK * 20; ++i) gk[i] = cos(0.3 * (double)i);
@@ -221,6 +234,16 @@ static void bad_arguments(void) {
     p.form = PE_NORM_WEIGHT, p.R = 7;
     CHECK(run(&p, PE_FLOAT32, 1, out, NULL, NULL, NULL, 8) == PE_ERR_ARG, "odd rotary width");
     CHECK(pe_qk_norm_rope(NULL) == PE_ERR_ARG, "NULL args");
+    p.R = 16, weight_f32_flag = 1;
+    CHECK(run(&p, PE_FLOAT64, 1, out, NULL, NULL, NULL, 8) == PE_ERR_ARG, "fp64, fp32 weights");
+    CHECK(run(&p, PE_FLOAT32, 1, out, NULL, NULL, NULL, 8) == PE_OK, "fp32, fp32 weights");
+    weight_f32_flag = 0, no_ms_pow = 1, p.form = PE_NORM_POW;
+    static double g[2][B * T * HQ * 64], dx[2][B * T * HQ * 64];
+    const double *grad[2] = {g[0], g[1]};
+    double *dxs[2] = {dx[0], dx[1]};
+    CHECK(run(&p, PE_FLOAT32, 1, out, NULL, grad, dxs, 8) == PE_ERR_ARG, "pow without ms_pow");
+    no_ms_pow = 0;
+    CHECK(run(&p, PE_FLOAT32, 1, out, NULL, grad, dxs, 8) == PE_OK, "pow with ms_pow");
 }
 
 int main(void) {

@@ -44,8 +44,8 @@ STABLE_TORCH_LIBRARY(posenc, m) {
           "-> (Tensor, Tensor, Tensor, Tensor)");
     m.def("qk_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, Tensor cos, "
           "Tensor sin, Tensor q_weight, Tensor k_weight, Tensor q_rstd, Tensor k_rstd, float eps, "
-          "int form, int pairing, int sum_lanes, bool heads_first) "
-          "-> (Tensor, Tensor, Tensor, Tensor)");
+          "int form, int pairing, int sum_lanes, bool heads_first, Tensor? q_pow=None, "
+          "Tensor? k_pow=None) -> (Tensor, Tensor, Tensor, Tensor)");
     m.def("sinusoidal(SymInt num_positions, SymInt dim, float base, ScalarType dtype) -> Tensor");
 }
 

@@ -31,6 +31,22 @@ void same_dtype(const Meta& m, int32_t want, const char* name) {
                   " must equal q dtype ", scalar_type(want));
 }
 
+// A weight has q's dtype, or is float32 where the form converts the weight to fp32 anyway
+// (every form but 0, the Llama form, which multiplies in the weight's dtype after rounding
+// to q's: there an fp32 weight would change the result's dtype).  Returns whether it is an
+// fp32 weight beside 16-bit tensors.
+bool weight_is_f32(const Meta& m, int32_t q_dtype, int64_t form, const char* name) {
+    if (m.dtype == q_dtype) return false;
+    const DtypeCodes& c = dtype_codes();
+    const bool sixteen = q_dtype == c.bf16 || q_dtype == c.f16;
+    PE_CHECK_TYPE(m.dtype == c.f32 && sixteen && form != PE_NORM_WEIGHT, name, " dtype ",
+                  scalar_type(m.dtype), " must equal q dtype ", scalar_type(q_dtype),
+                  sixteen ? " (or be Float for the norms that apply the weight in fp32: "
+                            "one_plus_weight, weight_f32, pow)"
+                          : "");
+    return true;
+}
+
 // The checked problem: sizes, dtypes, tables and weights; everything but the tensors' data.
 struct Problem {
     pe_qk_norm_args a{};
@@ -53,7 +69,12 @@ Problem check(const Tensor& q_in, const Tensor& k_in, const Tensor& cos_in, cons
     PE_CHECK_VALUE(qm.dim() == 4, "q must be 4-D ", L.text, ", got shape ", Shape{qm.sizes});
     PE_CHECK_VALUE(km.dim() == 4, "k must be 4-D ", L.text, ", got shape ", Shape{km.sizes});
     const pe_dtype dt = to_pe_dtype(qm.dtype, "q");
-    for (int i = 1; i < 6; ++i) same_dtype(*metas[i], qm.dtype, names[i]);
+    for (int i = 1; i < 4; ++i) same_dtype(*metas[i], qm.dtype, names[i]);
+    PE_CHECK_VALUE(form >= PE_NORM_WEIGHT && form <= PE_NORM_POW,
+                   "form must be 0 (weight), 1 (one_plus_weight), 2 (weight_f32) or 3 (pow), "
+                   "got ", form);
+    const bool qw_f32 = weight_is_f32(qwm, qm.dtype, form, "q_weight");
+    const bool kw_f32 = weight_is_f32(kwm, qm.dtype, form, "k_weight");
     const IntList qs = qm.sizes, ks = km.sizes;
     const int64_t B = qs[0], T = qs[L.seq], D = qs[3];
     PE_CHECK_VALUE(ks[0] == B, "k batch size ", ks[0], " must equal q batch size ", B);
@@ -75,8 +96,6 @@ Problem check(const Tensor& q_in, const Tensor& k_in, const Tensor& cos_in, cons
     PE_CHECK_VALUE(kwm.dim() == 1 && kwm.size(0) == D, "k_weight must have shape (", D,
                    ",) (head_dim), got shape ", Shape{kwm.sizes});
     PE_CHECK_VALUE(eps >= 0 && std::isfinite(eps), "eps must be finite and >= 0, got ", eps);
-    PE_CHECK_VALUE(form >= PE_NORM_WEIGHT && form <= PE_NORM_WEIGHT_F32,
-                   "form must be 0 (weight), 1 (one_plus_weight) or 2 (weight_f32), got ", form);
     PE_CHECK_VALUE(pairing == PE_PAIR_HALF || pairing == PE_PAIR_ADJACENT,
                    "pairing must be 0 (half) or 1 (adjacent), got ", pairing);
     PE_CHECK_VALUE(sum_lanes == 1 || sum_lanes == 4 || sum_lanes == 8 || sum_lanes == 16,
@@ -90,6 +109,11 @@ Problem check(const Tensor& q_in, const Tensor& k_in, const Tensor& cos_in, cons
     }
     if (qwm.size(0) > 1 && qwm.stride(0) != 1) p.qw = torch::stable::contiguous(qw_in);
     if (kwm.size(0) > 1 && kwm.stride(0) != 1) p.kw = torch::stable::contiguous(kw_in);
+    // one fp32 weight beside 16-bit tensors: both as fp32 (the conversion is exact)
+    if (qw_f32 != kw_f32) {
+        Tensor& w16 = qw_f32 ? p.kw : p.qw;
+        w16 = torch::stable::contiguous(converted(w16, ScalarType::Float));
+    }
     p.qm = Meta(p.q);
     p.km = Meta(p.k);
     const Meta pcm(p.cos);
@@ -101,6 +125,7 @@ Problem check(const Tensor& q_in, const Tensor& k_in, const Tensor& cos_in, cons
     a.pairing = static_cast<pe_pairing>(pairing);
     a.form = static_cast<pe_norm_form>(form);
     a.dtype = dt;
+    a.weight_f32 = qw_f32 || kw_f32;
     a.eps = eps;
     a.sum_lanes = static_cast<int>(sum_lanes);
     a.cos = p.cos.const_data_ptr();
@@ -160,7 +185,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward_impl(
     const Tensor& grad_q, const Tensor& grad_k, const Tensor& q, const Tensor& k,
     const Tensor& cos, const Tensor& sin, const Tensor& q_weight, const Tensor& k_weight,
     const Tensor& q_rstd, const Tensor& k_rstd, double eps, int64_t form, int64_t pairing,
-    int64_t sum_lanes, bool heads_first) {
+    int64_t sum_lanes, bool heads_first, const std::optional<Tensor>& q_pow,
+    const std::optional<Tensor>& k_pow) {
     Problem p = check(q, k, cos, sin, q_weight, k_weight, eps, form, pairing, sum_lanes,
                       heads_first);
     const Meta gqm(grad_q), gkm(grad_k), qrm(q_rstd), krm(k_rstd);
@@ -199,6 +225,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward_impl(
     p.a.k.rstd_stride[0] = krm.stride(0);
     p.a.k.rstd_stride[1] = krm.stride(p.L.seq);
     p.a.k.rstd_stride[2] = krm.stride(p.L.heads);
+    // pow: torch's pow(ms, -1.5) of each row, made by the caller with torch's own kernel
+    if (form == PE_NORM_POW) {
+        const std::pair<const std::optional<Tensor>*, const Meta*> pows[2] = {{&q_pow, &qrm},
+                                                                              {&k_pow, &krm}};
+        pe_qk_norm_tensor* ts[2] = {&p.a.q, &p.a.k};
+        const char* names[2] = {"q_pow", "k_pow"};
+        for (int i = 0; i < 2; ++i) {
+            PE_CHECK_VALUE(pows[i].first->has_value(), names[i],
+                           " (pow(ms, -1.5) of each row) is required for form 3 (pow)");
+            const Tensor& t = pows[i].first->value();
+            const Meta m(t), &r = *pows[i].second;
+            PE_CHECK_VALUE(m.is_cpu(), names[i], " must be a CPU tensor");
+            PE_CHECK_TYPE(m.dtype == rd, names[i], " must be ", scalar_type(rd));
+            PE_CHECK_VALUE(same(m.sizes, r.sizes), names[i], " shape ", Shape{m.sizes},
+                           " must equal the rstd shape ", Shape{r.sizes});
+            ts[i]->ms_pow = t.const_data_ptr();
+            ts[i]->ms_pow_stride[0] = m.stride(0);
+            ts[i]->ms_pow_stride[1] = m.stride(p.L.seq);
+            ts[i]->ms_pow_stride[2] = m.stride(p.L.heads);
+        }
+    }
     const Output dq = contiguous_output(p.qm, p.qm.dtype);
     const Output dk = contiguous_output(p.km, p.km.dtype);
     p.a.q.out = dq.t.mutable_data_ptr();
@@ -217,11 +264,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward_impl(
     // own sum, the call autograd's sum_to makes on its product of this layout, then
     // rounded to the weight dtype as autograd rounds a gradient of another dtype.
     const std::array<int64_t, 3> rows{0, 1, 2};
-    const auto weight_grad = [&](const Tensor& prod) {
+    const auto weight_grad = [&](const Tensor& prod, const Tensor& weight) {
         Tensor g = torch::stable::sum(prod, IntList(rows.data(), rows.size()), false);
-        return converted(g, scalar_type(p.qm.dtype));
+        return converted(g, weight.scalar_type());
     };
-    return {dq.t, dk.t, weight_grad(wq.t), weight_grad(wk.t)};
+    return {dq.t, dk.t, weight_grad(wq.t, q_weight), weight_grad(wk.t, k_weight)};
 }
 
 }  // namespace posenc

@@ -95,7 +95,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward_impl(
     const Tensor& grad_q, const Tensor& grad_k, const Tensor& q, const Tensor& k,
     const Tensor& cos, const Tensor& sin, const Tensor& q_weight, const Tensor& k_weight,
     const Tensor& q_rstd, const Tensor& k_rstd, double eps, int64_t form, int64_t pairing,
-    int64_t sum_lanes, bool heads_first);
+    int64_t sum_lanes, bool heads_first, const std::optional<Tensor>& q_pow,
+    const std::optional<Tensor>& k_pow);
 
 // ---- Checks shared by the ops.
 
