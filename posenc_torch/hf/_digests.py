@@ -323,10 +323,14 @@ class Watch(NamedTuple):
             if (func.__code__ is not code or not _same(func.__defaults__, defaults)
                     or not _same(func.__kwdefaults__, kwdefaults)):
                 return False
-        for name, value in self.methods if obj is not _ABSENT else ():
-            now = getattr(obj, name, _ABSENT)
-            now = getattr(now, "__func__", now)
-            if now is not value and original_of(now) is not value:
+        if obj is _ABSENT or not self.methods:
+            return True
+        # read on the class, and the instance's own attributes for a shadowing one (not
+        # the bound method: torch.compile 2.15 hands out no method identity to compare)
+        cls = obj if isinstance(obj, type) else type(obj)
+        own = {} if isinstance(obj, type) else getattr(obj, "__dict__", {})
+        for name, value in self.methods:
+            if name in own or _class_value(cls, name) is not value:
                 return False
         return True
 
