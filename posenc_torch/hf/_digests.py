@@ -325,12 +325,16 @@ class Watch(NamedTuple):
                 return False
         if obj is _ABSENT or not self.methods:
             return True
-        # read on the class, and the instance's own attributes for a shadowing one (not
+        # read on the class unless the object's own attributes hold the name (not through
         # the bound method: torch.compile 2.15 hands out no method identity to compare)
         cls = obj if isinstance(obj, type) else type(obj)
         own = {} if isinstance(obj, type) else getattr(obj, "__dict__", {})
         for name, value in self.methods:
-            if name in own or _class_value(cls, name) is not value:
+            if name in own:
+                now = getattr(own[name], "__func__", own[name])
+                if now is not value and original_of(now) is not value:
+                    return False
+            elif _class_value(cls, name) is not value:
                 return False
         return True
 

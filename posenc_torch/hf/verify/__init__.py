@@ -49,7 +49,8 @@ from typing import NamedTuple
 import torch
 
 from ..._tables import CONVENTIONS, MODELS, MROPE_MODELS
-from .. import _digests, _qk_attention, _rotary, _table, _transformers, _vision_utils, _tower_methods_457
+from .. import (_digests, _qk_attention, _rotary, _table, _tower_methods_457, _transformers,
+               _vision_utils)
 from .._handle import original_of
 
 
@@ -169,10 +170,11 @@ def _decide(f: Function) -> tuple[str | None, str]:
         from ._attention import check_attention, tiny_attention
 
         try:
-            norm_cls = type(tiny_attention(f.model_type, f.owner).q_norm)
+            q_norm = tiny_attention(f.model_type, f.owner).q_norm
+            norm_cls = type(q_norm)
+            _NORM_MODULES.setdefault(norm_cls, q_norm)
             norm = Function(f.model_type, _qk_attention.NORM, original_of(norm_cls.forward),
                             norm_cls, "norm")
-            _NORM_MODULES.setdefault(norm_cls, tiny_attention(f.model_type, f.owner).q_norm)
             norm_use = decide(norm, _digests.digest(norm.func, norm_cls))[0]
         except Exception as e:  # noqa: BLE001
             return None, f"its norm class cannot be checked ({type(e).__name__}: {e})"
