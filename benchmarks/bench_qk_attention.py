@@ -119,28 +119,6 @@ def _config(hidden: int, layers: int = 1):
     return config
 
 
-def _tables(t: int, dtype: torch.dtype):
-    model = H.MODELS[MODEL]
-    inv_freq = 1.0 / model.rope_theta ** (torch.arange(0, model.head_dim, 2) / model.head_dim)
-    freqs = torch.arange(t, dtype=torch.float32)[:, None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)[None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def saved_bytes(fn) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``fn`` runs."""
-    seen: dict[int, int] = {}
-
-    def pack(x: torch.Tensor):
-        st = x.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-        return x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        fn()
-    return sum(seen.values())
-
-
 def _prologue(opts, rep, b, t, dtype_name, modes, states, modeling) -> None:
     import transformers
 
@@ -157,7 +135,7 @@ def _prologue(opts, rep, b, t, dtype_name, modes, states, modeling) -> None:
     attn.q_proj, attn.k_proj, attn.v_proj = _Fixed(q_proj), _Fixed(k_proj), _Fixed(k_proj)
     attn.o_proj = torch.nn.Identity()
     hidden = torch.empty(b, t, config.hidden_size, dtype=dtype)
-    tables = _tables(t, dtype)
+    tables = H.rope_tables(model, t, dtype)
     gq = torch.randn(b, t, model.heads * model.head_dim, dtype=dtype)
     gk = torch.randn(b, model.kv_heads, t, model.head_dim, dtype=dtype)
     wrt = (q_proj, k_proj, attn.q_norm.weight, attn.k_norm.weight)
@@ -191,7 +169,7 @@ def _prologue(opts, rep, b, t, dtype_name, modes, states, modeling) -> None:
                              transformers_version=transformers.__version__)
         for res in results:
             if (mode == "fwdbwd" and res.status == "ok" and res.method in STEP_METHODS):
-                res.saved_bytes_per_element = saved_bytes(
+                res.saved_bytes_per_element = H.saved_bytes(
                     lambda m=res.method: states.run(m, forward)) / elements
             rep.add(res, f"{case.name} {res.method}")
 
@@ -224,7 +202,7 @@ def _step(opts, rep, b, t, dtype_name, states, modeling) -> None:
     for res in H.run_case(case, STEP_METHODS, build, ref, policy,
                           transformers_version=transformers.__version__):
         if res.status == "ok":
-            res.saved_bytes_per_element = saved_bytes(
+            res.saved_bytes_per_element = H.saved_bytes(
                 lambda m=res.method: states.run(m, forward)) / elements
         rep.add(res, f"{case.name} {res.method}")
 

@@ -68,29 +68,6 @@ def hf_parts(model: H.Model):
     return getattr(m, norm_cls), m.apply_rotary_pos_emb, form
 
 
-def tables(model: H.Model, t: int, dtype: torch.dtype):
-    """(1, T, R) RoPE tables of positions 0..T-1 in q's dtype, as the rotary modules give."""
-    r = ROTARY.get(model.name, model.head_dim)
-    inv_freq = 1.0 / model.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r)
-    freqs = torch.arange(t, dtype=torch.float32)[:, None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)[None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def saved_bytes(fn) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``fn`` runs."""
-    seen: dict[int, int] = {}
-
-    def pack(x: torch.Tensor):
-        st = x.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-        return x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        fn()
-    return sum(seen.values())
-
-
 def run(opts: H.Options, rep: H.Reporter) -> None:
     import transformers
 
@@ -107,7 +84,8 @@ def run(opts: H.Options, rep: H.Reporter) -> None:
             for n in (qn, kn):
                 n.weight.copy_(torch.randn(model.head_dim) * 0.1 + (form == "weight"))
         _, _, q, k = H.qk_as_hf(b, t, model, dtype, opts.device)
-        cos, sin = (x.to(opts.device) for x in tables(model, t, dtype))
+        cos, sin = (x.to(opts.device) for x in H.rope_tables(model, t, dtype,
+                                                              ROTARY.get(model.name)))
         gq, gk = torch.randn_like(q), torch.randn_like(k)
         wrt = (q, k, qn.weight, kn.weight)
 
@@ -150,7 +128,7 @@ def run(opts: H.Options, rep: H.Reporter) -> None:
                                  transformers_version=transformers.__version__)
             for res in results:
                 if mode == "fwdbwd" and res.status == "ok" and res.method in eager:
-                    res.saved_bytes_per_element = saved_bytes(eager[res.method]) / elements
+                    res.saved_bytes_per_element = H.saved_bytes(eager[res.method]) / elements
                 rep.add(res, f"{case.name} {res.method}")
 
 

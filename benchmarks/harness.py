@@ -342,6 +342,30 @@ def floor_bytes(*tensors: torch.Tensor) -> int:
     return 2 * sum(t.numel() * t.element_size() for t in tensors)
 
 
+def rope_tables(model: Model, t: int, dtype: torch.dtype, rotary: int | None = None):
+    """(1, T, R) RoPE tables of positions 0..T-1 in ``dtype``, as the rotary modules give
+    them; R is ``rotary`` (a partial rotary) or the head dim."""
+    r = rotary or model.head_dim
+    inv_freq = 1.0 / model.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r)
+    freqs = torch.arange(t, dtype=torch.float32)[:, None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)[None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def saved_bytes(fn: Callable[[], object]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn`` runs."""
+    seen: dict[int, int] = {}
+
+    def pack(x: torch.Tensor):
+        st = x.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        fn()
+    return sum(seen.values())
+
+
 def copy_workload(fwd_in: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                   preallocated: bool = False) -> Workload:
     """A memory floor: copy the same tensors in the same layout, into fresh tensors
