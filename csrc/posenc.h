@@ -218,9 +218,28 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
  *   backward) given per row in ms_pow by the caller (torch's own pow kernel rounds it; its
  *   vector and scalar paths differ, so it is not recomputed here);
  *   dx[e] = rnd(gn[e] r + (gv / D) (2 x[e])).
- * The weight gradient is the sum of wprod over rows, which the caller leaves to torch
- * (its order of additions depends on the layout of autograd's product); wprod is written
- * in the tensors' dtype for PE_NORM_WEIGHT, else in fp32 (fp64 for fp64).
+ * The weight gradient is the sum of wprod over rows, in the order of torch's CPU sum over
+ * the rows of autograd's product (laid out contiguous in q's shape: (B, H, T, D) rows when
+ * heads_first, else (B, T, H, D) rows; N rows of D columns), which autograd calls:
+ *   - fp32 / bf16 / fp16 tensors: computed here, into wgrad (D values of wprod's dtype:
+ *     the tensors' dtype for PE_NORM_WEIGHT, else fp32), without writing wprod.  Each
+ *     column c is a sum in fp32, by one of two orders, chosen per column as torch's
+ *     cascade_sum chooses (vectorized_outer_sum / scalar_outer_sum) for the columns that
+ *     torch's parallel_dim_reduction gives each of sum_threads threads (chunks of
+ *     ceil(D / threads) columns, their ends rounded down to 128 bytes of wprod, the last
+ *     end kept; one chunk of D when N D < 32768 or one thread); with L = sum_lanes and
+ *     V = L (fp32 wprod) or 2 L (16-bit) columns per vector, a chunk of w columns takes
+ *     "plain" for its leading whole blocks of 4 L columns when w >= V (else its leading
+ *     whole groups of 4 columns), "lanes" for the rest:
+ *       plain: multi_row_sum over the N rows (4 levels, a level carries every 2^p items,
+ *              p = max(4, ceil_log2(N) / 4));
+ *       lanes: row_sum: row i into lane i % 4, multi_row_sum over the N / 4 groups (p from
+ *              N / 4), the N % 4 rows left over added in order to lane 0, then
+ *              ((l0 + l1) + l2) + l3.
+ *     wgrad[c] = 0 + that sum, rounded to wprod's dtype as c10 rounds a float (to nearest
+ *     even; a NaN becomes the canonical 0x7fc0 / sign | 0x7e00).
+ *   - fp64 tensors: wprod is written (B, T, H) rows at wprod_stride, in fp64, and the
+ *     caller leaves the sum to torch.
  *
  * Shapes: q (B, T, Hq, D), k (B, T, Hk, D), any strides with unit channel stride; tables
  * cos, sin (Bc, T, R), Bc in {1, B}, unit channel stride, of the tensors' dtype; weights
@@ -228,8 +247,8 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
  * strides.  Outputs must not overlap inputs.  PE_ERR_ARG for sizes out of range (as for
  * RoPE), an unknown form, dtype or pairing, sum_lanes not in {1, 4, 8, 16}, weight_f32 with
  * fp64 tensors or with 16-bit ones and PE_NORM_WEIGHT, or a NULL pointer where data is read
- * or written.
- * Threads take blocks of tokens.
+ * or written; sum_threads < 1 in a backward of 16-bit or fp32 tensors.
+ * Threads take blocks of tokens (forward) or of rows in wprod's order (backward).
  */
 typedef enum pe_norm_form {
     PE_NORM_WEIGHT = 0,
@@ -246,7 +265,8 @@ typedef struct pe_qk_norm_tensor {
     void *out;           int64_t out_stride[3];    /* forward: the result; backward: dx */
     void *rstd;          int64_t rstd_stride[3];   /* forward: written; backward: read */
     const void *grad;    int64_t grad_stride[3];   /* backward: gradient of the result */
-    void *wprod;         int64_t wprod_stride[3];  /* backward: weight-gradient products */
+    void *wprod;         int64_t wprod_stride[3];  /* backward, fp64: weight-gradient products */
+    void *wgrad;         /* backward, fp32 / bf16 / fp16: D values, the products' sum */
     const void *ms_pow;  int64_t ms_pow_stride[3]; /* backward, PE_NORM_POW: ms^-1.5 */
 } pe_qk_norm_tensor;
 
@@ -263,6 +283,8 @@ typedef struct pe_qk_norm_args {
     int64_t table_stride[2];   /* b, t */
     pe_qk_norm_tensor q, k;    /* k.heads may be 0 */
     int nthreads;
+    int sum_threads;           /* backward: the threads torch's sum of wprod would run on */
+    int heads_first;           /* backward: wprod's rows are (B, H, T) (else (B, T, H)) */
 } pe_qk_norm_args;
 
 int pe_qk_norm_rope(const pe_qk_norm_args *a);

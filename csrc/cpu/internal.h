@@ -171,22 +171,43 @@ int pe_bf16_hw_exact(void);
 #endif
 
 /* The fp32 core of the fused q/k norm + RoPE (qk_norm_f32.h) per instruction set, in
- * qk_norm_<isa>.c: tokens i0 .. i0+n-1, forward or backward, with a scratch buffer of
- * pe_qk_scratch_bytes.  Arguments are validated by qk_norm.c. */
+ * qk_norm_<isa>.c, with a scratch buffer of pe_qk_scratch_bytes per thread; arguments are
+ * validated by qk_norm.c.  Forward: tokens i0 .. i0+n-1.  Backward: rows r0 .. r1-1 (in the
+ * products' order, posenc.h) of q (tensor 0) or k (1), r0 a multiple of both block sizes
+ * of ws, whose block sums of the weight-gradient products it writes. */
 static inline size_t pe_qk_scratch_bytes(int64_t R, int64_t D) {
-    return (size_t)(3 * R + 11 * D) * sizeof(double); /* qk_norm_f32.h: 3R + 17D floats */
+    return (size_t)(3 * R + 11 * D) * sizeof(double); /* qk_norm_f32.h: 3R + 22D floats */
 }
-void pe_qk_norm_rows_f32_baseline(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
-                                  void *scratch);
+
+/* Where a backward puts the weight-gradient products of one tensor's N rows: the sums of
+ * whole blocks of rows, each from 0.0 in row order (qk_norm.c adds them up in torch's
+ * order).  A block size of 0: no column is summed that way. */
+typedef struct pe_qk_wsum {
+    int64_t rows;        /* N */
+    int64_t plain_block; /* rows per block of the plain order (2^p) */
+    int64_t lane_block;  /* rows per block of the 4-lane order (4 2^p) */
+    int64_t lane_rows;   /* 4 (N / 4): the rows past it are the tail */
+    float *plain;        /* (ceil(N / plain_block), D) */
+    float *lanes;        /* (ceil(lane_rows / lane_block), 4, D): row i in lane i % 4 */
+    float *tail;         /* (N - lane_rows, D): the products themselves */
+} pe_qk_wsum;
+
+#define PE_QK_ENTRIES(isa)                                                                     \
+    void pe_qk_norm_rows_f32_##isa(const pe_qk_norm_args *a, int64_t i0, int64_t n,            \
+                                   void *scratch);                                             \
+    void pe_qk_norm_bwd_f32_##isa(const pe_qk_norm_args *a, int tensor, int64_t r0, int64_t r1, \
+                                  const pe_qk_wsum *ws, void *scratch);
+PE_QK_ENTRIES(baseline)
 #ifdef PE_HAVE_X86_VARIANTS
-void pe_qk_norm_rows_f32_avx2(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
-                              void *scratch);
-void pe_qk_norm_rows_f32_avx512(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
-                                void *scratch);
+PE_QK_ENTRIES(avx2)
+PE_QK_ENTRIES(avx512)
 #ifdef PE_HAVE_AVX512BF16
-void pe_qk_norm_rows_f32_avx512bf16(const pe_qk_norm_args *a, int64_t i0, int64_t n,
-                                    int backward, void *scratch);
+PE_QK_ENTRIES(avx512bf16)
 #endif
 #endif
+
+/* Asks the OS to back [p, p + bytes) with huge pages when it is a large fresh output
+ * (rope.c); advisory only. */
+void pe_huge_page_hint(const void *p, size_t bytes);
 
 #endif /* POSENC_INTERNAL_H */

@@ -1,15 +1,17 @@
 /*
- * Fused per-head RMSNorm + RoPE (posenc.h, pe_qk_norm_rope): argument checks, the loop
- * that runs blocks of tokens over threads, and the fp64 core.  The fp32 core is
- * qk_norm_f32.h, compiled per instruction set into qk_norm_<isa>.c.
+ * Fused per-head RMSNorm + RoPE (posenc.h, pe_qk_norm_rope): argument checks, the loops
+ * that run blocks of tokens (forward) or of rows (backward) over threads, the weight
+ * gradients' sums in torch's order, and the fp64 core.  The fp32 core is qk_norm_f32.h,
+ * compiled per instruction set into qk_norm_<isa>.c.
  */
 #include <math.h>
 #include <stdlib.h>
 
 #include "internal.h"
 
-typedef void (*qk_rows_fn)(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
-                           void *scratch);
+typedef void (*qk_rows_fn)(const pe_qk_norm_args *a, int64_t i0, int64_t n, void *scratch);
+typedef void (*qk_bwd_fn)(const pe_qk_norm_args *a, int tensor, int64_t r0, int64_t r1,
+                          const pe_qk_wsum *ws, void *scratch);
 
 /* ---- fp64 core: the same steps as qk_norm_f32.h in double, sums in torch's order for
  * doubles (half as many lanes). */
@@ -64,8 +66,8 @@ static void qk_rotate_f64(const double *x, double *o, const double *c, const dou
     for (int64_t e = R; e < D; ++e) o[e] = x[e];
 }
 
-static void qk_norm_rows_f64(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
-                             void *scratch) {
+static void qk_rows_f64(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
+                        void *scratch) {
     const int64_t D = a->head_dim, R = a->rot_dim, T = a->seq;
     const int W = a->sum_lanes > 1 ? a->sum_lanes / 2 : 1;
     double *w[2] = {(double *)scratch, (double *)scratch + D};
@@ -126,14 +128,24 @@ static void qk_norm_rows_f64(const pe_qk_norm_args *a, int64_t i0, int64_t n, in
     }
 }
 
+static void qk_forward_f64(const pe_qk_norm_args *a, int64_t i0, int64_t n, void *scratch) {
+    qk_rows_f64(a, i0, n, 0, scratch);
+}
+
+static void qk_backward_f64(const pe_qk_norm_args *a, int64_t i0, int64_t n, void *scratch) {
+    qk_rows_f64(a, i0, n, 1, scratch);
+}
+
 /* ---- checks and threads ------------------------------------------------------------- */
 
 static int tensor_ok(const pe_qk_norm_args *a, const pe_qk_norm_tensor *x, int backward,
                      int empty) {
     if (x->heads < 0) return 0;
     if (!x->heads || empty) return 1;
+    const int f64 = a->dtype == PE_FLOAT64;
     return x->x && x->weight && x->out && x->rstd &&
-           (!backward || (x->grad && x->wprod && (a->form != PE_NORM_POW || x->ms_pow)));
+           (!backward || (x->grad && (f64 ? x->wprod != NULL : x->wgrad != NULL) &&
+                          (a->form != PE_NORM_POW || x->ms_pow)));
 }
 
 static int args_ok(const pe_qk_norm_args *a, int backward) {
@@ -149,6 +161,7 @@ static int args_ok(const pe_qk_norm_args *a, int backward) {
         return 0;
     if (a->sum_lanes != 1 && a->sum_lanes != 4 && a->sum_lanes != 8 && a->sum_lanes != 16)
         return 0;
+    if (backward && a->dtype != PE_FLOAT64 && a->sum_threads < 1) return 0;
     if (a->q.heads < 0 || a->k.heads < 0) return 0;
     int64_t n;
     if (__builtin_mul_overflow(a->batch, a->seq, &n) ||
@@ -164,42 +177,55 @@ static int args_ok(const pe_qk_norm_args *a, int backward) {
     return tensor_ok(a, &a->q, backward, empty) && tensor_ok(a, &a->k, backward, empty);
 }
 
-static qk_rows_fn rows_fn(pe_dtype dt) {
-    if (dt == PE_FLOAT64) return qk_norm_rows_f64;
+typedef struct qk_kernels {
+    qk_rows_fn forward;
+    qk_bwd_fn backward;
+} qk_kernels;
+
+static qk_kernels kernels(void) {
 #ifdef PE_HAVE_X86_VARIANTS
     switch (pe_isa_current()) {
 #ifdef PE_HAVE_AVX512BF16
-    case PE_ISA_AVX512_BF16: return pe_qk_norm_rows_f32_avx512bf16;
+    case PE_ISA_AVX512_BF16:
+        return (qk_kernels){pe_qk_norm_rows_f32_avx512bf16, pe_qk_norm_bwd_f32_avx512bf16};
 #else
     case PE_ISA_AVX512_BF16: /* (not built: the compiler lacks -mavx512bf16) */
 #endif
-    case PE_ISA_AVX512: return pe_qk_norm_rows_f32_avx512;
-    case PE_ISA_AVX2: return pe_qk_norm_rows_f32_avx2;
+    case PE_ISA_AVX512:
+        return (qk_kernels){pe_qk_norm_rows_f32_avx512, pe_qk_norm_bwd_f32_avx512};
+    case PE_ISA_AVX2: return (qk_kernels){pe_qk_norm_rows_f32_avx2, pe_qk_norm_bwd_f32_avx2};
     default: break;
     }
 #endif
-    return pe_qk_norm_rows_f32_baseline;
+    return (qk_kernels){pe_qk_norm_rows_f32_baseline, pe_qk_norm_bwd_f32_baseline};
 }
 
-static int run(const pe_qk_norm_args *a, int backward) {
-    if (!args_ok(a, backward)) return PE_ERR_ARG;
-    const int64_t tokens = a->batch * a->seq, heads = a->q.heads + a->k.heads;
-    if (!tokens || !heads) return PE_OK;
-    const qk_rows_fn fn = rows_fn(a->dtype);
-    const size_t bytes = pe_qk_scratch_bytes(a->rot_dim, a->head_dim);
-    const int64_t elements = tokens * heads * a->head_dim;
-    int nth = elements < PE_SERIAL_ELEMENTS || a->nthreads < 1 ? 1 : a->nthreads;
-    if (nth > tokens) nth = (int)tokens;
-    if (nth == 1) {
-        void *scratch = malloc(bytes);
-        if (!scratch) return PE_ERR_NOMEM;
-        fn(a, 0, tokens, backward, scratch);
-        free(scratch);
-        return PE_OK;
+/* Asks for huge pages behind x's output when it is large (rope.c: page faults of a fresh
+ * output cost more than the pass). */
+static void hint_output(const pe_qk_norm_args *a, const pe_qk_norm_tensor *x) {
+    const int64_t n[3] = {a->batch, a->seq, x->heads};
+    int64_t last = a->head_dim; /* one past the last element, in elements */
+    for (int i = 0; i < 3; ++i) {
+        if (n[i] == 0 || x->out_stride[i] < 0) return;
+        last += (n[i] - 1) * x->out_stride[i];
     }
+    pe_huge_page_hint(x->out, (size_t)last * pe_dtype_size(a->dtype));
+}
+
+static int threads_for(const pe_qk_norm_args *a, int64_t units) {
+    const int64_t elements = a->batch * a->seq * (a->q.heads + a->k.heads) * a->head_dim;
+    int nth = elements < PE_SERIAL_ELEMENTS || a->nthreads < 1 ? 1 : a->nthreads;
+    return nth > units ? (int)units : nth;
+}
+
+/* fn over tiles of tokens (the forward, and the fp64 backward). */
+static int run_tiles(const pe_qk_norm_args *a, qk_rows_fn fn) {
+    const int64_t tokens = a->batch * a->seq;
+    const size_t bytes = pe_qk_scratch_bytes(a->rot_dim, a->head_dim);
     const int64_t tile = PE_TOKEN_TILE, tiles = (tokens + tile - 1) / tile;
+    const int nth = threads_for(a, tokens);
     int failed = 0;
-#pragma omp parallel num_threads(nth)
+#pragma omp parallel num_threads(nth) if (nth > 1)
     {
         void *scratch = malloc(bytes);
         if (!scratch) {
@@ -210,11 +236,226 @@ static int run(const pe_qk_norm_args *a, int backward) {
         for (int64_t i = 0; i < tiles; ++i) {
             if (!scratch) continue;
             const int64_t i0 = i * tile;
-            fn(a, i0, tokens - i0 < tile ? tokens - i0 : tile, backward, scratch);
+            fn(a, i0, tokens - i0 < tile ? tokens - i0 : tile, scratch);
         }
         free(scratch);
     }
     return failed ? PE_ERR_NOMEM : PE_OK;
+}
+
+/* ---- the weight gradients: torch's sum of the products over rows --------------------- */
+
+/* utils::CeilLog2, and the level power of multi_row_sum over n items */
+static int64_t ceil_log2(int64_t x) {
+    return x <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(x - 1));
+}
+
+static int level_power(int64_t items) {
+    const int64_t p = ceil_log2(items) / 4;
+    return p > 4 ? (int)p : 4;
+}
+
+/* plain[c] = 1 where torch sums column c in the plain order, 0 in the 4-lane order
+ * (posenc.h), for N rows of D columns of es-byte products. */
+static void plain_columns(int64_t D, int64_t N, int threads, int lanes, size_t es,
+                          uint8_t *plain) {
+    const int64_t vec = lanes * (int64_t)(4 / es); /* columns per Vectorized<scalar_t> */
+    memset(plain, 0, (size_t)D);
+    int64_t begin[64], end[64];
+    int chunks = 0;
+    if (N * D < 32768 || threads == 1) { /* at::internal::GRAIN_SIZE: serial */
+        begin[0] = 0, end[0] = D, chunks = 1;
+    } else {
+        const int64_t nth = threads < D ? threads : D, size = (D + nth - 1) / nth;
+        const int64_t multiple = 128 / (int64_t)es;
+        for (int64_t t = 0; t < nth && t * size < D && chunks < 64; ++t) {
+            int64_t b = t * size, e = b + size < D ? b + size : D;
+            b -= b % multiple;
+            if (e != D) e -= e % multiple;
+            if (b < e) begin[chunks] = b, end[chunks] = e, ++chunks;
+        }
+    }
+    for (int i = 0; i < chunks; ++i) {
+        const int64_t w = end[i] - begin[i], block = w >= vec ? 4 * lanes : 4;
+        for (int64_t c = begin[i]; c + block <= end[i]; c += block)
+            memset(plain + c, 1, (size_t)block);
+    }
+}
+
+/* One order's blocks of row sums (n_full whole ones, then a partial one when `partial`;
+ * stride floats apart) added up as multi_row_sum's levels do, over D columns; acc holds
+ * 3 D floats. */
+static void add_levels(const float *blocks, int64_t n_full, int partial, int p, int64_t stride,
+                       int64_t D, float *acc, float *out) {
+    float *a1 = acc, *a2 = acc + D, *a3 = acc + 2 * D;
+    memset(acc, 0, (size_t)(3 * D) * sizeof(float));
+    const int64_t mask = ((int64_t)1 << p) - 1;
+    for (int64_t i = 0; i < n_full; ++i) {
+        const float *blk = blocks + i * stride;
+        for (int64_t c = 0; c < D; ++c) a1[c] = a1[c] + blk[c];
+        const int64_t items = (i + 1) << p;
+        if (items & (mask << p)) continue;
+        for (int64_t c = 0; c < D; ++c) a2[c] = a2[c] + a1[c], a1[c] = 0.0f;
+        if (items & (mask << 2 * p)) continue;
+        for (int64_t c = 0; c < D; ++c) a3[c] = a3[c] + a2[c], a2[c] = 0.0f;
+    }
+    for (int64_t c = 0; c < D; ++c) {
+        const float a0 = partial ? blocks[n_full * stride + c] : 0.0f;
+        out[c] = ((a0 + a1[c]) + a2[c]) + a3[c];
+    }
+}
+
+/* c10's float -> bf16 / fp16 (to nearest even; NaN to the canonical NaN) */
+static uint16_t c10_bf16(float f) {
+    return f != f ? 0x7fc0u : pe_f32_to_bf16(f);
+}
+
+static uint16_t c10_f16(float f) {
+    return f != f ? (uint16_t)(((pe_f32_bits(f) >> 16) & 0x8000u) | 0x7e00u) : pe_f32_to_f16(f);
+}
+
+typedef struct wsum_plan {
+    pe_qk_wsum ws;
+    uint8_t *plain_cols; /* D */
+    int64_t chunk;       /* rows per unit of work: a multiple of both block sizes */
+    int64_t units;
+} wsum_plan;
+
+static int wsum_make(const pe_qk_norm_args *a, const pe_qk_norm_tensor *x, wsum_plan *w) {
+    const int64_t D = a->head_dim, N = a->batch * a->seq * x->heads;
+    const size_t es = a->form == PE_NORM_WEIGHT ? pe_dtype_size(a->dtype) : 4;
+    memset(w, 0, sizeof *w);
+    w->ws.rows = N;
+    if (!N) return PE_OK;
+    w->plain_cols = malloc((size_t)D);
+    if (!w->plain_cols) return PE_ERR_NOMEM;
+    plain_columns(D, N, a->sum_threads, a->sum_lanes, es, w->plain_cols);
+    int any_plain = 0, any_lanes = 0;
+    for (int64_t c = 0; c < D; ++c) {
+        if (w->plain_cols[c]) any_plain = 1;
+        else any_lanes = 1;
+    }
+    const int64_t G = N / 4;
+    w->ws.lane_rows = 4 * G;
+    w->chunk = 256;
+    size_t floats = 0;
+    if (any_plain) {
+        w->ws.plain_block = (int64_t)1 << level_power(N);
+        floats += (size_t)((N + w->ws.plain_block - 1) / w->ws.plain_block * D);
+        if (w->ws.plain_block > w->chunk) w->chunk = w->ws.plain_block;
+    }
+    if (any_lanes) {
+        w->ws.lane_block = (int64_t)4 << level_power(G);
+        floats += (size_t)(((4 * G + w->ws.lane_block - 1) / w->ws.lane_block * 4 + (N - 4 * G)) * D);
+        if (w->ws.lane_block > w->chunk) w->chunk = w->ws.lane_block;
+    }
+    float *buf = malloc(floats * sizeof(float) + 1);
+    if (!buf) return PE_ERR_NOMEM;
+    if (any_plain) {
+        w->ws.plain = buf;
+        buf += (N + w->ws.plain_block - 1) / w->ws.plain_block * D;
+    }
+    if (any_lanes) {
+        w->ws.lanes = buf;
+        w->ws.tail = buf + (4 * G + w->ws.lane_block - 1) / w->ws.lane_block * 4 * D;
+    }
+    w->units = (N + w->chunk - 1) / w->chunk;
+    return PE_OK;
+}
+
+static void wsum_free(wsum_plan *w) {
+    free(w->plain_cols);
+    free(w->ws.plain ? w->ws.plain : w->ws.lanes);
+}
+
+/* The blocks added up in torch's order, 0 + that, rounded to the products' dtype, into
+ * x->wgrad. */
+static int wsum_finish(const pe_qk_norm_args *a, const pe_qk_norm_tensor *x,
+                       const wsum_plan *w) {
+    const int64_t D = a->head_dim, N = w->ws.rows, G = N / 4;
+    float *f = malloc((size_t)(6 * D) * sizeof(float));
+    if (!f) return PE_ERR_NOMEM;
+    float *acc = f, *plain = f + 3 * D, *lane = f + 4 * D, *more = f + 5 * D;
+    if (w->ws.plain_block) {
+        const int p = level_power(N);
+        add_levels(w->ws.plain, N >> p, (N & (((int64_t)1 << p) - 1)) != 0, p, D, D, acc,
+                   plain);
+    }
+    if (w->ws.lane_block) { /* lane 0, the tail rows, then lanes 1, 2, 3 */
+        const int p = level_power(G);
+        const int partial = (G & (((int64_t)1 << p) - 1)) != 0;
+        add_levels(w->ws.lanes, G >> p, partial, p, 4 * D, D, acc, lane);
+        for (int64_t i = 0; i < N - 4 * G; ++i)
+            for (int64_t c = 0; c < D; ++c) lane[c] = lane[c] + w->ws.tail[i * D + c];
+        for (int k = 1; k < 4; ++k) {
+            add_levels(w->ws.lanes + k * D, G >> p, partial, p, 4 * D, D, acc, more);
+            for (int64_t c = 0; c < D; ++c) lane[c] = lane[c] + more[c];
+        }
+    }
+    for (int64_t c = 0; c < D; ++c) {
+        const float v = 0.0f + (w->plain_cols[c] ? plain[c] : lane[c]);
+        if (a->form != PE_NORM_WEIGHT || a->dtype == PE_FLOAT32) ((float *)x->wgrad)[c] = v;
+        else if (a->dtype == PE_BFLOAT16) ((uint16_t *)x->wgrad)[c] = c10_bf16(v);
+        else ((uint16_t *)x->wgrad)[c] = c10_f16(v);
+    }
+    free(f);
+    return PE_OK;
+}
+
+/* The backward of fp32 / bf16 / fp16 tensors: units of rows of q then k over threads. */
+static int run_backward_f32(const pe_qk_norm_args *a, qk_bwd_fn fn) {
+    wsum_plan w[2];
+    const pe_qk_norm_tensor *xs[2] = {&a->q, &a->k};
+    int rc = wsum_make(a, xs[0], &w[0]);
+    if (rc == PE_OK) rc = wsum_make(a, xs[1], &w[1]);
+    else memset(&w[1], 0, sizeof w[1]);
+    const size_t bytes = pe_qk_scratch_bytes(a->rot_dim, a->head_dim);
+    const int64_t units = w[0].units + w[1].units;
+    const int nth = threads_for(a, units);
+    int failed = rc != PE_OK;
+#pragma omp parallel num_threads(nth) if (nth > 1 && !failed)
+    {
+        void *scratch = failed ? NULL : malloc(bytes);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; ++u) {
+            if (!scratch) continue;
+            const int which = u >= w[0].units;
+            const int64_t r0 = (which ? u - w[0].units : u) * w[which].chunk;
+            const int64_t N = w[which].ws.rows;
+            fn(a, which, r0, N - r0 < w[which].chunk ? N : r0 + w[which].chunk, &w[which].ws,
+               scratch);
+        }
+        free(scratch);
+    }
+    for (int k = 0; k < 2 && !failed; ++k)
+        if (xs[k]->heads && wsum_finish(a, xs[k], &w[k]) != PE_OK) failed = 1;
+    wsum_free(&w[0]);
+    wsum_free(&w[1]);
+    return failed ? PE_ERR_NOMEM : PE_OK;
+}
+
+static int run(const pe_qk_norm_args *a, int backward) {
+    if (!args_ok(a, backward)) return PE_ERR_ARG;
+    const int64_t tokens = a->batch * a->seq, heads = a->q.heads + a->k.heads;
+    if (!tokens || !heads) {
+        /* no rows: the weight gradients are sums of nothing */
+        for (int k = 0; backward && a->dtype != PE_FLOAT64 && k < 2; ++k) {
+            const pe_qk_norm_tensor *x = k ? &a->k : &a->q;
+            if (x->heads && x->wgrad)
+                memset(x->wgrad, 0, (size_t)a->head_dim *
+                                        (a->form == PE_NORM_WEIGHT ? pe_dtype_size(a->dtype) : 4));
+        }
+        return PE_OK;
+    }
+    hint_output(a, &a->q);
+    hint_output(a, &a->k);
+    if (a->dtype == PE_FLOAT64) return run_tiles(a, backward ? qk_backward_f64 : qk_forward_f64);
+    const qk_kernels k = kernels();
+    return backward ? run_backward_f32(a, k.backward) : run_tiles(a, k.forward);
 }
 
 int pe_qk_norm_rope(const pe_qk_norm_args *a) { return run(a, 0); }

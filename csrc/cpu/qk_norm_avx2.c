@@ -2,7 +2,4 @@
  * (meson.build sets the flags). */
 #include "qk_norm_f32.h"
 
-void pe_qk_norm_rows_f32_avx2(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
-                              void *scratch) {
-    qk_norm_rows_f32(a, i0, n, backward, scratch);
-}
+PE_QK_DEFINE(avx2)

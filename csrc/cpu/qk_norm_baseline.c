@@ -1,7 +1,4 @@
 /* The fp32 core of the fused q/k norm + RoPE compiled for the baseline instruction set of the target. */
 #include "qk_norm_f32.h"
 
-void pe_qk_norm_rows_f32_baseline(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
-                                  void *scratch) {
-    qk_norm_rows_f32(a, i0, n, backward, scratch);
-}
+PE_QK_DEFINE(baseline)

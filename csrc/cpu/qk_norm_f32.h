@@ -257,9 +257,11 @@ PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, pe_dtype dt, const float
     store_row(orow, m->o, dt, D);
 }
 
+/* The backward of one row (dx stored in dt); the weight-gradient products are left in m->g
+ * (rounded where autograd rounds them).  m->c, m->ss hold the token's transpose tables. */
 PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict w,
-                               const char *xr, const char *grow, char *dxrow, char *wprow,
-                               float r, float p, qk_rows_f32 *m) {
+                               const char *xr, const char *grow, char *dxrow, float r, float p,
+                               qk_rows_f32 *m) {
     const int64_t D = a->head_dim;
     const pe_norm_form form = a->form;
     float *restrict x = m->x, *restrict t = m->t, *restrict gy = m->y, *restrict gn = m->o;
@@ -298,7 +300,6 @@ PE_INLINE void qk_backward_row(const pe_qk_norm_args *a, pe_dtype dt, const floa
         }
         t[e] = gn[e] * x[e];
     }
-    store_row(wprow, wp, form == PE_NORM_WEIGHT ? dt : PE_FLOAT32, D);
     const float gx2 = qk_grad_ms(form, qk_sum_lanes_f32(t, D, a->sum_lanes), r, p) / (float)D;
     e = 0;
 #ifdef PE_VW
@@ -469,26 +470,27 @@ PE_INLINE void qk_forward_rows8(const pe_qk_norm_args *a, pe_dtype dt, const flo
     }
 }
 
-/* Backward: one pass rotates the gradient back, rounds it, and stores the weight-gradient
- * products while it keeps gn = dL/dn and x for the sum; a second pass stores dx. */
+/* Backward: one pass rotates the gradient back (the token's cos row crow and sine row srow
+ * read in place, the transpose's signs applied), rounds it, and leaves the weight-gradient
+ * products in m->g while it keeps gn = dL/dn and x for the sum; a second pass stores dx. */
 PE_INLINE unsigned qk_backward_row_vec(const pe_qk_norm_args *a, pe_dtype dt,
                                        const float *restrict v, const char *xr, const char *grow,
-                                       char *dxrow, char *wprow, float r, float p,
-                                       qk_rows_f32 *m, int hw) {
+                                       const char *crow, const char *srow, char *dxrow, float r,
+                                       float p, qk_rows_f32 *m, int hw) {
     const int64_t D = a->head_dim, R = a->rot_dim, h = R / 2;
     const int64_t es = (int64_t)pe_dtype_size(dt);
     const pe_norm_form form = a->form;
-    const pe_dtype wdt = form == PE_NORM_WEIGHT ? dt : PE_FLOAT32;
-    const int64_t wes = (int64_t)pe_dtype_size(wdt);
-    float *restrict x = m->x, *restrict t = m->t, *restrict gn = m->o;
-    const float *restrict c = m->c, *restrict ss = m->ss;
+    float *restrict x = m->x, *restrict t = m->t, *restrict gn = m->o, *restrict wp = m->g;
     const pe_vf rr = vf_set1(r);
     unsigned den = 0;
     for (int64_t e = 0; e < D; e += PE_VW) {
         pe_vf gy = vx_load(grow + e * es, dt);
-        if (e < R)
-            gy = vf_rot(gy, vf_load(c + e), vx_load(grow + (e < h ? e + h : e - h) * es, dt),
-                        vf_load(ss + e));
+        if (e < R) {
+            const int64_t pe = e < h ? e + h : e - h; /* the partner channel */
+            const pe_vf sv = vx_load(srow + pe * es, dt);
+            gy = vf_rot(gy, vx_load(crow + e * es, dt), vx_load(grow + pe * es, dt),
+                        e < h ? sv : vf_neg(sv));
+        }
         const pe_vf g = vf_round(gy, dt, hw, &den), xv = vx_load(xr + e * es, dt);
         const pe_vf wv = vf_load(v + e), n = vf_mul(xv, rr);
         pe_vf gv, pv;
@@ -499,7 +501,7 @@ PE_INLINE unsigned qk_backward_row_vec(const pe_qk_norm_args *a, pe_dtype dt,
             gv = vf_mul(g, wv);
             pv = vf_mul(g, n);
         }
-        qk_store(wprow + e * wes, pv, wdt, hw, &den);
+        vx_store((char *)(wp + e), pv, PE_FLOAT32);
         vx_store((char *)(gn + e), gv, PE_FLOAT32);
         vx_store((char *)(x + e), xv, PE_FLOAT32);
         vx_store((char *)(t + e), vf_mul(gv, xv), PE_FLOAT32);
@@ -514,46 +516,67 @@ PE_INLINE unsigned qk_backward_row_vec(const pe_qk_norm_args *a, pe_dtype dt,
 }
 #endif
 
-/* Tokens i0 .. i0+n-1 (i = b T + t), all heads of q then k, tensors of dtype dt (a->dtype,
- * passed as a constant so that each dtype gets its own loops). */
-PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
-                               void *scratch, pe_dtype dt) {
-    const int64_t D = a->head_dim, R = a->rot_dim, T = a->seq;
-    const size_t es = pe_dtype_size(dt);
-    const size_t wes = backward && a->form != PE_NORM_WEIGHT ? 4 : es;
+/* The scratch rows of one thread (pe_qk_scratch_bytes: 3R + 22D floats): qk_rows_f32's,
+ * then the block accumulators of the backward (*plain: D, *lanes: 4 D). */
+PE_INLINE qk_rows_f32 qk_scratch(const pe_qk_norm_args *a, void *scratch, float **plain,
+                                 float **lanes) {
+    const int64_t D = a->head_dim, R = a->rot_dim;
     float *f = (float *)scratch;
-    qk_rows_f32 m = {{f, f + D}, f + 2 * D, f + 2 * D + R, f + 2 * D + 2 * R,
-                     0, 0, 0, 0, 0, {0, 0}, 0};
-    m.x = m.s + R;
-    m.t = m.x + D;
-    m.y = m.t + D;
-    m.o = m.y + D;
-    m.g = m.o + D;
-    m.v[0] = m.g + D;
-    m.v[1] = m.v[0] + D;
-    m.xg = m.v[1] + D; /* 8 rows */
-    const pe_qk_norm_tensor *xs[2] = {&a->q, &a->k};
-    for (int w = 0; w < 2; ++w) {
-        if (!xs[w]->heads) continue;
-        load_row(m.w[w], xs[w]->weight, a->weight_f32 ? PE_FLOAT32 : dt, D);
-        for (int64_t e = 0; e < D; ++e)
-            m.v[w][e] = a->form == PE_NORM_ONE_PLUS_WEIGHT ? 1.0f + m.w[w][e] : m.w[w][e];
-    }
+    qk_rows_f32 m;
+    m.w[0] = f, m.w[1] = f + D, m.c = f + 2 * D, m.ss = m.c + R, m.s = m.ss + R;
+    m.x = m.s + R, m.t = m.x + D, m.y = m.t + D, m.o = m.y + D, m.g = m.o + D;
+    m.v[0] = m.g + D, m.v[1] = m.v[0] + D, m.xg = m.v[1] + D; /* xg: 8 rows */
+    *plain = m.xg + 8 * D;
+    *lanes = *plain + D;
+    return m;
+}
+
+/* Tensor X's weight into m->w[w] (fp32) and m->v[w] as qk_scale_vec takes it. */
+PE_INLINE void qk_load_weight(const pe_qk_norm_args *a, const pe_qk_norm_tensor *X, int w,
+                              pe_dtype dt, qk_rows_f32 *m) {
+    const int64_t D = a->head_dim;
+    load_row(m->w[w], X->weight, a->weight_f32 ? PE_FLOAT32 : dt, D);
+    for (int64_t e = 0; e < D; ++e)
+        m->v[w][e] = a->form == PE_NORM_ONE_PLUS_WEIGHT ? 1.0f + m->w[w][e] : m->w[w][e];
+}
+
+/* Whether the rows take the vector paths: half pairing, R a multiple of 2 vectors and D of
+ * one. */
+PE_INLINE int qk_vec_rows(const pe_qk_norm_args *a) {
 #ifdef PE_VW
-    const int vec = a->pairing == PE_PAIR_HALF && R % (2 * PE_VW) == 0 && D % PE_VW == 0;
+    return a->pairing == PE_PAIR_HALF && a->rot_dim % (2 * PE_VW) == 0 &&
+           a->head_dim % PE_VW == 0;
+#else
+    (void)a;
+    return 0;
+#endif
+}
+
+/* Forward: tokens i0 .. i0+n-1 (i = b T + t), all heads of q then k, tensors of dtype dt
+ * (a->dtype, passed as a constant so that each dtype gets its own loops). */
+PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n,
+                                  void *scratch, pe_dtype dt) {
+    const int64_t T = a->seq;
+    const size_t es = pe_dtype_size(dt);
+    float *unused_plain, *unused_lanes;
+    qk_rows_f32 m = qk_scratch(a, scratch, &unused_plain, &unused_lanes);
+    const pe_qk_norm_tensor *xs[2] = {&a->q, &a->k};
+    for (int w = 0; w < 2; ++w)
+        if (xs[w]->heads) qk_load_weight(a, xs[w], w, dt, &m);
+    const int vec = qk_vec_rows(a);
 #ifdef PE_BF16_HW
     const int hw = dt == PE_BFLOAT16; /* the avx512bf16 variant (simd.h) */
 #else
     const int hw = 0;
 #endif
-#endif
+    (void)vec, (void)hw;
     for (int64_t i = i0; i < i0 + n; ++i) {
         const int64_t b = i / T, t = i % T;
-        qk_tables_f32(a, b, t, backward, m.c, m.ss, m.s);
+        qk_tables_f32(a, b, t, 0, m.c, m.ss, m.s);
         for (int w = 0; w < 2; ++w) {
             const pe_qk_norm_tensor *x = xs[w];
 #ifdef PE_VW
-            if (!backward && vec && qk_sum8_case(a)) {
+            if (vec && qk_sum8_case(a)) {
                 for (int64_t h0 = 0; h0 < x->heads; h0 += 8)
                     qk_forward_rows8(a, dt, m.v[w], x, b, t, h0,
                                      x->heads - h0 < 8 ? (int)(x->heads - h0) : 8, m.xg, &m, hw);
@@ -564,46 +587,135 @@ PE_INLINE void qk_norm_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n, 
                 const char *xr = pe_row(x->x, x->x_stride, es, b, t, h);
                 char *orow = (char *)pe_row(x->out, x->out_stride, es, b, t, h);
                 float *rstd = (float *)pe_row(x->rstd, x->rstd_stride, 4, b, t, h);
-                if (!backward) {
 #ifdef PE_VW
-                    if (vec) {
-                        qk_forward_row_vec(a, dt, m.v[w], xr, orow, rstd, &m, hw);
-                        continue;
-                    }
-#endif
-                    qk_forward_row(a, dt, m.w[w], xr, orow, rstd, &m);
-                } else {
-                    const char *gr = pe_row(x->grad, x->grad_stride, es, b, t, h);
-                    char *wp = (char *)pe_row(x->wprod, x->wprod_stride, wes, b, t, h);
-                    float r = *rstd, p = 0.0f;
-                    if (a->form == PE_NORM_POW) { /* rstd holds ms */
-                        r = 1.0f / sqrtf(r);
-                        p = *(const float *)pe_row(x->ms_pow, x->ms_pow_stride, 4, b, t, h);
-                    }
-#ifdef PE_VW
-                    if (vec) {
-                        if (!hw ||
-                            qk_backward_row_vec(a, dt, m.v[w], xr, gr, orow, wp, r, p, &m, 1))
-                            qk_backward_row_vec(a, dt, m.v[w], xr, gr, orow, wp, r, p, &m, 0);
-                        continue;
-                    }
-#endif
-                    qk_backward_row(a, dt, m.w[w], xr, gr, orow, wp, r, p, &m);
+                if (vec) {
+                    qk_forward_row_vec(a, dt, m.v[w], xr, orow, rstd, &m, hw);
+                    continue;
                 }
+#endif
+                qk_forward_row(a, dt, m.w[w], xr, orow, rstd, &m);
             }
         }
     }
 }
 
-/* The tile function of qk_norm_<isa>.c: tokens i0 .. i0+n-1, with pe_qk_scratch_bytes of
- * scratch. */
-PE_INLINE void qk_norm_rows_f32(const pe_qk_norm_args *a, int64_t i0, int64_t n, int backward,
-                                void *scratch) {
-    switch (a->dtype) {
-    case PE_BFLOAT16: qk_norm_rows_dt(a, i0, n, backward, scratch, PE_BFLOAT16); break;
-    case PE_FLOAT16: qk_norm_rows_dt(a, i0, n, backward, scratch, PE_FLOAT16); break;
-    default: qk_norm_rows_dt(a, i0, n, backward, scratch, PE_FLOAT32); break;
+/* acc += p over n floats (acc the first operand, as torch's accumulators are). */
+PE_INLINE void qk_accumulate(float *restrict acc, const float *restrict p, int64_t n) {
+    int64_t e = 0;
+#ifdef PE_VW
+    for (; e + PE_VW <= n; e += PE_VW)
+        vx_store((char *)(acc + e), vf_add(vf_load(acc + e), vf_load(p + e)), PE_FLOAT32);
+#endif
+    for (; e < n; ++e) acc[e] = acc[e] + p[e];
+}
+
+/* Rows the backward asks for ahead of the one it computes: in the products' order of the
+ * (B, H, T, D) views transformers hands over, consecutive rows lie a token apart in memory
+ * (all heads' channels), too far for the hardware prefetchers to follow. */
+#define QK_AHEAD 6
+
+PE_INLINE void qk_prefetch_row(const char *p, int64_t bytes, int write) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+        if (write) __builtin_prefetch(p + o, 1, 3);
+        else __builtin_prefetch(p + o, 0, 3);
     }
 }
+
+/* Backward: rows r0 .. r1-1 of tensor `tensor` in the products' order (posenc.h), each
+ * row's dx stored and its weight-gradient products added to the block sums of ws. */
+PE_INLINE void qk_backward_rows_dt(const pe_qk_norm_args *a, int tensor, int64_t r0,
+                                   int64_t r1, const pe_qk_wsum *ws, void *scratch,
+                                   pe_dtype dt) {
+    const pe_qk_norm_tensor *X = tensor ? &a->k : &a->q;
+    const int64_t D = a->head_dim, T = a->seq, H = X->heads;
+    const size_t es = pe_dtype_size(dt);
+    float *plain, *lanes;
+    qk_rows_f32 m = qk_scratch(a, scratch, &plain, &lanes);
+    qk_load_weight(a, X, 0, dt, &m);
+    const int vec = qk_vec_rows(a);
+#ifdef PE_BF16_HW
+    const int hw = dt == PE_BFLOAT16;
+#else
+    const int hw = 0;
+#endif
+    (void)vec, (void)hw;
+    const int64_t S = ws->plain_block, LB = ws->lane_block;
+    if (S) memset(plain, 0, (size_t)D * sizeof(float));
+    if (LB) memset(lanes, 0, (size_t)(4 * D) * sizeof(float));
+    for (int64_t r = r0; r < r1; ++r) {
+        int64_t b, t, h;
+        if (r + QK_AHEAD < r1) { /* rows far apart in memory: ask for a later row's lines */
+            const int64_t q = r + QK_AHEAD;
+            if (a->heads_first) t = q % T, h = q / T % H, b = q / T / H;
+            else h = q % H, t = q / H % T, b = q / H / T;
+            qk_prefetch_row(pe_row(X->x, X->x_stride, es, b, t, h), D * (int64_t)es, 0);
+            qk_prefetch_row(pe_row(X->grad, X->grad_stride, es, b, t, h), D * (int64_t)es, 0);
+            qk_prefetch_row(pe_row(X->out, X->out_stride, es, b, t, h), D * (int64_t)es, 1);
+        }
+        if (a->heads_first) t = r % T, h = r / T % H, b = r / T / H;
+        else h = r % H, t = r / H % T, b = r / H / T;
+        const char *xr = pe_row(X->x, X->x_stride, es, b, t, h);
+        const char *gr = pe_row(X->grad, X->grad_stride, es, b, t, h);
+        char *dxr = (char *)pe_row(X->out, X->out_stride, es, b, t, h);
+        float rs = *(const float *)pe_row(X->rstd, X->rstd_stride, 4, b, t, h), p = 0.0f;
+        if (a->form == PE_NORM_POW) { /* rstd holds ms */
+            rs = 1.0f / sqrtf(rs);
+            p = *(const float *)pe_row(X->ms_pow, X->ms_pow_stride, 4, b, t, h);
+        }
+#ifdef PE_VW
+        if (vec) {
+            const int64_t off = ((a->table_batch == 1 ? 0 : b) * a->table_stride[0] +
+                                 t * a->table_stride[1]) * (int64_t)es;
+            const char *cr = (const char *)a->cos + off, *sr = (const char *)a->sin + off;
+            if (!hw || qk_backward_row_vec(a, dt, m.v[0], xr, gr, cr, sr, dxr, rs, p, &m, 1))
+                qk_backward_row_vec(a, dt, m.v[0], xr, gr, cr, sr, dxr, rs, p, &m, 0);
+        } else
+#endif
+        {
+            qk_tables_f32(a, b, t, 1, m.c, m.ss, m.s);
+            qk_backward_row(a, dt, m.w[0], xr, gr, dxr, rs, p, &m);
+        }
+        /* the products (m.g) into the blocks of each order */
+        if (S) {
+            qk_accumulate(plain, m.g, D);
+            if ((r + 1) % S == 0 || r + 1 == ws->rows) {
+                memcpy(ws->plain + r / S * D, plain, (size_t)D * sizeof(float));
+                memset(plain, 0, (size_t)D * sizeof(float));
+            }
+        }
+        if (LB) {
+            if (r < ws->lane_rows) {
+                qk_accumulate(lanes + r % 4 * D, m.g, D);
+                if ((r + 1) % LB == 0 || r + 1 == ws->lane_rows) {
+                    memcpy(ws->lanes + r / LB * 4 * D, lanes, (size_t)(4 * D) * sizeof(float));
+                    memset(lanes, 0, (size_t)(4 * D) * sizeof(float));
+                }
+            } else {
+                memcpy(ws->tail + (r - ws->lane_rows) * D, m.g, (size_t)D * sizeof(float));
+            }
+        }
+    }
+}
+
+/* The entry points of qk_norm_<isa>.c (internal.h), for each dtype. */
+#define PE_QK_DEFINE(isa)                                                                      \
+    void pe_qk_norm_rows_f32_##isa(const pe_qk_norm_args *a, int64_t i0, int64_t n,            \
+                                   void *scratch) {                                            \
+        switch (a->dtype) {                                                                    \
+        case PE_BFLOAT16: qk_forward_rows_dt(a, i0, n, scratch, PE_BFLOAT16); break;           \
+        case PE_FLOAT16: qk_forward_rows_dt(a, i0, n, scratch, PE_FLOAT16); break;             \
+        default: qk_forward_rows_dt(a, i0, n, scratch, PE_FLOAT32); break;                     \
+        }                                                                                      \
+    }                                                                                          \
+    void pe_qk_norm_bwd_f32_##isa(const pe_qk_norm_args *a, int tensor, int64_t r0, int64_t r1, \
+                                  const pe_qk_wsum *ws, void *scratch) {                       \
+        switch (a->dtype) {                                                                    \
+        case PE_BFLOAT16:                                                                      \
+            qk_backward_rows_dt(a, tensor, r0, r1, ws, scratch, PE_BFLOAT16);                  \
+            break;                                                                             \
+        case PE_FLOAT16: qk_backward_rows_dt(a, tensor, r0, r1, ws, scratch, PE_FLOAT16); break; \
+        default: qk_backward_rows_dt(a, tensor, r0, r1, ws, scratch, PE_FLOAT32); break;       \
+        }                                                                                      \
+    }
 
 #endif /* POSENC_QK_NORM_F32_H */

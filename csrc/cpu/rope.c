@@ -443,6 +443,11 @@ static void huge_page_hint(span s) {
 #endif
 }
 
+void pe_huge_page_hint(const void *p, size_t bytes) {
+    const span s = {(uintptr_t)p, (uintptr_t)p + bytes};
+    huge_page_hint(s);
+}
+
 /* 1 when the pages of s that a few samples look at are all in memory (Linux; elsewhere 0,
  * so that nothing streams). */
 static int resident(span s) {

@@ -2,7 +2,9 @@
  * Torch-free tests of pe_qk_norm_rope and its backward: fp32 and fp64 against the formula
  * of posenc.h computed in long double, the sum order against a plain emulation of torch's
  * cascade (every lane count, a tail, the cascade levels of long rows), the backward of
- * fp64 against central differences, every SIMD variant, threads and bad arguments.
+ * fp64 against central differences, the fp32 weight gradients (summed in the kernel, in
+ * both of torch's orders) against fp64's products, every SIMD variant, threads and bad
+ * arguments.
  */
 #include <math.h>
 #include <stdio.h>
@@ -61,8 +63,13 @@ static void rotate_ref(const problem *p, int64_t t, const long double *y, long d
     for (int64_t e = R; e < D; ++e) o[e] = y[e];
 }
 
-/* Set by bad_arguments: run() passes weight_f32, and no ms_pow rows. */
-static int weight_f32_flag, no_ms_pow;
+/* Set by bad_arguments: run() passes weight_f32, and no ms_pow rows; sum_threads for the
+ * weight gradients' order (0: the run's thread count). */
+static int weight_f32_flag, no_ms_pow, sum_threads;
+
+/* The weight gradients of the last backward run: fp32's wgrad, or fp64's products summed
+ * in long double. */
+static double wgrad_out[2][64];
 
 /* Runs the op on p's data converted to dt (fp32 or fp64); out (B, T, H, D) as double. */
 static int run(const problem *p, pe_dtype dt, int nthreads, double *out[2], double *rstd[2],
@@ -70,6 +77,7 @@ static int run(const problem *p, pe_dtype dt, int nthreads, double *out[2], doub
     const size_t es = dt == PE_FLOAT64 ? 8 : 4;
     const int64_t D = p->D, R = p->R, heads[2] = {HQ, HK};
     void *xs[2], *os[2], *rs[2], *ws[2], *gs[2], *ps[2], *pw[2];
+    float wg[2][64];
     void *cs = malloc((size_t)(T * R) * es), *sn = malloc((size_t)(T * R) * es);
     for (int64_t i = 0; i < T * R; ++i) {
         if (dt == PE_FLOAT64) ((double *)cs)[i] = p->c[i], ((double *)sn)[i] = p->s[i];
@@ -81,6 +89,7 @@ static int run(const problem *p, pe_dtype dt, int nthreads, double *out[2], doub
     a.weight_f32 = weight_f32_flag;
     a.cos = cs, a.sin = sn, a.table_batch = 1, a.table_stride[0] = 0, a.table_stride[1] = R;
     a.nthreads = nthreads;
+    a.sum_threads = sum_threads ? sum_threads : nthreads;
     pe_qk_norm_tensor *ts[2] = {&a.q, &a.k};
     for (int k = 0; k < 2; ++k) {
         const int64_t n = B * T * heads[k] * D, H = heads[k];
@@ -103,7 +112,7 @@ static int run(const problem *p, pe_dtype dt, int nthreads, double *out[2], doub
         }
         pe_qk_norm_tensor *x = ts[k];
         x->heads = H, x->x = xs[k], x->weight = ws[k], x->out = os[k], x->rstd = rs[k];
-        x->grad = gs[k], x->wprod = ps[k];
+        x->grad = gs[k], x->wprod = ps[k], x->wgrad = wg[k];
         const int64_t st[3] = {T * H * D, H * D, D}, rst[3] = {T * H, H, 1};
         memcpy(x->x_stride, st, sizeof st), memcpy(x->out_stride, st, sizeof st);
         memcpy(x->grad_stride, st, sizeof st), memcpy(x->wprod_stride, st, sizeof st);
@@ -127,9 +136,16 @@ static int run(const problem *p, pe_dtype dt, int nthreads, double *out[2], doub
                 else ((float *)pw[k])[i] = (float)pow(((float *)rs[k])[i], -1.5);
             }
         rc = pe_qk_norm_rope_backward(&a);
-        for (int k = 0; k < 2 && rc == PE_OK; ++k)
+        for (int k = 0; k < 2 && rc == PE_OK; ++k) {
             for (int64_t i = 0; i < B * T * heads[k] * D; ++i)
                 dx[k][i] = dt == PE_FLOAT64 ? ((double *)os[k])[i] : ((float *)os[k])[i];
+            for (int64_t e = 0; e < D; ++e) {
+                long double sum = 0;
+                for (int64_t row = 0; dt == PE_FLOAT64 && row < B * T * heads[k]; ++row)
+                    sum += ((double *)ps[k])[row * D + e];
+                wgrad_out[k][e] = dt == PE_FLOAT64 ? (double)sum : wg[k][e];
+            }
+        }
     }
     for (int k = 0; k < 2; ++k) {
         free(xs[k]), free(os[k]), free(rs[k]);
@@ -224,6 +240,40 @@ static void variants_agree(void) {
     }
 }
 
+/* The fp32 weight gradients, summed by the kernel in torch's order for 1 to 5 threads
+ * (which makes some columns take the 4-lane order: D = 40 and 20 are not whole blocks of
+ * 4 vectors), against fp64's products summed in long double. */
+static void weight_gradients_match_fp64(void) {
+    static problem p;
+    static double g[2][B * T * HQ * 64], dx[2][B * T * HQ * 64];
+    static double want[2][64];
+    const int64_t dims[][2] = {{64, 32}, {40, 24}, {20, 8}};
+    for (size_t d = 0; d < sizeof dims / sizeof dims[0]; ++d)
+        for (int form = 0; form <= PE_NORM_POW; ++form) {
+            fill(&p, dims[d][0], dims[d][1], (pe_norm_form)form, PE_PAIR_HALF);
+            for (int k = 0; k < 2; ++k)
+                for (int64_t i = 0; i < B * T * HQ * p.D; ++i) g[k][i] = sin(0.37 * (double)i + k);
+            const double *grad[2] = {g[0], g[1]};
+            double *out[2] = {out_q, out_k}, *dxs[2] = {dx[0], dx[1]};
+            sum_threads = 1;
+            CHECK(run(&p, PE_FLOAT64, 1, out, NULL, grad, dxs, 8) == PE_OK, "fp64 backward");
+            memcpy(want, wgrad_out, sizeof want);
+            for (int threads = 1; threads <= 5; ++threads) {
+                sum_threads = threads;
+                CHECK(run(&p, PE_FLOAT32, 2, out, NULL, grad, dxs, 8) == PE_OK, "fp32 backward");
+                for (int k = 0; k < 2; ++k)
+                    for (int64_t e = 0; e < p.D; ++e) {
+                        const double err = fabs(wgrad_out[k][e] - want[k][e]);
+                        CHECK(err <= 1e-4 * (1 + fabs(want[k][e])),
+                              "D %lld form %d sum_threads %d tensor %d column %lld: %g vs %g",
+                              (long long)p.D, form, threads, k, (long long)e,
+                              wgrad_out[k][e], want[k][e]);
+                    }
+            }
+            sum_threads = 0;
+        }
+}
+
 static void bad_arguments(void) {
     static problem p;
     fill(&p, 16, 16, PE_NORM_WEIGHT, PE_PAIR_HALF);
@@ -244,6 +294,9 @@ static void bad_arguments(void) {
     CHECK(run(&p, PE_FLOAT32, 1, out, NULL, grad, dxs, 8) == PE_ERR_ARG, "pow without ms_pow");
     no_ms_pow = 0;
     CHECK(run(&p, PE_FLOAT32, 1, out, NULL, grad, dxs, 8) == PE_OK, "pow with ms_pow");
+    sum_threads = -1;
+    CHECK(run(&p, PE_FLOAT32, 1, out, NULL, grad, dxs, 8) == PE_ERR_ARG, "sum_threads -1");
+    sum_threads = 0;
 }
 
 int main(void) {
@@ -251,6 +304,7 @@ int main(void) {
     forward_matches_formula(PE_FLOAT32, 2e-5);
     backward_matches_differences();
     variants_agree();
+    weight_gradients_match_fp64();
     bad_arguments();
     return check_report("test_qk_norm");
 }

@@ -252,23 +252,39 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> qk_norm_rope_backward_impl(
     p.a.k.out = dk.t.mutable_data_ptr();
     strides_of(p.a.q.out_stride, dq.m, p.L);
     strides_of(p.a.k.out_stride, dk.m, p.L);
+    // The weights' gradients: the sum over the token and head dims of autograd's product
+    // (laid out contiguous in q's shape), the call autograd's sum_to makes, then rounded to
+    // the weight dtype as autograd rounds a gradient of another dtype.  fp32 / 16-bit: the
+    // kernel adds the products in the order of torch's sum on this many threads; fp64:
+    // the products are written and torch sums them.
     const int32_t wd = form == PE_NORM_WEIGHT ? p.qm.dtype : rd;
-    const Output wq = contiguous_output(p.qm, wd);
-    const Output wk = contiguous_output(p.km, wd);
-    p.a.q.wprod = wq.t.mutable_data_ptr();
-    p.a.k.wprod = wk.t.mutable_data_ptr();
-    strides_of(p.a.q.wprod_stride, wq.m, p.L);
-    strides_of(p.a.k.wprod_stride, wk.m, p.L);
+    p.a.sum_threads = num_threads();
+    p.a.heads_first = heads_first;
+    const bool f64 = p.a.dtype == PE_FLOAT64;
+    const std::array<int64_t, 1> dsize{p.a.head_dim};
+    Tensor wgq, wgk;
+    std::optional<Output> wq, wk;
+    if (f64) {
+        wq.emplace(contiguous_output(p.qm, wd));
+        wk.emplace(contiguous_output(p.km, wd));
+        p.a.q.wprod = wq->t.mutable_data_ptr();
+        p.a.k.wprod = wk->t.mutable_data_ptr();
+        strides_of(p.a.q.wprod_stride, wq->m, p.L);
+        strides_of(p.a.k.wprod_stride, wk->m, p.L);
+    } else {
+        wgq = empty(IntList(dsize.data(), 1), wd, p.qm, "q_weight gradient");
+        wgk = empty(IntList(dsize.data(), 1), wd, p.km, "k_weight gradient");
+        p.a.q.wgrad = wgq.mutable_data_ptr();
+        p.a.k.wgrad = wgk.mutable_data_ptr();
+    }
     check_status(pe_qk_norm_rope_backward(&p.a), "posenc::qk_norm_rope_backward");
-    // The weights' gradients: the products summed over the token and head dims by torch's
-    // own sum, the call autograd's sum_to makes on its product of this layout, then
-    // rounded to the weight dtype as autograd rounds a gradient of another dtype.
-    const std::array<int64_t, 3> rows{0, 1, 2};
-    const auto weight_grad = [&](const Tensor& prod, const Tensor& weight) {
-        Tensor g = torch::stable::sum(prod, IntList(rows.data(), rows.size()), false);
-        return converted(g, weight.scalar_type());
-    };
-    return {dq.t, dk.t, weight_grad(wq.t, q_weight), weight_grad(wk.t, k_weight)};
+    if (f64) {
+        const std::array<int64_t, 3> rows{0, 1, 2};
+        wgq = torch::stable::sum(wq->t, IntList(rows.data(), rows.size()), false);
+        wgk = torch::stable::sum(wk->t, IntList(rows.data(), rows.size()), false);
+    }
+    return {dq.t, dk.t, converted(wgq, q_weight.scalar_type()),
+            converted(wgk, k_weight.scalar_type())};
 }
 
 }  // namespace posenc
