@@ -244,12 +244,13 @@ torch.library.register_autograd("posenc::rope_fused", _rope_fused_backward,
 # ---------------------------------------------------------------------------------------
 # Fused per-head q/k RMSNorm + RoPE (posenc::qk_norm_rope).  The forward saves q, k and one
 # scale per row (rstd).  The backward op returns the gradients of q, k and both weights: the
-# weights' per-element products are written as autograd's product in transformers' chain is
-# laid out (contiguous in q's shape: the gradient of a rotation comes back contiguous) and
-# summed inside the op by torch's sum with the call autograd makes (sum_to: over the token
-# and head dims), so the weight gradients are autograd's bit for bit, under torch.compile
-# too (Inductor never re-generates that sum).  Gradients of cos/sin, and a backward that is
-# itself differentiable (create_graph), come from the same chain in torch ops.
+# weights' gradients are the sums autograd computes over its per-element product in
+# transformers' chain (contiguous in q's shape: the gradient of a rotation comes back
+# contiguous), which the kernel adds up in the order torch's sum over that layout takes on
+# this many threads (posenc.h), without writing the product (fp64: written, and summed by
+# torch), so they are autograd's bits in eager mode and under torch.compile alike (Inductor
+# never re-generates that sum).  Gradients of cos/sin, and a backward that is itself
+# differentiable (create_graph), come from the same chain in torch ops.
 
 #: norm= of apply_qk_norm_rope -> the op's form (posenc.h, pe_norm_form)
 QK_NORM_FORMS = {"weight": 0, "one_plus_weight": 1, "weight_f32": 2, "pow": 3}
