@@ -53,14 +53,15 @@ wheel: $(STAMP)
 build: wheel
 	$(VPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
 
-# Everything: C tests, the same under ASan + UBSan, a bounded fuzzing run, the C tests on
+# Everything: C tests, the same under ASan + UBSan (in the fuzzing build, or `sanitize`'s
+# own where the fuzzer's compiler cannot be installed), a bounded fuzzing run, the C tests on
 # aarch64 under emulation, the CUDA sources compiled (cuda-compile), Python tests on
 # transformers 5.x and the transformers-4.x tests against the 4.57.6 overlay, the
 # position-id tests against the 5.18.0 and newest 5.x overlays, the patch beside the newest
 # 5.x's hub kernels, then the same wheel's ABI audit and op tests under torch 2.14.1, under
 # the oldest supported, 2.11.0, and under the newest on the package registry
 # (compat-newest).
-test: build ctest sanitize fuzz ctest-aarch64 cuda-compile pytest pytest-hf4 pytest-hf5_18 \
+test: build ctest fuzz ctest-aarch64 cuda-compile pytest pytest-hf4 pytest-hf5_18 \
 	pytest-hf5_latest pytest-hub-kernels abi-audit compat compat-min compat-newest
 
 # The verified table against the installed transformers (python -m posenc_torch.hf.verify
@@ -223,17 +224,22 @@ define need_packages
 endef
 
 # libFuzzer with ASan + UBSan over the C entry points (csrc/fuzz), FUZZ_SECONDS per
-# harness, starting from the committed seed corpus (new inputs go to builddir-fuzz/).
+# harness, starting from the committed seed corpus (new inputs go to builddir-fuzz/).  The
+# same build runs the C tests first (the sanitized C tests of `make test`: one ASan + UBSan
+# build for both); where clang cannot be installed, `sanitize` runs them instead.
 FUZZ_SECONDS ?= 30
 FUZZERS := rope positions vision
 fuzz: $(STAMP)
 	@rm -f $(VENV)/.skip-fuzz
 	$(call need_packages,clang libclang-rt-14-dev libomp-14-dev)
-	@if [ -e $(VENV)/.skip-fuzz ]; then exit 0; fi; set -e; \
+	@if [ -e $(VENV)/.skip-fuzz ]; then $(MAKE) --no-print-directory sanitize; exit $$?; fi; \
+	set -e; \
 	CC=clang $(VENV)/bin/meson setup builddir-fuzz -Dpython_extension=false -Dfuzz=true \
 		-Dbuildtype=debugoptimized -Db_sanitize=address,undefined -Db_lundef=false \
 		--reconfigure >/dev/null; \
 	$(VENV)/bin/meson compile -C builddir-fuzz >/dev/null; \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
+		$(VENV)/bin/meson test -C builddir-fuzz --print-errorlogs; \
 	for f in $(FUZZERS); do \
 		mkdir -p builddir-fuzz/corpus-$$f; \
 		UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \

@@ -223,7 +223,9 @@ static int walk_span(const walk_ctx *c, int64_t b, int64_t j0, int64_t j1, int64
     const int64_t *types = row_of(a->mm_token_type_ids, a->types_row_stride, b);
     const int64_t *mask = row_of(a->attention_mask, a->mask_row_stride, b);
     const int64_t pad = v5(a) ? 0 : 1;
-    int64_t *pt = c->pos + b * L, *ph = pt + c->axis_stride, *pw = ph + c->axis_stride;
+    /* (no output when the rows are empty: no arithmetic on a NULL pointer) */
+    int64_t *pt = c->pos ? c->pos + b * L : NULL;
+    int64_t *ph = pt ? pt + c->axis_stride : NULL, *pw = ph ? ph + c->axis_stride : NULL;
     int64_t next = 0, top = -1, kept = 0, img = img0, vid = vid0, prev = -1;
     item it = {0};
     int64_t item_token = -1, item_index = -1;
@@ -313,7 +315,9 @@ static int plain_span(const walk_ctx *c, int64_t b, int64_t j0, int64_t j1, int6
     const int64_t *types = row_of(a->mm_token_type_ids, a->types_row_stride, b);
     const int64_t *mask = row_of(a->attention_mask, a->mask_row_stride, b);
     const int64_t pad = v5(a) ? 0 : 1;
-    int64_t *pt = c->pos + b * L, *ph = pt + c->axis_stride, *pw = ph + c->axis_stride;
+    /* (no output when the rows are empty: no arithmetic on a NULL pointer) */
+    int64_t *pt = c->pos ? c->pos + b * L : NULL;
+    int64_t *ph = pt ? pt + c->axis_stride : NULL, *pw = ph ? ph + c->axis_stride : NULL;
     int64_t next = 0, top = -1, prev = -1;
     for (int64_t j = j0; j < j1; ++j) {
         int64_t p = pad;

@@ -441,16 +441,14 @@ static int run_backward_f32(const pe_qk_norm_args *a, qk_bwd_fn fn) {
 static int run(const pe_qk_norm_args *a, int backward) {
     if (!args_ok(a, backward)) return PE_ERR_ARG;
     const int64_t tokens = a->batch * a->seq, heads = a->q.heads + a->k.heads;
-    if (!tokens || !heads) {
-        /* no rows: the weight gradients are sums of nothing */
-        for (int k = 0; backward && a->dtype != PE_FLOAT64 && k < 2; ++k) {
-            const pe_qk_norm_tensor *x = k ? &a->k : &a->q;
-            if (x->heads && x->wgrad)
-                memset(x->wgrad, 0, (size_t)a->head_dim *
-                                        (a->form == PE_NORM_WEIGHT ? pe_dtype_size(a->dtype) : 4));
-        }
-        return PE_OK;
+    /* a tensor without rows: its weight gradient is a sum of nothing, +0 */
+    for (int k = 0; backward && a->dtype != PE_FLOAT64 && k < 2; ++k) {
+        const pe_qk_norm_tensor *x = k ? &a->k : &a->q;
+        if ((!x->heads || !tokens) && x->wgrad)
+            memset(x->wgrad, 0, (size_t)a->head_dim *
+                                    (a->form == PE_NORM_WEIGHT ? pe_dtype_size(a->dtype) : 4));
     }
+    if (!tokens || !heads) return PE_OK;
     hint_output(a, &a->q);
     hint_output(a, &a->k);
     if (a->dtype == PE_FLOAT64) return run_tiles(a, backward ? qk_backward_f64 : qk_forward_f64);
