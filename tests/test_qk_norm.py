@@ -343,6 +343,19 @@ def test_weight_gradients_in_torchs_sum_order(s: Shape, threads):
         torch.set_num_threads(old)
 
 
+@torch_side
+def test_weight_gradients_with_more_threads_than_column_blocks():
+    """70 threads: torch gives most of them no columns (their shares round to nothing) and
+    the last a share of 16 columns, summed in the 4-lane order."""
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(70)
+        for dtype in (torch.float32, torch.bfloat16):
+            check_forward_backward(FORMS[0], WGRAD_SHAPES[0], "hf-transposed", dtype)
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_inputs_are_not_modified():
     s = SHAPES[1]
     q, k, dim = make_qk(s, "hf-transposed", torch.bfloat16)

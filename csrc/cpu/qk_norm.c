@@ -261,24 +261,17 @@ static void plain_columns(int64_t D, int64_t N, int threads, int lanes, size_t e
                           uint8_t *plain) {
     const int64_t vec = lanes * (int64_t)(4 / es); /* columns per Vectorized<scalar_t> */
     memset(plain, 0, (size_t)D);
-    int64_t begin[64], end[64];
-    int chunks = 0;
-    if (N * D < 32768 || threads == 1) { /* at::internal::GRAIN_SIZE: serial */
-        begin[0] = 0, end[0] = D, chunks = 1;
-    } else {
-        const int64_t nth = threads < D ? threads : D, size = (D + nth - 1) / nth;
-        const int64_t multiple = 128 / (int64_t)es;
-        for (int64_t t = 0; t < nth && t * size < D && chunks < 64; ++t) {
-            int64_t b = t * size, e = b + size < D ? b + size : D;
+    const int serial = N * D < 32768 || threads == 1; /* at::internal::GRAIN_SIZE */
+    const int64_t nth = serial ? 1 : (threads < D ? threads : D), size = (D + nth - 1) / nth;
+    const int64_t multiple = 128 / (int64_t)es;
+    for (int64_t t = 0; t < nth && t * size < D; ++t) { /* thread t's columns [b, e) */
+        int64_t b = t * size, e = b + size < D ? b + size : D;
+        if (!serial) {
             b -= b % multiple;
             if (e != D) e -= e % multiple;
-            if (b < e) begin[chunks] = b, end[chunks] = e, ++chunks;
         }
-    }
-    for (int i = 0; i < chunks; ++i) {
-        const int64_t w = end[i] - begin[i], block = w >= vec ? 4 * lanes : 4;
-        for (int64_t c = begin[i]; c + block <= end[i]; c += block)
-            memset(plain + c, 1, (size_t)block);
+        const int64_t block = e - b >= vec ? 4 * lanes : 4;
+        for (int64_t c = b; c + block <= e; c += block) memset(plain + c, 1, (size_t)block);
     }
 }
 
