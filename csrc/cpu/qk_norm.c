@@ -339,7 +339,8 @@ static int wsum_make(const pe_qk_norm_args *a, const pe_qk_norm_tensor *x, wsum_
     }
     if (any_lanes) {
         w->ws.lane_block = (int64_t)4 << level_power(G);
-        floats += (size_t)(((4 * G + w->ws.lane_block - 1) / w->ws.lane_block * 4 + (N - 4 * G)) * D);
+        const int64_t blocks = (4 * G + w->ws.lane_block - 1) / w->ws.lane_block;
+        floats += (size_t)((blocks * 4 + (N - 4 * G)) * D);
         if (w->ws.lane_block > w->chunk) w->chunk = w->ws.lane_block;
     }
     float *buf = malloc(floats * sizeof(float) + 1);
