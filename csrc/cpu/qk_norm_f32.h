@@ -1,10 +1,12 @@
 /*
- * The fp32 core of the fused per-head RMSNorm + RoPE (posenc.h, pe_qk_norm_rope): rows of
- * tokens i0 .. i0+n-1, forward or backward, for fp32 / bf16 / fp16 tensors.  Compiled once
- * per instruction set into qk_norm_<isa>.c (the vector width of the loads, stores and of the
- * compiler's vectorized loops); the arithmetic is the same in every variant because each
- * loop is element-wise or keeps torch's own lanes (qk_sum_f32), and nothing is fused
- * (-ffp-contract=off).  qk_norm.c runs the tiles over threads.
+ * The fp32 core of the fused per-head RMSNorm + RoPE (posenc.h, pe_qk_norm_rope) for fp32 /
+ * bf16 / fp16 tensors: the forward of tokens i0 .. i0+n-1, and the backward of rows r0 ..
+ * r1-1 in the order of autograd's weight-gradient product, whose products go into block
+ * sums (qk_norm.c adds those up in torch's order).  Compiled once per instruction set into
+ * qk_norm_<isa>.c (the vector width of the loads, stores and of the compiler's vectorized
+ * loops); the arithmetic is the same in every variant because each loop is element-wise or
+ * keeps torch's own lanes (qk_sum_f32), and nothing is fused (-ffp-contract=off).
+ * qk_norm.c runs the tiles and row blocks over threads.
  */
 #ifndef POSENC_QK_NORM_F32_H
 #define POSENC_QK_NORM_F32_H
