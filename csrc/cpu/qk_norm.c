@@ -218,12 +218,14 @@ static int threads_for(const pe_qk_norm_args *a, int64_t units) {
     return nth > units ? (int)units : nth;
 }
 
-/* fn over tiles of tokens (the forward, and the fp64 backward). */
-static int run_tiles(const pe_qk_norm_args *a, qk_rows_fn fn) {
-    const int64_t tokens = a->batch * a->seq;
+/* unit(a, u, scratch, ctx) for u in 0 .. units-1 on nth threads, each with a scratch buffer
+ * of pe_qk_scratch_bytes. */
+typedef void (*qk_unit_fn)(const pe_qk_norm_args *a, int64_t u, void *scratch,
+                           const void *ctx);
+
+static int run_units(const pe_qk_norm_args *a, int64_t units, int nth, qk_unit_fn unit,
+                     const void *ctx) {
     const size_t bytes = pe_qk_scratch_bytes(a->rot_dim, a->head_dim);
-    const int64_t tile = PE_TOKEN_TILE, tiles = (tokens + tile - 1) / tile;
-    const int nth = threads_for(a, tokens);
     int failed = 0;
 #pragma omp parallel num_threads(nth) if (nth > 1)
     {
@@ -233,14 +235,25 @@ static int run_tiles(const pe_qk_norm_args *a, qk_rows_fn fn) {
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < tiles; ++i) {
-            if (!scratch) continue;
-            const int64_t i0 = i * tile;
-            fn(a, i0, tokens - i0 < tile ? tokens - i0 : tile, scratch);
-        }
+        for (int64_t u = 0; u < units; ++u)
+            if (scratch) unit(a, u, scratch, ctx);
         free(scratch);
     }
     return failed ? PE_ERR_NOMEM : PE_OK;
+}
+
+/* A tile of PE_TOKEN_TILE tokens for the qk_rows_fn at ctx (the forward, and the fp64
+ * backward). */
+static void tile_unit(const pe_qk_norm_args *a, int64_t u, void *scratch, const void *ctx) {
+    const int64_t tokens = a->batch * a->seq, i0 = u * PE_TOKEN_TILE;
+    (*(const qk_rows_fn *)ctx)(a, i0, tokens - i0 < PE_TOKEN_TILE ? tokens - i0 : PE_TOKEN_TILE,
+                               scratch);
+}
+
+static int run_tiles(const pe_qk_norm_args *a, qk_rows_fn fn) {
+    const int64_t tokens = a->batch * a->seq;
+    return run_units(a, (tokens + PE_TOKEN_TILE - 1) / PE_TOKEN_TILE, threads_for(a, tokens),
+                     tile_unit, &fn);
 }
 
 /* ---- the weight gradients: torch's sum of the products over rows --------------------- */
@@ -396,6 +409,20 @@ static int wsum_finish(const pe_qk_norm_args *a, const pe_qk_norm_tensor *x,
     return PE_OK;
 }
 
+typedef struct bwd_ctx {
+    qk_bwd_fn fn;
+    const wsum_plan *w; /* q's, k's */
+} bwd_ctx;
+
+/* Unit u: a chunk of q's rows, then of k's. */
+static void bwd_unit(const pe_qk_norm_args *a, int64_t u, void *scratch, const void *ctx) {
+    const bwd_ctx *c = ctx;
+    const int which = u >= c->w[0].units;
+    const wsum_plan *w = &c->w[which];
+    const int64_t r0 = (which ? u - c->w[0].units : u) * w->chunk, N = w->ws.rows;
+    c->fn(a, which, r0, N - r0 < w->chunk ? N : r0 + w->chunk, &w->ws, scratch);
+}
+
 /* The backward of fp32 / bf16 / fp16 tensors: units of rows of q then k over threads. */
 static int run_backward_f32(const pe_qk_norm_args *a, qk_bwd_fn fn) {
     wsum_plan w[2];
@@ -403,33 +430,16 @@ static int run_backward_f32(const pe_qk_norm_args *a, qk_bwd_fn fn) {
     int rc = wsum_make(a, xs[0], &w[0]);
     if (rc == PE_OK) rc = wsum_make(a, xs[1], &w[1]);
     else memset(&w[1], 0, sizeof w[1]);
-    const size_t bytes = pe_qk_scratch_bytes(a->rot_dim, a->head_dim);
-    const int64_t units = w[0].units + w[1].units;
-    const int nth = threads_for(a, units);
-    int failed = rc != PE_OK;
-#pragma omp parallel num_threads(nth) if (nth > 1 && !failed)
-    {
-        void *scratch = failed ? NULL : malloc(bytes);
-        if (!scratch) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; ++u) {
-            if (!scratch) continue;
-            const int which = u >= w[0].units;
-            const int64_t r0 = (which ? u - w[0].units : u) * w[which].chunk;
-            const int64_t N = w[which].ws.rows;
-            fn(a, which, r0, N - r0 < w[which].chunk ? N : r0 + w[which].chunk, &w[which].ws,
-               scratch);
-        }
-        free(scratch);
+    if (rc == PE_OK) {
+        const bwd_ctx c = {fn, w};
+        const int64_t units = w[0].units + w[1].units;
+        rc = run_units(a, units, threads_for(a, units), bwd_unit, &c);
     }
-    for (int k = 0; k < 2 && !failed; ++k)
-        if (xs[k]->heads && wsum_finish(a, xs[k], &w[k]) != PE_OK) failed = 1;
+    for (int k = 0; k < 2 && rc == PE_OK; ++k)
+        if (xs[k]->heads) rc = wsum_finish(a, xs[k], &w[k]);
     wsum_free(&w[0]);
     wsum_free(&w[1]);
-    return failed ? PE_ERR_NOMEM : PE_OK;
+    return rc;
 }
 
 static int run(const pe_qk_norm_args *a, int backward) {
