@@ -39,6 +39,18 @@ LABELS = {"posenc": "posenc_torch", "posenc_fused": "posenc_torch apply_rope (fu
 ORDER = list(COLORS)
 
 
+def method_rank(method: str) -> tuple[int, str]:
+    """Sort key of a method in legends and bar groups: its place in ORDER; a method ORDER
+    lacks comes last (by name) instead of failing the plot."""
+    return (ORDER.index(method) if method in ORDER else len(ORDER), method)
+
+
+def _label(method: str, threads: int | None = None) -> str:
+    """Legend text of a method (its name where LABELS lacks it), with a thread count."""
+    text = LABELS.get(method, method)
+    return text if threads is None else f"{text}, {threads} thr"
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")
 
@@ -74,7 +86,7 @@ def _plain_log_axis(ax) -> None:
 def _bars(ax, sel: list[dict], metric: str, threads: list[int]) -> None:
     """One sequence length only: a bar per method (and thread count)."""
     bars = []
-    for method in sorted({r["method"] for r in sel}, key=ORDER.index):
+    for method in sorted({r["method"] for r in sel}, key=method_rank):
         if metric == "ratio" and method == "copy":
             continue
         for n in threads:
@@ -83,13 +95,13 @@ def _bars(ax, sel: list[dict], metric: str, threads: list[int]) -> None:
                 bars.append((method, n, hit[0]))
     xs = range(len(bars))
     for x, (method, n, r) in zip(xs, bars):
-        label = f"{LABELS[method]}, {n} thr" if len(threads) > 1 else LABELS[method]
+        label = _label(method, n if len(threads) > 1 else None)
         if metric == "time":
             y = r["median_ms"]
-            ax.bar(x, y, color=COLORS[method], label=label,
+            ax.bar(x, y, color=COLORS.get(method, "0.5"), label=label,
                    yerr=[[y - r["p10_ms"]], [r["p90_ms"] - y]], capsize=3)
         else:
-            ax.bar(x, r["ratio_to_copy"], color=COLORS[method], label=label)
+            ax.bar(x, r["ratio_to_copy"], color=COLORS.get(method, "0.5"), label=label)
             ax.text(x, r["ratio_to_copy"], f"{r['ratio_to_copy']:.2f}", ha="center",
                     va="bottom", fontsize=8)
     ax.set_xticks([])
@@ -114,7 +126,7 @@ def _sweep_figure(plt, rows: list[dict], op: str, model: str, metric: str, title
             if len({r["seq"] for r in rows}) == 1:
                 _bars(ax, sel, metric, threads)
                 continue
-            for method in sorted({r["method"] for r in sel}, key=ORDER.index):
+            for method in sorted({r["method"] for r in sel}, key=method_rank):
                 if metric == "ratio" and method == "copy":
                     continue
                 for n, style in zip(threads, ("-", "--", ":")):
@@ -125,16 +137,17 @@ def _sweep_figure(plt, rows: list[dict], op: str, model: str, metric: str, title
                     if not pts:
                         continue
                     xs = [r["seq"] for r in pts]
-                    label = f"{LABELS[method]}, {n} thr" if len(threads) > 1 else LABELS[method]
+                    label = _label(method, n if len(threads) > 1 else None)
                     if metric == "time":
                         ys = [r["median_ms"] for r in pts]
                         err = [[y - r["p10_ms"] for y, r in zip(ys, pts)],
                                [r["p90_ms"] - y for y, r in zip(ys, pts)]]
                         ax.errorbar(xs, ys, yerr=err, fmt="o" + style, ms=4, capsize=2,
-                                    color=COLORS[method], label=label)
+                                    color=COLORS.get(method, "0.5"), label=label)
                     else:
                         ys = [r["ratio_to_copy"] for r in pts]
-                        ax.plot(xs, ys, "o" + style, ms=4, color=COLORS[method], label=label)
+                        ax.plot(xs, ys, "o" + style, ms=4, color=COLORS.get(method, "0.5"),
+                                label=label)
             ax.set_xscale("log", base=2)
             seqs = sorted({r["seq"] for r in sel})
             ax.set_xticks(seqs, [f"{t // 1024}k" if t >= 1024 else str(t) for t in seqs])
@@ -161,7 +174,7 @@ def _sweep_figure(plt, rows: list[dict], op: str, model: str, metric: str, title
 def _other_figure(plt, rows: list[dict], title: str):
     cases = sorted({(r["op"], r["model"], r["batch"], r["seq"], r["dtype"], r["mode"],
                      r["threads"], r["extra"]) for r in rows})
-    methods = sorted({r["method"] for r in rows}, key=ORDER.index)
+    methods = sorted({r["method"] for r in rows}, key=method_rank)
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cases)), 4.2))
     width = 0.8 / max(len(methods), 1)
     for k, method in enumerate(methods):
@@ -173,7 +186,7 @@ def _other_figure(plt, rows: list[dict], title: str):
             if hit:
                 xs.append(i + (k - (len(methods) - 1) / 2) * width)
                 ys.append(hit[0]["median_ms"])
-        ax.bar(xs, ys, width, color=COLORS[method], label=LABELS[method])
+        ax.bar(xs, ys, width, color=COLORS.get(method, "0.5"), label=_label(method))
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels([f"{c[0]}\n{c[1]}\nB={c[2]} T={c[3]} {c[4]}\n{c[7]} thr={c[6]}"
                         for c in cases], fontsize=7)

@@ -364,6 +364,21 @@ def test_positions_topic_checks_against_get_rope_index():
         int((grids[:, 0] * grids[:, 1] * grids[:, 2]).sum()) // 4
 
 
+def test_every_method_has_a_label_and_a_colour():
+    """plot.py (and the benchmarks notebook, which reads its tables) names and colours every
+    method the suite can write, so a new method cannot reach a plot unlabelled; a method the
+    tables lack still sorts (last) instead of failing the plot."""
+    import bench_packing_train  # noqa: F401 - adds the padded and packed methods
+    import plot
+
+    methods = set(H.METHODS)
+    assert {"padded", "packed"} <= methods
+    assert methods - set(plot.LABELS) == set()
+    assert methods - set(plot.COLORS) == set()
+    assert sorted(["zz_new", "copy", "posenc"], key=plot.method_rank) == \
+        ["posenc", "copy", "zz_new"]
+
+
 def test_plots_of_a_sweep(tmp_path):
     """plot.py draws lines for a sequence sweep and both thread counts, from the file only."""
     pytest.importorskip("matplotlib")
