@@ -387,25 +387,45 @@ def test_every_simd_variant_and_thread_count(isa, threads, dtype):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("f", [FORMS[0]] + ([POW] if POW is not None else []),
-                         ids=["qwen3"] + (["gemma3n"] if POW is not None else []))
-def test_bf16_denormal_results_every_variant(isa, f):
-    """Weights so small that the normalized and weighted values, their rotations and the
-    gradients are fp32 denormals, which the avx512bf16 variant's hardware rounding would
-    take as zeros (those rows are rounded again in software)."""
-    s = Shape("qwen3-vl-8b-heads", 1, 32, 8, 6, 128)
+_NEXT = next(f for f in FORMS if f.name == "qwen3-next")
+
+
+@pytest.mark.parametrize("f", [FORMS[0], _NEXT] + ([POW] if POW is not None else []),
+                         ids=["qwen3", "qwen3-next"] + (["gemma3n"] if POW is not None else []))
+@pytest.mark.parametrize("s", [Shape("qwen3-vl-8b-heads", 1, 32, 8, 6, 128),
+                               Shape("qwen3-next-heads", 1, 16, 2, 6, 256, R=64)],
+                         ids=lambda s: s.name)
+def test_bf16_denormal_results_every_variant(isa, f, s):
+    """Results that are fp32 denormals, which the avx512bf16 variant's hardware rounding
+    would take as zeros (those rows are rounded again in software): through weights so small
+    that the normalized and weighted values, their rotations and the gradients are
+    denormals, or (one_plus_weight, whose 1 + w is near 1) through input channels far below
+    the rest of their row.  With a partial rotary only the channels past it are made small,
+    so that no rotated channel gives the row away."""
     q, k, dim = make_qk(s, "hf-transposed", torch.bfloat16)
     cos, sin = make_tables(s, torch.bfloat16)
     ref_norms, norms = make_norms(f, s.D, torch.bfloat16), make_norms(f, s.D, torch.bfloat16)
-    tiny = torch.tensor([1e-39, -3e-40, 2e-38, 1.0], dtype=torch.bfloat16).repeat(32)
+    R = s.R or s.D
+    tiny = torch.tensor([1e-39, -3e-40, 2e-38, 1.0], dtype=torch.bfloat16).repeat(s.D // 4)
+    tiny = tiny[torch.randperm(s.D)]
+    if R < s.D:
+        tiny[:R] = 1.0
+    if f.norm == "one_plus_weight":
+        for t in (q, k):  # in place: the layout stays the model's
+            t.mul_(tiny)
+    else:
+        for a in ref_norms:
+            with torch.no_grad():
+                a.weight.copy_(tiny)
     for a, b in zip(ref_norms, norms, strict=True):
-        with torch.no_grad():
-            a.weight.copy_(tiny[torch.randperm(128)])
         b.load_state_dict(a.state_dict())
     qa, ka, qb, kb = (t.detach().clone().requires_grad_() for t in (q, k, q, k))
     want = reference(f, qa, ka, cos, sin, *ref_norms, dim)
     got = fused(f, qb, kb, cos, sin, *norms, dim)
-    assert any((w.float().abs() < 1.2e-38).logical_and(w != 0).any() for w in want)
+    for w in want:  # denormals in the channels made small, and only there
+        small = (w.float().abs() < 1.2e-38).logical_and(w != 0)
+        assert small[..., R:].any() if R < s.D else small.any()
+        assert not small[..., :R].any() or R == s.D
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     grads = [torch.randn_like(w) * 1e-37 for w in want]
     torch.autograd.backward(want, grads)

@@ -27,6 +27,14 @@ static inline int64_t qk_ceil_log2(int64_t x) {
     return x <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(x - 1));
 }
 
+/* Asks for the `bytes` at p, for reading or for writing. */
+PE_INLINE void qk_prefetch_row(const char *p, int64_t bytes, int write) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+        if (write) __builtin_prefetch(p + o, 1, 3);
+        else __builtin_prefetch(p + o, 0, 3);
+    }
+}
+
 /*
  * The sum of v[0..n-1] as torch's cascade_sum adds a contiguous row (SumKernel.cpp:
  * vectorized_inner_sum -> row_sum -> multi_row_sum, 4 accumulators, 4 cascade levels) with
@@ -195,15 +203,22 @@ PE_INLINE void qk_store(char *p, pe_vf v, pe_dtype dt, int hw, unsigned *den) {
     vx_store(p, v, dt);
 }
 
-/* One normalized and weighted vector (qk_scale_row's arithmetic); w1 holds 1 + w for
- * one_plus_weight (the same fp32 sum, made once per tile). */
+/* One normalized and weighted vector (qk_scale_row's arithmetic) before its last rounding to
+ * dt, which every form ends with; w holds 1 + w for one_plus_weight (the same fp32 sum, made
+ * once per tile).  A channel past the rotary stores this as it is: rounding an already
+ * rounded value changes no bit, so the store's rounding is the only one needed. */
+PE_INLINE pe_vf qk_scale_unrounded(pe_vf x, pe_vf w, pe_vf r, pe_norm_form form, pe_dtype dt,
+                                   int hw, unsigned *den) {
+    const pe_vf n = vf_mul(x, r);
+    if (form == PE_NORM_WEIGHT) return vf_mul(w, vf_round(n, dt, hw, den));
+    if (form == PE_NORM_ONE_PLUS_WEIGHT) return vf_mul(n, w);
+    return vf_mul(w, n);
+}
+
+/* qk_scale_unrounded rounded to dt: the normalized row as the rotary reads it */
 PE_INLINE pe_vf qk_scale_vec(pe_vf x, pe_vf w, pe_vf r, pe_norm_form form, pe_dtype dt, int hw,
                              unsigned *den) {
-    const pe_vf n = vf_mul(x, r);
-    if (form == PE_NORM_WEIGHT)
-        return vf_round(vf_mul(w, vf_round(n, dt, hw, den)), dt, hw, den);
-    if (form == PE_NORM_ONE_PLUS_WEIGHT) return vf_round(vf_mul(n, w), dt, hw, den);
-    return vf_round(vf_mul(w, n), dt, hw, den);
+    return vf_round(qk_scale_unrounded(x, w, r, form, dt, hw, den), dt, hw, den);
 }
 #endif
 
@@ -386,8 +401,8 @@ PE_INLINE unsigned qk_forward_out_vec(const pe_qk_norm_args *a, pe_dtype dt,
     }
     for (int64_t e = R; e < D; e += PE_VW)
         qk_store(orow + e * es,
-                 qk_scale_vec(vf_load(x + e), vf_load(v + e), rr, form, dt, hw, &den), dt, hw,
-                 &den);
+                 qk_scale_unrounded(vf_load(x + e), vf_load(v + e), rr, form, dt, hw, &den),
+                 dt, hw, &den);
     return den;
 }
 
@@ -432,14 +447,24 @@ PE_INLINE void qk_forward_row_vec(const pe_qk_norm_args *a, pe_dtype dt,
  * division and square root; then each row's second pass.  xg holds 8 rows of D floats. */
 PE_INLINE void qk_forward_rows8(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict v,
                                 const pe_qk_norm_tensor *X, int64_t b, int64_t t, int64_t h0,
-                                int n, float *restrict xg, const qk_rows_f32 *m, int hw) {
+                                int n, float *restrict xg, const qk_rows_f32 *m, int hw,
+                                int64_t ahead) {
     const int64_t D = a->head_dim;
     const size_t es = pe_dtype_size(dt);
     __m256 acc[8];
-    for (int g = 0; g < 8; ++g)
-        acc[g] = g < n ? qk_sq8_row(pe_row(X->x, X->x_stride, es, b, t, h0 + g), xg + g * D, D,
-                                    dt)
-                       : _mm256_setzero_ps();
+    for (int g = 0; g < 8; ++g) {
+        if (g >= n) {
+            acc[g] = _mm256_setzero_ps();
+            continue;
+        }
+        const char *xr = pe_row(X->x, X->x_stride, es, b, t, h0 + g);
+        if (ahead) { /* the input and the output (written in place of what it held) */
+            qk_prefetch_row(xr + ahead, D * (int64_t)es, 0);
+            qk_prefetch_row(pe_row(X->out, X->out_stride, es, b, t, h0 + g) + ahead,
+                            D * (int64_t)es, 1);
+        }
+        acc[g] = qk_sq8_row(xr, xg + g * D, D, dt);
+    }
     /* 8 x 8 transpose: col[l] holds lane l of every row */
     __m256 u[8], w[8], col[8];
     for (int g = 0; g < 8; g += 2) {
@@ -572,6 +597,19 @@ PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t 
     const int hw = 0;
 #endif
     (void)vec, (void)hw;
+    /* input and output rows each in one dense stream (the heads of a token adjacent, then
+     * the next token): asked for PE_PREFETCH_AHEAD bytes ahead, as the rotary does
+     * (internal.h); the hardware prefetchers alone leave each row's first loads waiting */
+    int64_t ahead[2];
+    for (int w = 0; w < 2; ++w) {
+        const pe_qk_norm_tensor *x = xs[w];
+        const int64_t D = a->head_dim, HD = x->heads * D;
+        ahead[w] = x->x_stride[2] == D && x->x_stride[1] == HD && x->out_stride[2] == D &&
+                           x->out_stride[1] == HD
+                       ? PE_PREFETCH_AHEAD
+                       : 0;
+    }
+    (void)ahead;
     for (int64_t i = i0; i < i0 + n; ++i) {
         const int64_t b = i / T, t = i % T;
         qk_tables_f32(a, b, t, 0, m.c, m.ss, m.s);
@@ -581,7 +619,8 @@ PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t 
             if (vec && qk_sum8_case(a)) {
                 for (int64_t h0 = 0; h0 < x->heads; h0 += 8)
                     qk_forward_rows8(a, dt, m.v[w], x, b, t, h0,
-                                     x->heads - h0 < 8 ? (int)(x->heads - h0) : 8, m.xg, &m, hw);
+                                     x->heads - h0 < 8 ? (int)(x->heads - h0) : 8, m.xg, &m, hw,
+                                     ahead[w]);
                 continue;
             }
 #endif
@@ -615,13 +654,6 @@ PE_INLINE void qk_accumulate(float *restrict acc, const float *restrict p, int64
  * (B, H, T, D) views transformers hands over, consecutive rows lie a token apart in memory
  * (all heads' channels), too far for the hardware prefetchers to follow. */
 #define QK_AHEAD 6
-
-PE_INLINE void qk_prefetch_row(const char *p, int64_t bytes, int write) {
-    for (int64_t o = 0; o < bytes; o += 64) {
-        if (write) __builtin_prefetch(p + o, 1, 3);
-        else __builtin_prefetch(p + o, 0, 3);
-    }
-}
 
 /* Backward: rows r0 .. r1-1 of tensor `tensor` in the products' order (posenc.h), each
  * row's dx stored and its weight-gradient products added to the block sums of ws. */
