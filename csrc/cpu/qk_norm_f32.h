@@ -27,6 +27,10 @@ static inline int64_t qk_ceil_log2(int64_t x) {
     return x <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(x - 1));
 }
 
+/* The size from which the forward asks for its dense input and output rows ahead: twice the
+ * L2 cache of a core on the x86-64 CPUs of the last years (1-2 MiB). */
+#define QK_PREFETCH_MIN_BYTES ((int64_t)4 << 20)
+
 /* Asks for the `bytes` at p, for reading or for writing. */
 PE_INLINE void qk_prefetch_row(const char *p, int64_t bytes, int write) {
     for (int64_t o = 0; o < bytes; o += 64) {
@@ -598,14 +602,16 @@ PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t 
 #endif
     (void)vec, (void)hw;
     /* input and output rows each in one dense stream (the heads of a token adjacent, then
-     * the next token): asked for PE_PREFETCH_AHEAD bytes ahead, as the rotary does
-     * (internal.h); the hardware prefetchers alone leave each row's first loads waiting */
+     * the next token) and too large to stay in cache: asked for PE_PREFETCH_AHEAD bytes
+     * ahead, as the rotary does (internal.h); the hardware prefetchers alone leave each
+     * row's first loads waiting.  Smaller tensors skip it (there the requests only cost). */
     int64_t ahead[2];
     for (int w = 0; w < 2; ++w) {
         const pe_qk_norm_tensor *x = xs[w];
         const int64_t D = a->head_dim, HD = x->heads * D;
+        const int64_t bytes = a->batch * T * HD * (int64_t)es;
         ahead[w] = x->x_stride[2] == D && x->x_stride[1] == HD && x->out_stride[2] == D &&
-                           x->out_stride[1] == HD
+                           x->out_stride[1] == HD && bytes >= QK_PREFETCH_MIN_BYTES
                        ? PE_PREFETCH_AHEAD
                        : 0;
     }
