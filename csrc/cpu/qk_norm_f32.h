@@ -462,7 +462,7 @@ PE_INLINE void qk_forward_rows8(const pe_qk_norm_args *a, pe_dtype dt, const flo
             continue;
         }
         const char *xr = pe_row(X->x, X->x_stride, es, b, t, h0 + g);
-        if (ahead) { /* the input and the output (written in place of what it held) */
+        if (ahead) { /* this row's input and output lines, `ahead` bytes further on */
             qk_prefetch_row(xr + ahead, D * (int64_t)es, 0);
             qk_prefetch_row(pe_row(X->out, X->out_stride, es, b, t, h0 + g) + ahead,
                             D * (int64_t)es, 1);
