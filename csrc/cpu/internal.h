@@ -151,10 +151,11 @@ void pe_rope_grad_rows_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p, 
                                   int64_t n, void *scratch);
 void pe_rope_table_rows_f32_avx512(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,
                                    int64_t n, void *scratch);
-/* The AVX-512 rows' bf16 rounding of channel pairs (simd.h bf16_pairs_num), for the tests:
- * dst[2i] the bf16 of even[i], dst[2i+1] that of odd[i], n a multiple of 16, NaN-free
- * values rounded as pe_f32_to_bf16 does; only on a CPU with the avx512 variant. */
+/* The AVX-512 and AVX2 rows' bf16 rounding of channel pairs (simd.h bf16_pairs_num), for
+ * the tests: dst[2i] the bf16 of even[i], dst[2i+1] that of odd[i], n a multiple of 16,
+ * NaN-free values rounded as pe_f32_to_bf16 does; only on a CPU with that variant. */
 void pe_bf16_pairs_avx512(uint16_t *dst, const float *even, const float *odd, int64_t n);
+void pe_bf16_pairs_avx2(uint16_t *dst, const float *even, const float *odd, int64_t n);
 #endif
 #ifdef PE_HAVE_AVX512BF16 /* the avx512bf16 variant was built (rope_avx512bf16.c) */
 void pe_rope_rotate_f32_avx512bf16(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0,

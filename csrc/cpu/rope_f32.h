@@ -127,12 +127,7 @@ PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
         const pe_vi r0 = bf16_pairs_hw(v[0], v[1]), r1 = bf16_pairs_hw(v[2], v[3]);
 #else
         if (m.nan_tables) nan = vf_nan_lanes(nan, v[0], v[1], v[2], v[3]);
-#if PE_VW == 16
         const pe_vi r0 = bf16_pairs_num(v[0], v[1]), r1 = bf16_pairs_num(v[2], v[3]);
-#else
-        const pe_vi r0 = bf16_join(bf16_round_num(v[0]), bf16_round_num(v[1]));
-        const pe_vi r1 = bf16_join(bf16_round_num(v[2]), bf16_round_num(v[3]));
-#endif
 #endif
         if (stream) {
             vi_stream(o + 2 * e, r0);

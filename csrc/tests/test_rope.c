@@ -710,12 +710,12 @@ static void special_values_case(const char *isa, int64_t D, pe_dtype tdt, int pa
     free(sn);
 }
 
-/* The AVX-512 rows' bf16 rounding of channel pairs in 16-bit words (bf16_pairs_num) against
- * pe_f32_to_bf16, on every fp32 high half that is not a NaN with the low halves around the
- * ties, in both lanes of a pair. */
+/* The AVX-512 and AVX2 rows' bf16 rounding of channel pairs in 16-bit words
+ * (bf16_pairs_num) against pe_f32_to_bf16, on every fp32 high half that is not a NaN with
+ * the low halves around the ties, in both lanes of a pair: each variant the CPU has. */
 static void bf16_pairs_rounding_case(void) {
 #ifdef PE_HAVE_X86_VARIANTS
-    if (pe_isa_best() < PE_ISA_AVX512) return;
+    if (pe_isa_best() < PE_ISA_AVX2) return;
     static const uint32_t lo[] = {0x0000, 0x0001, 0x7ffe, 0x7fff, 0x8000, 0x8001, 0xfffe,
                                   0xffff, 0x1234, 0x4000, 0xc000, 0x9abc, 0x5555, 0xaaaa,
                                   0x0100, 0xff00};
@@ -730,20 +730,23 @@ static void bf16_pairs_rounding_case(void) {
             memcpy(&even[i], &ue, 4);
             memcpy(&odd[i], &uo, 4);
         }
-    pe_bf16_pairs_avx512(got, even, odd, N);
-    int64_t wrong = 0, checked = 0;
-    for (int64_t i = 0; i < N; ++i) {
-        if (even[i] == even[i]) {
-            wrong += got[2 * i] != pe_f32_to_bf16(even[i]);
-            ++checked;
+    for (int v = 0; v < 2; ++v) {
+        if (v == 1 && pe_isa_best() < PE_ISA_AVX512) break;
+        (v == 0 ? pe_bf16_pairs_avx2 : pe_bf16_pairs_avx512)(got, even, odd, N);
+        int64_t wrong = 0, checked = 0;
+        for (int64_t i = 0; i < N; ++i) {
+            if (even[i] == even[i]) {
+                wrong += got[2 * i] != pe_f32_to_bf16(even[i]);
+                ++checked;
+            }
+            if (odd[i] == odd[i]) {
+                wrong += got[2 * i + 1] != pe_f32_to_bf16(odd[i]);
+                ++checked;
+            }
         }
-        if (odd[i] == odd[i]) {
-            wrong += got[2 * i + 1] != pe_f32_to_bf16(odd[i]);
-            ++checked;
-        }
+        CHECK(wrong == 0, "%s bf16 pair rounding: %ld of %ld values differ from pe_f32_to_bf16",
+              v == 0 ? "AVX2" : "AVX-512", (long)wrong, (long)checked);
     }
-    CHECK(wrong == 0, "AVX-512 bf16 pair rounding: %ld of %ld values differ from pe_f32_to_bf16",
-          (long)wrong, (long)checked);
     free(even);
     free(odd);
     free(got);
