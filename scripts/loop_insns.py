@@ -79,6 +79,7 @@ def mca_cycles(insns: list[str], mcpu: str) -> float | None:
 TIMER = r"""
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 #include <time.h>
 %(decls)s
 typedef void (*row_fn)(const char *, char *, const float *, const float *);
@@ -92,7 +93,12 @@ int main(void) {
     static float x[32 * 128] __attribute__((aligned(64)));
     static float o[32 * 128 + 256] __attribute__((aligned(64)));
     static float c[128] __attribute__((aligned(64))), s[128] __attribute__((aligned(64)));
-    for (int i = 0; i < 32 * 128; ++i) x[i] = 1.0f + (float)(i %% 50) / 64;
+    /* numbers in [1, 2) both as fp32 and as the bf16 pairs of the bf16 rows (each 16-bit half
+     * a bf16 in [1, 2): no zero, denormal or NaN in any row or result) */
+    for (int i = 0; i < 32 * 128; ++i) {
+        const uint32_t u = (0x3f80u | (i * 37u & 0x7fu)) << 16 | 0x3f80u | (i * 101u & 0x7fu);
+        memcpy(&x[i], &u, 4);
+    }
     for (int i = 0; i < 128; ++i) { c[i] = 0.5f + (float)i / 1024; s[i] = 0.25f; }
     const char *names[] = {%(names)s};
     row_fn fns[] = {%(fns)s};

@@ -108,7 +108,8 @@ PE_INLINE void rot_pair_block(const char *restrict x, const float *restrict c,
  * bits.  So with NaN-free tables (m.nan_tables == 0, checked per tile) nothing more is
  * needed; otherwise a row with a NaN (one check per row, not a branch per block) is done
  * again with the NaN rounding.  With the hardware rounding (PE_BF16_HW) NaNs need nothing,
- * and a row with an fp32 denormal among its results is done again in software. */
+ * and a row with an fp32 denormal among its results is done again in software (looked for
+ * only in the blocks whose rounded results hold a zero, as every denormal's do). */
 PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
                                   const float *restrict c, const float *restrict ss,
                                   int64_t h, row_mode m) {
@@ -123,8 +124,9 @@ PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
         pe_vf v[4];
         rot_pair_block(x, c, ss, h, e, v);
 #ifdef PE_BF16_HW /* NaNs round as in software; denormals do not (simd.h) */
-        denormal = bf16_denormals(denormal, v[0], v[1], v[2], v[3]);
         const pe_vi r0 = bf16_pairs_hw(v[0], v[1]), r1 = bf16_pairs_hw(v[2], v[3]);
+        if (__builtin_expect(bf16_any_zero(r0, r1), 0))
+            denormal = bf16_denormals(denormal, v[0], v[1], v[2], v[3]);
 #else
         if (m.nan_tables) nan = vf_nan_lanes(nan, v[0], v[1], v[2], v[3]);
         const pe_vi r0 = bf16_pairs_num(v[0], v[1]), r1 = bf16_pairs_num(v[2], v[3]);

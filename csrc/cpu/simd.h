@@ -111,9 +111,9 @@ PE_INLINE pe_vi bf16_join(pe_vi even, pe_vi odd) {
  * bf16 rounding by the hardware (AVX512_BF16, the avx512bf16 variant).  vcvtne2ps2bf16
  * rounds to nearest even and keeps a NaN's sign and top payload bits with the quiet bit set,
  * as bf16_round_hi does, but takes an fp32 denormal as a zero of its sign (software keeps
- * it: a bf16 denormal, or 2^-126).  So a row whose values hold a denormal (bf16_denormals)
- * is rounded again in software.  pe_bf16_hw_exact (rope_avx512bf16.c) checks the
- * instruction against the software rounding before dispatch picks this variant.
+ * it: a bf16 denormal, or 2^-126).  So a row whose values hold a denormal (bf16_any_zero,
+ * then bf16_denormals) is rounded again in software.  pe_bf16_hw_exact (rope_avx512bf16.c)
+ * checks the instruction against the software rounding before dispatch picks this variant.
  */
 #define PE_BF16_HW 1
 /* the pairs of bf16_join(bf16_round_hi(even), bf16_round_hi(odd)), unless a value is an
@@ -124,6 +124,15 @@ PE_INLINE pe_vi bf16_pairs_hw(pe_vf even, pe_vf odd) {
                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i r = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
     return _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)idx), r);
+}
+/* Whether r0 or r1 (bf16 the hardware rounded) holds a zero of either sign: every fp32
+ * denormal comes out as one and no fp32 normal does (the smallest rounds to 2^-126), so
+ * values whose bf16 hold no zero held no denormal.  One test per 32 values; only where a
+ * zero shows up does the class test per 16 (bf16_denormals) have to tell a denormal from a
+ * true zero. */
+PE_INLINE int bf16_any_zero(pe_vi r0, pe_vi r1) {
+    const __m512i m = _mm512_set1_epi16(0x7fff);
+    return (_mm512_testn_epi16_mask(r0, m) | _mm512_testn_epi16_mask(r1, m)) != 0;
 }
 /* the lanes of a, b, c or d that hold an fp32 denormal, or-ed into acc */
 PE_INLINE __mmask16 bf16_denormals(__mmask16 acc, pe_vf a, pe_vf b, pe_vf c, pe_vf d) {
