@@ -228,7 +228,7 @@ endef
 # same build runs the C tests first (the sanitized C tests of `make test`: one ASan + UBSan
 # build for both); where clang cannot be installed, `sanitize` runs them instead.
 FUZZ_SECONDS ?= 30
-FUZZERS := rope positions vision
+FUZZERS := rope positions vision qk_norm
 fuzz: $(STAMP)
 	@rm -f $(VENV)/.skip-fuzz
 	$(call need_packages,clang libclang-rt-14-dev libomp-14-dev)
