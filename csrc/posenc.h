@@ -196,9 +196,10 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
  *
  * All products and sums are fp32 and unfused for fp32 / bf16 / fp16 tensors (the forms'
  * 16-bit roundings are where transformers' norm modules round), fp64 tensors compute in
- * fp64.  The sum of squares follows torch's cascade_sum over a contiguous row (SumKernel
- * vectorized_inner_sum) with sum_lanes lanes (the width of torch's Vectorized<float> in
- * the sum kernel it runs: 8 on x86-64 for every capability, 4 for NEON):
+ * fp64 (eps added as given, not fl32(eps)).  The sum of squares follows torch's cascade_sum
+ * over a contiguous row (SumKernel vectorized_inner_sum) with sum_lanes lanes (the width of
+ * torch's Vectorized<float> in the sum kernel it runs: 8 on x86-64 for every capability, 4
+ * for NEON; fp64 rows: sum_lanes / 2, Vectorized<double>'s width, at least 1):
  *     the first V = D / W whole vectors v_i of W lanes, taken 4 at a time: vector 4j + k
  *     goes into accumulator k (a cascade of 4 levels carries every 16 groups); the
  *     accumulators' levels are joined, the V % 4 vectors left over are added to
