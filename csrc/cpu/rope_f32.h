@@ -85,8 +85,6 @@ PE_INLINE void rot_half_rows(const char *x, int64_t xs, char *o, int64_t os, int
 }
 
 #ifdef PE_BF16_BLOCK
-/* rot_half_row for bf16 with the tables in pair order: whole blocks as pairs, then the tail
- * (natural order) as before. */
 /* The four rotated vectors of the block at channel e of both halves: the even and the odd
  * channels of the first half (o[0], o[1]), then of the second (o[2], o[3]). */
 PE_INLINE void rot_pair_block(const char *restrict x, const float *restrict c,
@@ -102,7 +100,7 @@ PE_INLINE void rot_pair_block(const char *restrict x, const float *restrict c,
 }
 
 /* rot_half_row for bf16 with the tables in pair order: whole blocks as pairs, then the tail
- * (natural order) as before.  The blocks round as numbers (bf16_round_num), which is the
+ * (natural order) as before.  The blocks round as numbers (bf16_pairs_num), which is the
  * NaN rounding too for every NaN whose low 16 bits are zero: the sum of two products is a
  * quiet NaN carrying an operand's payload, or the default NaN, and a bf16 row has zero low
  * bits.  So with NaN-free tables (m.nan_tables == 0, checked per tile) nothing more is
