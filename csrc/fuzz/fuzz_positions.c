@@ -19,14 +19,6 @@
 #include "fuzz_util.h"
 #include "posenc.h"
 
-#define REQUIRE(c)                                                                  \
-    do {                                                                            \
-        if (!(c)) {                                                                 \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #c);  \
-            abort();                                                                \
-        }                                                                           \
-    } while (0)
-
 enum { TEXT = 11, VSTART = 20, VEND = 21, IMAGE = 30, VIDEO = 31, MAX_L = 96, MAX_B = 3, MAX_G = 8 };
 
 typedef struct stream {

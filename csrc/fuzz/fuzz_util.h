@@ -4,6 +4,17 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* A check of the harness: abort (libFuzzer then saves the input) naming the line. */
+#define REQUIRE(c)                                                                  \
+    do {                                                                            \
+        if (!(c)) {                                                                 \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #c);  \
+            abort();                                                                \
+        }                                                                           \
+    } while (0)
 
 typedef struct fuzz_bytes {
     const uint8_t *p;

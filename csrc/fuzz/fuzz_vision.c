@@ -17,14 +17,6 @@
 #include "fuzz_util.h"
 #include "posenc.h"
 
-#define REQUIRE(c)                                                                  \
-    do {                                                                            \
-        if (!(c)) {                                                                 \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #c);  \
-            abort();                                                                \
-        }                                                                           \
-    } while (0)
-
 enum { MAX_G = 6 };
 
 static void check_positions(const pe_vision_grids *g, const pe_vision_sizes *s) {
