@@ -16,6 +16,11 @@
  * other threads by far longer than the whole call. */
 #define PE_SERIAL_ELEMENTS ((int64_t)1 << 17)
 
+/* A pass on the calling thread takes its scratch from the stack up to this many bytes
+ * (a decode step's: 8 tokens of head_dim 128 need 23 KiB), from malloc above: a call that
+ * rotates a few rows would otherwise spend a good part of its time allocating. */
+#define PE_STACK_SCRATCH ((size_t)32 << 10)
+
 /* Outputs of this many bytes and more (q's and k's together), already in memory, are
  * written with streaming stores, which skip reading each line before overwriting it: they
  * are larger than what stays in a last-level cache anyway (rope.c). */

@@ -226,8 +226,16 @@ typedef void (*qk_unit_fn)(const pe_qk_norm_args *a, int64_t u, void *scratch,
 static int run_units(const pe_qk_norm_args *a, int64_t units, int nth, qk_unit_fn unit,
                      const void *ctx) {
     const size_t bytes = pe_qk_scratch_bytes(a->rot_dim, a->head_dim);
+    if (nth <= 1) { /* the calling thread: a small scratch from the stack (internal.h) */
+        _Alignas(64) unsigned char local[PE_STACK_SCRATCH];
+        void *scratch = bytes <= sizeof local ? local : malloc(bytes);
+        if (!scratch) return PE_ERR_NOMEM;
+        for (int64_t u = 0; u < units; ++u) unit(a, u, scratch, ctx);
+        if (scratch != local) free(scratch);
+        return PE_OK;
+    }
     int failed = 0;
-#pragma omp parallel num_threads(nth) if (nth > 1)
+#pragma omp parallel num_threads(nth)
     {
         void *scratch = malloc(bytes);
         if (!scratch) {

@@ -147,21 +147,20 @@ static void plan_free(pe_rope_plan *p) { free(p->slot_pos_off); }
  * blocks), spans closer than a cache line merged.  rope_f32.h asks for them a tile ahead. */
 static void plan_fetch(const pe_rope_args *a, pe_rope_plan *p) {
     const int64_t R = a->rot_dim, es = (int64_t)pe_dtype_size(a->src.table_dtype);
-    const int blocks = p->block && R % p->block == 0;
+    const int64_t unit = p->block && R % p->block == 0 ? p->block : 1; /* channels per read */
     p->nfetch = 0;
     for (int64_t ax = 0; ax < p->axes; ++ax) {
         int64_t open = -1; /* index of the span being extended, or -1 */
-        for (int64_t e = 0; e < R; ++e) {
-            const int reads = blocks ? (p->block_axes[e / p->block] >> ax) & 1u
-                                     : p->chan_axis[e] == ax;
+        for (int64_t e = 0, k = 0; e < R; e += unit, ++k) {
+            const int reads = unit > 1 ? (p->block_axes[k] >> ax) & 1u : p->chan_axis[e] == ax;
             if (!reads) continue;
-            const int64_t at = ax * a->src.table_stride[0] * es + e * es;
+            const int64_t at = ax * a->src.table_stride[0] * es + e * es, bytes = unit * es;
             if (open >= 0 && at - (p->fetch[2 * open] + p->fetch[2 * open + 1]) < 64) {
-                p->fetch[2 * open + 1] = at + es - p->fetch[2 * open];
+                p->fetch[2 * open + 1] = at + bytes - p->fetch[2 * open];
             } else {
                 open = p->nfetch++;
                 p->fetch[2 * open] = at;
-                p->fetch[2 * open + 1] = es;
+                p->fetch[2 * open + 1] = bytes;
             }
         }
     }
@@ -188,16 +187,24 @@ static int plan_make(const pe_rope_args *a, pe_rope_plan *p, int64_t block) {
     p->block_axes = p->chan_axis + R + 1;
     p->block = block;
     p->nruns = 0;
-    for (int64_t e = 0; e < R; ++e) {
-        p->chan_axis[e] = axis ? axis[pe_slot(a->pairing, e, R)] : 0;
-        if (e == 0 || p->chan_axis[e] != p->chan_axis[e - 1]) p->run_start[p->nruns++] = e;
-        for (int ax = 1; ax < 3; ++ax)
-            p->axis_sel[(ax - 1) * R + e] = p->chan_axis[e] == ax ? 0xffffffffu : 0u;
-        if (block) p->block_axes[e / block] |= (uint8_t)(1u << p->chan_axis[e]);
+    /* channel e: its axis, the runs, the blend masks (zero from calloc where e reads
+     * another axis) and the axes of its block e / block (built in a register, stored once) */
+    unsigned used = 0;
+    for (int64_t e = 0, k = 0, in_block = 0; e < R; ++e) {
+        const uint8_t ax = axis ? axis[pe_slot(a->pairing, e, R)] : 0;
+        p->chan_axis[e] = ax;
+        if (e == 0 || ax != p->chan_axis[e - 1]) p->run_start[p->nruns++] = e;
+        if (ax) p->axis_sel[(ax - 1) * R + e] = 0xffffffffu;
+        if (!block) continue;
+        used |= 1u << ax;
+        if (++in_block == block || e == R - 1) {
+            p->block_axes[k++] = (uint8_t)used;
+            used = 0;
+            in_block = 0;
+        }
     }
     p->run_start[p->nruns] = R;
-    for (int64_t i = 0; i < nslot; ++i)
-        p->slot_pos_off[i] = (axis ? axis[i] : 0) * a->src.pos_stride[0];
+    for (int64_t i = 0; axis && i < nslot; ++i) p->slot_pos_off[i] = axis[i] * a->src.pos_stride[0];
     if (!a->src.pos) plan_fetch(a, p);
     return PE_OK;
 }
@@ -220,11 +227,12 @@ static inline __attribute__((always_inline)) int run_tiles(const pe_rope_args *a
     const size_t bytes = pe_scratch_bytes(a->rot_dim, a->head_dim, p->tile);
     const int nt = a->nthreads > 1 && work >= PE_SERIAL_ELEMENTS ? a->nthreads : 1;
     if (nt == 1) {
-        void *scratch = malloc(bytes);
+        _Alignas(64) unsigned char local[PE_STACK_SCRATCH];
+        void *scratch = bytes <= sizeof local ? local : malloc(bytes);
         if (!scratch) return PE_ERR_NOMEM;
         for (int64_t i = 0; i < ntile; ++i)
             fn(a, p, i * tile, items - i * tile < tile ? items - i * tile : tile, scratch);
-        free(scratch);
+        if (scratch != local) free(scratch);
         return PE_OK;
     }
     const int64_t chunk = ntile / (8 * (int64_t)nt) > 1 ? ntile / (8 * (int64_t)nt) : 1;
@@ -530,6 +538,7 @@ int pe_rope_apply(const pe_rope_args *a) {
     const pe_rope_tensor *lead = a->q.heads ? &a->q : &a->k;
     plan.heads_outer = lead->heads > 1 && lead->in_stride[2] > lead->in_stride[1];
     plan.tile = a->src.pos && !plan.heads_outer ? PE_FUSED_TILE : PE_TOKEN_TILE;
+    if (a->batch * a->seq < plan.tile) plan.tile = a->batch * a->seq; /* smaller scratch */
     /* q and k in one pass, or one pass each when they run in different precisions */
     const int q64 = runs_f64(a, &a->q), k64 = runs_f64(a, &a->k);
     const int split = a->q.heads && a->k.heads && q64 != k64;
