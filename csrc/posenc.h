@@ -205,6 +205,8 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
  *     accumulators' levels are joined, the V % 4 vectors left over are added to
  *     accumulator 0, then ((a0 + a1) + a2) + a3; the result's lanes are then added in
  *     order to the sum of the D % W tail values (from 0.0, in order).  D < W: W = 1.
+ * Which elements are NaN is part of the result; a NaN's sign and payload are not (which
+ * operand's NaN an operation passes on varies between the SIMD variants).
  *
  * Backward (pe_qk_norm_rope_backward), with g the gradient of out and x, r as saved: the
  * same steps autograd runs through transformers' norm and the rotation, rounded where

@@ -435,6 +435,60 @@ def test_bf16_denormal_results_every_variant(isa, f, s):
         assert torch.equal(a.weight.grad, b.weight.grad)
 
 
+_OLMO2 = next(f for f in FORMS if f.norm == "weight_f32")
+
+
+def _bits_where_numbers(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """NaN in the same elements and the same bits everywhere else (NaN payloads are not
+    part of the result: which operand's NaN an instruction passes on is the compiler's
+    choice of operand order)."""
+    nan = want.isnan()
+    return torch.equal(got.isnan(), nan) and torch.equal(
+        got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("f", [FORMS[0], _NEXT, _OLMO2], ids=["qwen3", "qwen3-next", "olmo2"])
+@pytest.mark.parametrize("s", [Shape("qwen3-vl-8b-heads", 1, 32, 8, 6, 128),
+                               Shape("qwen3-next-heads", 1, 16, 2, 6, 256, R=64)],
+                         ids=lambda s: s.name)
+def test_bf16_nan_infinity_and_zero_inputs_every_variant(isa, f, s):
+    """bf16 rows holding NaNs (quiet and signalling, with payloads), infinities, zeros of
+    both signs and denormals, and for the fp32-weight form weights holding fp32 NaNs whose
+    low 16 bits are not zero (the software rounding of the bf16 pair rows rounds numbers
+    only, so such weights must not reach it); forward and backward."""
+    q, k, dim = make_qk(s, "hf-transposed", torch.bfloat16)
+    cos, sin = make_tables(s, torch.bfloat16)
+    specials = torch.tensor([0x7FC1, 0xFFA0, 0x7F81, 0x7F80, 0xFF80, 0x0001, 0x8040, 0x0000,
+                             0x8000], dtype=torch.int32).to(torch.int16)
+    for t in (q, k):  # a few elements of some rows (one per token and head in 3 of 6 tokens)
+        bits = t.view(torch.int16)
+        for j in range(3):
+            idx = torch.randperm(s.D)[: 1 + j]
+            bits[:, :, 2 * j, idx] = specials[torch.randint(0, len(specials), (len(idx),))]
+    wd = torch.float32 if f is _OLMO2 else None
+    ref_norms, norms = make_norms(f, s.D, torch.bfloat16, wd), make_norms(f, s.D, torch.bfloat16, wd)
+    if f is _OLMO2:
+        nans = torch.tensor([0x7FFFFFFF, 0xFFFF8001 - (1 << 32), 0x7F800001], dtype=torch.int32)
+        for n in ref_norms:
+            with torch.no_grad():
+                n.weight.view(torch.int32)[torch.randperm(s.D)[:3]] = nans
+    for a, b in zip(ref_norms, norms, strict=True):
+        b.load_state_dict(a.state_dict())
+    qa, ka, qb, kb = (t.detach().clone().requires_grad_() for t in (q, k, q, k))
+    want = reference(f, qa, ka, cos, sin, *ref_norms, dim)
+    got = fused(f, qb, kb, cos, sin, *norms, dim)
+    assert all(w.isnan().any() for w in want)
+    assert all(_bits_where_numbers(g, w) for g, w in zip(got, want, strict=True))
+    grads = [torch.randn_like(w) for w in want]
+    torch.autograd.backward(want, grads)
+    torch.autograd.backward(got, grads)
+    # (a NaN weight makes every row's sum, so all of dx, NaN)
+    assert qa.grad.isnan().any() and (f is _OLMO2 or not qa.grad.isnan().all())
+    assert _bits_where_numbers(qb.grad, qa.grad) and _bits_where_numbers(kb.grad, ka.grad)
+    for a, b in zip(ref_norms, norms, strict=True):
+        assert _bits_where_numbers(b.weight.grad, a.weight.grad)
+
+
 _CAPABILITY_SCRIPT = textwrap.dedent("""
     import sys
     import torch
@@ -583,6 +637,37 @@ def test_opcheck_backward_op(form):
     pows = (qr.pow(-1.5), kr.pow(-1.5)) if form == 3 else ()
     torch.library.opcheck(torch.ops.posenc.qk_norm_rope_backward.default,
                           (gq, gk, q, k, cos, sin, qw, kw, qr, kr, *args[6:], *pows))
+
+
+@pytest.mark.parametrize("form", [0, 1, 3])
+def test_backward_op_nan_rstd_every_variant(isa, form):
+    """The backward op called directly takes whatever rstd (and ms^-1.5) it is given: a row
+    given an fp32 NaN whose low 16 bits carry into the bf16 (the software rounding of the
+    bf16 pair rows rounds numbers only) comes back all NaN, and the other rows as with the
+    forward's rstd."""
+    q = torch.randn(1, 4, 3, 64).to(torch.bfloat16).transpose(1, 2)  # (B, H, T, D) views
+    k = torch.randn(1, 4, 1, 64).to(torch.bfloat16).transpose(1, 2)
+    cos, sin = torch.randn(1, 4, 64).to(torch.bfloat16), torch.randn(1, 4, 64).to(torch.bfloat16)
+    qw, kw = torch.randn(64).to(torch.bfloat16), torch.randn(64).to(torch.bfloat16)
+    args = (q, k, cos, sin, qw, kw, EPS, form, 0, SUM_LANES, True)
+    _, _, qr, kr = torch.ops.posenc.qk_norm_rope(*args)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    pows = (qr.pow(-1.5), kr.pow(-1.5)) if form == 3 else ()
+    want = torch.ops.posenc.qk_norm_rope_backward(gq, gk, *args[:6], qr, kr, *args[6:], *pows)
+    bad_r = qr.clone()
+    bad_r.view(-1)[1:2].view(torch.int32).fill_(0x7FFFFFFF)
+    bad_pows = pows
+    if form == 3:
+        bad_pows = (pows[0].clone(), pows[1])
+        bad_pows[0].view(-1)[1:2].view(torch.int32).fill_(0xFFFF8001 - (1 << 32))
+    got = torch.ops.posenc.qk_norm_rope_backward(gq, gk, *args[:6], bad_r, kr, *args[6:],
+                                                 *bad_pows)
+    row = torch.zeros_like(qr, dtype=torch.bool)
+    row.view(-1)[1] = True
+    dq, dq_want = got[0], want[0]
+    assert dq[row].isnan().all()
+    assert torch.equal(dq[~row].view(torch.int16), dq_want[~row].view(torch.int16))
+    assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
 
 
 def test_opcheck_eager_pow():

@@ -182,7 +182,7 @@ int pe_bf16_hw_exact(void);
  * products' order, posenc.h) of q (tensor 0) or k (1), r0 a multiple of both block sizes
  * of ws, whose block sums of the weight-gradient products it writes. */
 static inline size_t pe_qk_scratch_bytes(int64_t R, int64_t D) {
-    return (size_t)(3 * R + 11 * D) * sizeof(double); /* qk_norm_f32.h: 3R + 22D floats */
+    return (size_t)(3 * R + 12 * D) * sizeof(double); /* qk_norm_f32.h: 5R + 24D floats */
 }
 
 /* Where a backward puts the weight-gradient products of one tensor's N rows: the sums of

@@ -258,10 +258,12 @@ PE_INLINE float qk_grad_ms(pe_norm_form form, float gr, float r, float p) {
 }
 
 /* Scratch rows of one thread (fp32): the two weights, cos, signed sine, sine, five rows,
- * the two weights as qk_scale_vec takes them (1 + w for one_plus_weight, else w), and the
- * 8 rows of qk_forward_rows8. */
+ * the two weights as qk_scale_vec takes them (1 + w for one_plus_weight, else w), the
+ * 8 rows of qk_forward_rows8, and for the bf16 pair rows (qk_forward_out_pairs) those two
+ * weights, cos and the signed sine in pair order. */
 typedef struct qk_rows_f32 {
     float *w[2], *c, *ss, *s, *x, *t, *y, *o, *g, *v[2], *xg;
+    float *vp[2], *cp, *ssp;
 } qk_rows_f32;
 
 PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict w,
@@ -444,15 +446,173 @@ PE_INLINE void qk_forward_row_vec(const pe_qk_norm_args *a, pe_dtype dt,
     qk_forward_out(a, dt, v, x, orow, r, m, hw);
 }
 
+#ifdef PE_BF16_BLOCK
+/*
+ * bf16 rows in pair order, as the rotary's pair rows (simd.h, PE_BF16_BLOCK): a block of
+ * channels loads as channel pairs (a shift gives its even channels as fp32, a mask its odd
+ * ones), the row waits in scratch in that order, the weights and the token's tables are put
+ * in it once (pair_order_blocks), and two vectors round to bf16 together, the pairs coming
+ * out in memory order for the store (and, with the hardware rounding, going back to fp32 by
+ * the same shift and mask where the norm rounds inside the row).  Each channel gets the
+ * operations of qk_forward_out_vec / qk_backward_row_vec on the same values, so the same
+ * bits, with half the widening and narrowing.
+ *
+ * The software rounding (bf16_pairs_num, bf16_round_num) rounds as numbers.  That is the NaN
+ * rounding too for a quiet NaN whose low 16 bits are zero, and every value rounded here is
+ * a product or a sum whose NaN operands are bf16 values or the default NaN, except for the
+ * weights (held as fp32 with weight_f32, whose NaN may have other low bits) and, in a direct
+ * call of the backward op, rstd and ms^-1.5: a tensor whose weights hold a NaN, and a row
+ * given a NaN r or p, keep the channel-order rows there (qk_pair_weights,
+ * qk_backward_rows_dt).
+ *
+ * Which rows: bf16, qk_sum8_case, half pairing, whole blocks in each half of the rotary and
+ * past it.
+ */
+PE_INLINE int qk_pairs_case(const pe_qk_norm_args *a, pe_dtype dt) {
+    return dt == PE_BFLOAT16 && a->pairing == PE_PAIR_HALF && qk_sum8_case(a) &&
+           (a->rot_dim / 2) % PE_BF16_BLOCK == 0 && (a->head_dim - a->rot_dim) % PE_BF16_BLOCK == 0;
+}
+
+/* The four 8-lane accumulators of qk_sum8_f32 from pair-order ones.  In a block of 32
+ * channels torch's accumulator k takes channels 8k .. 8k+7, channel c in lane c % 8; so
+ * even channel 2j of the block is accumulator j / 4's lane 2 (j % 4) and odd channel 2j+1
+ * its lane 2 (j % 4) + 1: a sum kept per lane of the even and of the odd vectors is the
+ * same additions in the same order, and interleaving the two gives accumulators 0 .. 3.
+ * AVX-512: a block is 32 channels (ae, ao hold all four accumulators).  AVX2: a block is
+ * 16 channels, alternate blocks hold accumulators 0, 1 (ae[0], ao[0]) and 2, 3 (ae[1],
+ * ao[1]); D is a multiple of 32. */
+PE_INLINE void qk_pair_lanes(const pe_vf *ae, const pe_vf *ao, __m256 acc[4]) {
+#if PE_VW == 16
+    pe_vf a01, a23;
+    vf_interleave(ae[0], ao[0], &a01, &a23);
+    acc[0] = _mm512_castps512_ps256(a01), acc[1] = _mm512_extractf32x8_ps(a01, 1);
+    acc[2] = _mm512_castps512_ps256(a23), acc[3] = _mm512_extractf32x8_ps(a23, 1);
+#else
+    vf_interleave(ae[0], ao[0], &acc[0], &acc[1]);
+    vf_interleave(ae[1], ao[1], &acc[2], &acc[3]);
+#endif
+}
+
+/* Which pair-order accumulator the block at channel e adds into (qk_pair_lanes). */
+PE_INLINE int qk_pair_acc(int64_t e) {
+#if PE_VW == 16
+    (void)e;
+    return 0;
+#else
+    return (int)(e / PE_BF16_BLOCK % 2);
+#endif
+}
+
+/* qk_sq8_row for a bf16 row read as channel pairs: x gets the row as fp32 in pair order,
+ * the squares go into the same lanes in the same order (qk_pair_lanes). */
+PE_INLINE __m256 qk_sq8_row_pairs(const char *xr, float *restrict x, int64_t D) {
+    pe_vf ae[2] = {vf_zero(), vf_zero()}, ao[2] = {vf_zero(), vf_zero()};
+    for (int64_t e = 0; e < D; e += PE_BF16_BLOCK) {
+        const pe_vi u = vi_load(xr + 2 * e);
+        const pe_vf ve = bf16_even(u), vo = bf16_odd(u);
+        const int k = qk_pair_acc(e);
+        vx_store((char *)(x + e), ve, PE_FLOAT32);
+        vx_store((char *)(x + e + PE_VW), vo, PE_FLOAT32);
+        ae[k] = vf_add(ae[k], vf_mul(ve, ve));
+        ao[k] = vf_add(ao[k], vf_mul(vo, vo));
+    }
+    __m256 acc[4];
+    qk_pair_lanes(ae, ao, acc);
+    return qk_sum8_vec(_mm256_add_ps(acc[0], _mm256_setzero_ps()), acc[1], acc[2], acc[3]);
+}
+
+/* A block's even and odd vectors rounded to bf16: its bf16 in memory order (two pairs per
+ * 32-bit word).  hw: by the hardware, the lanes that held an fp32 denormal (which it takes
+ * as zero) or-ed into *den, looked for only when the block's bf16 hold a zero. */
+PE_INLINE pe_vi qk_round_pairs(pe_vf ve, pe_vf vo, int hw, unsigned *den) {
+#ifdef PE_BF16_HW
+    if (hw) {
+        const pe_vi r = bf16_pairs_hw(ve, vo);
+        if (__builtin_expect(_mm512_testn_epi16_mask(r, _mm512_set1_epi16(0x7fff)) != 0, 0))
+            *den |= (unsigned)(_mm512_fpclass_ps_mask(ve, 0x20) | _mm512_fpclass_ps_mask(vo, 0x20));
+        return r;
+    }
+#endif
+    (void)hw, (void)den;
+    return bf16_pairs_num(ve, vo);
+}
+
+/* *ve, *vo rounded to bf16 and back to fp32 (vf_round of each): by the hardware as a pair
+ * (one conversion and one permutation for both), in software each in place (the rounded
+ * value's high half, as numbers like bf16_pairs_num, without the word shuffles). */
+PE_INLINE void qk_round_back(pe_vf *ve, pe_vf *vo, int hw, unsigned *den) {
+#ifdef PE_BF16_HW
+    if (hw) {
+        const pe_vi r = qk_round_pairs(*ve, *vo, hw, den);
+        *ve = bf16_even(r);
+        *vo = bf16_odd(r);
+        return;
+    }
+#endif
+    (void)hw, (void)den;
+    *ve = bf16_odd(bf16_round_num(*ve));
+    *vo = bf16_odd(bf16_round_num(*vo));
+}
+
+/* qk_scale_unrounded of the block at x (fp32, pair order) with the weights w (pair order) */
+PE_INLINE void qk_scale_pairs(const float *restrict x, const float *restrict w, pe_vf rr,
+                              pe_norm_form form, int hw, unsigned *den, pe_vf *ye, pe_vf *yo) {
+    pe_vf ne = vf_mul(vf_load(x), rr), no = vf_mul(vf_load(x + PE_VW), rr);
+    const pe_vf we = vf_load(w), wo = vf_load(w + PE_VW);
+    if (form == PE_NORM_WEIGHT) {
+        qk_round_back(&ne, &no, hw, den);
+        *ye = vf_mul(we, ne), *yo = vf_mul(wo, no);
+    } else if (form == PE_NORM_ONE_PLUS_WEIGHT) {
+        *ye = vf_mul(ne, we), *yo = vf_mul(no, wo);
+    } else {
+        *ye = vf_mul(we, ne), *yo = vf_mul(wo, no);
+    }
+}
+
+/* qk_forward_out_vec for the rows of qk_pairs_case: x the row and v the weights in pair
+ * order, the token's tables in m->cp, m->ssp.  Returns the denormal lanes of the hardware
+ * rounding (0 when hw is 0). */
+PE_INLINE unsigned qk_forward_out_pairs(const pe_qk_norm_args *a, const float *restrict v,
+                                        const float *restrict x, char *orow, float r,
+                                        const qk_rows_f32 *m, int hw) {
+    const int64_t D = a->head_dim, R = a->rot_dim, h = R / 2;
+    const pe_norm_form form = a->form;
+    const float *restrict c = m->cp, *restrict ss = m->ssp;
+    const pe_vf rr = vf_set1(r);
+    unsigned den = 0;
+    for (int64_t e = 0; e < h; e += PE_BF16_BLOCK) {
+        pe_vf y0e, y0o, y1e, y1o; /* the block at e of the first half, of the second */
+        qk_scale_pairs(x + e, v + e, rr, form, hw, &den, &y0e, &y0o);
+        qk_scale_pairs(x + h + e, v + h + e, rr, form, hw, &den, &y1e, &y1o);
+        qk_round_back(&y0e, &y0o, hw, &den);
+        qk_round_back(&y1e, &y1o, hw, &den);
+        const float *c0 = c + e, *s0 = ss + e, *c1 = c + h + e, *s1 = ss + h + e;
+        const pe_vf o0e = vf_rot(y0e, vf_load(c0), y1e, vf_load(s0));
+        const pe_vf o0o = vf_rot(y0o, vf_load(c0 + PE_VW), y1o, vf_load(s0 + PE_VW));
+        const pe_vf o1e = vf_rot(y1e, vf_load(c1), y0e, vf_load(s1));
+        const pe_vf o1o = vf_rot(y1o, vf_load(c1 + PE_VW), y0o, vf_load(s1 + PE_VW));
+        vi_store(orow + 2 * e, qk_round_pairs(o0e, o0o, hw, &den));
+        vi_store(orow + 2 * (h + e), qk_round_pairs(o1e, o1o, hw, &den));
+    }
+    for (int64_t e = R; e < D; e += PE_BF16_BLOCK) { /* past the rotary: one rounding */
+        pe_vf ye, yo;
+        qk_scale_pairs(x + e, v + e, rr, form, hw, &den, &ye, &yo);
+        vi_store(orow + 2 * e, qk_round_pairs(ye, yo, hw, &den));
+    }
+    return den;
+}
+#endif
+
 /* Up to 8 rows (heads h0 .. h0+n-1 of token (b, t)) of qk_sum8_case at once: each row's
  * first pass, then their 8 lane sums, scales and 1 / sqrt as 8-lane vectors (lane g is
  * row g: the same additions in the same order, and IEEE division and square root round as
  * their scalar forms do), so that no row waits on its own chain of dependent additions,
- * division and square root; then each row's second pass.  xg holds 8 rows of D floats. */
+ * division and square root; then each row's second pass.  xg holds 8 rows of D floats.
+ * vp: the weights in pair order for the bf16 pair rows (qk_pairs_case), else NULL. */
 PE_INLINE void qk_forward_rows8(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict v,
-                                const pe_qk_norm_tensor *X, int64_t b, int64_t t, int64_t h0,
-                                int n, float *restrict xg, const qk_rows_f32 *m, int hw,
-                                int64_t ahead) {
+                                const float *restrict vp, const pe_qk_norm_tensor *X, int64_t b,
+                                int64_t t, int64_t h0, int n, float *restrict xg,
+                                const qk_rows_f32 *m, int hw, int64_t ahead) {
     const int64_t D = a->head_dim;
     const size_t es = pe_dtype_size(dt);
     __m256 acc[8];
@@ -467,6 +627,12 @@ PE_INLINE void qk_forward_rows8(const pe_qk_norm_args *a, pe_dtype dt, const flo
             qk_prefetch_row(pe_row(X->out, X->out_stride, es, b, t, h0 + g) + ahead,
                             D * (int64_t)es, 1);
         }
+#ifdef PE_BF16_BLOCK
+        if (vp) {
+            acc[g] = qk_sq8_row_pairs(xr, xg + g * D, D);
+            continue;
+        }
+#endif
         acc[g] = qk_sq8_row(xr, xg + g * D, D, dt);
     }
     /* 8 x 8 transpose: col[l] holds lane l of every row */
@@ -496,8 +662,18 @@ PE_INLINE void qk_forward_rows8(const pe_qk_norm_args *a, pe_dtype dt, const flo
     for (int g = 0; g < n; ++g) {
         *(float *)pe_row(X->rstd, X->rstd_stride, 4, b, t, h0 + g) =
             a->form == PE_NORM_POW ? msv[g] : rv[g];
-        qk_forward_out(a, dt, v, xg + g * D,
-                       (char *)pe_row(X->out, X->out_stride, es, b, t, h0 + g), rv[g], m, hw);
+        char *orow = (char *)pe_row(X->out, X->out_stride, es, b, t, h0 + g);
+#ifdef PE_BF16_BLOCK
+        if (vp) {
+            /* a denormal met by the hardware rounding: the row again in channel order */
+            if (__builtin_expect(qk_forward_out_pairs(a, vp, xg + g * D, orow, rv[g], m, hw), 0)) {
+                load_row(m->x, pe_row(X->x, X->x_stride, es, b, t, h0 + g), dt, D);
+                qk_forward_out_vec(a, dt, v, m->x, orow, rv[g], m, 0);
+            }
+            continue;
+        }
+#endif
+        qk_forward_out(a, dt, v, xg + g * D, orow, rv[g], m, hw);
     }
 }
 
@@ -545,10 +721,84 @@ PE_INLINE unsigned qk_backward_row_vec(const pe_qk_norm_args *a, pe_dtype dt,
                  dt, hw, &den);
     return den;
 }
+
+#ifdef PE_BF16_BLOCK
+/* qk_backward_row_vec for the rows of qk_pairs_case, in pair order: the gradient, its
+ * partner block, the cos and sine rows and x read as channel pairs, vp the weights in pair
+ * order.  The first pass keeps gn and x in pair order for the second and stores the
+ * weight-gradient products in channel order (m->g, as the block sums take them); the sum
+ * of gn x goes into torch's lanes as qk_sq8_row_pairs's squares do.  The software pair
+ * rounding rounds numbers only (qk_round_pairs), so r and p, which a direct call may give
+ * any value, must not be NaN there (qk_backward_rows_dt).  Returns the denormal lanes of the
+ * hardware rounding. */
+PE_INLINE unsigned qk_backward_row_pairs(const pe_qk_norm_args *a, const float *restrict vp,
+                                         const char *xr, const char *grow, const char *crow,
+                                         const char *srow, char *dxrow, float r, float p,
+                                         qk_rows_f32 *m, int hw) {
+    const int64_t D = a->head_dim, R = a->rot_dim, h = R / 2;
+    const pe_norm_form form = a->form;
+    float *restrict x = m->x, *restrict gn = m->o, *restrict wp = m->g;
+    const pe_vf rr = vf_set1(r);
+    unsigned den = 0;
+    pe_vf ae[2] = {vf_zero(), vf_zero()}, ao[2] = {vf_zero(), vf_zero()};
+    for (int64_t e = 0; e < D; e += PE_BF16_BLOCK) {
+        const pe_vi gu = vi_load(grow + 2 * e);
+        pe_vf ge = bf16_even(gu), go = bf16_odd(gu);
+        if (e < R) { /* rotated back: the partner block's gradient and sine */
+            const int64_t pe = e < h ? e + h : e - h;
+            const pe_vi pu = vi_load(grow + 2 * pe), cu = vi_load(crow + 2 * e);
+            const pe_vi su = vi_load(srow + 2 * pe);
+            pe_vf se = bf16_even(su), so = bf16_odd(su);
+            if (e >= h) se = vf_neg(se), so = vf_neg(so);
+            ge = vf_rot(ge, bf16_even(cu), bf16_even(pu), se);
+            go = vf_rot(go, bf16_odd(cu), bf16_odd(pu), so);
+        }
+        qk_round_back(&ge, &go, hw, &den);
+        const pe_vi xu = vi_load(xr + 2 * e);
+        const pe_vf xe = bf16_even(xu), xo = bf16_odd(xu);
+        const pe_vf we = vf_load(vp + e), wo = vf_load(vp + e + PE_VW);
+        pe_vf ne = vf_mul(xe, rr), no = vf_mul(xo, rr);
+        pe_vf gve = vf_mul(ge, we), gvo = vf_mul(go, wo), pve, pvo;
+        if (form == PE_NORM_WEIGHT) {
+            qk_round_back(&gve, &gvo, hw, &den);
+            qk_round_back(&ne, &no, hw, &den);
+            pve = vf_mul(ge, ne), pvo = vf_mul(go, no);
+            qk_round_back(&pve, &pvo, hw, &den);
+        } else {
+            pve = vf_mul(ge, ne), pvo = vf_mul(go, no);
+        }
+        pe_vf lo, hi;
+        vf_interleave(pve, pvo, &lo, &hi);
+        vx_store((char *)(wp + e), lo, PE_FLOAT32);
+        vx_store((char *)(wp + e + PE_VW), hi, PE_FLOAT32);
+        vx_store((char *)(gn + e), gve, PE_FLOAT32);
+        vx_store((char *)(gn + e + PE_VW), gvo, PE_FLOAT32);
+        vx_store((char *)(x + e), xe, PE_FLOAT32);
+        vx_store((char *)(x + e + PE_VW), xo, PE_FLOAT32);
+        const int k = qk_pair_acc(e);
+        ae[k] = vf_add(ae[k], vf_mul(gve, xe));
+        ao[k] = vf_add(ao[k], vf_mul(gvo, xo));
+    }
+    __m256 acc[4];
+    qk_pair_lanes(ae, ao, acc);
+    const float sum = qk_sum8_join(_mm256_add_ps(acc[0], _mm256_setzero_ps()), acc[1], acc[2],
+                                   acc[3]);
+    const float gsum = qk_grad_ms(form, sum, r, p);
+    const pe_vf g2 = vf_set1(gsum / (float)D), two = vf_set1(2.0f);
+    for (int64_t e = 0; e < D; e += PE_BF16_BLOCK) {
+        const pe_vf de = vf_add(vf_mul(vf_load(gn + e), rr), vf_mul(g2, vf_mul(two, vf_load(x + e))));
+        const pe_vf d0 = vf_add(vf_mul(vf_load(gn + e + PE_VW), rr),
+                                vf_mul(g2, vf_mul(two, vf_load(x + e + PE_VW))));
+        vi_store(dxrow + 2 * e, qk_round_pairs(de, d0, hw, &den));
+    }
+    return den;
+}
+#endif
 #endif
 
-/* The scratch rows of one thread (pe_qk_scratch_bytes: 3R + 22D floats): qk_rows_f32's,
- * then the block accumulators of the backward (*plain: D, *lanes: 4 D). */
+/* The scratch rows of one thread (pe_qk_scratch_bytes: 5R + 24D floats at least):
+ * qk_rows_f32's, the block accumulators of the backward (*plain: D, *lanes: 4 D), then the
+ * pair-order rows of the forward. */
 PE_INLINE qk_rows_f32 qk_scratch(const pe_qk_norm_args *a, void *scratch, float **plain,
                                  float **lanes) {
     const int64_t D = a->head_dim, R = a->rot_dim;
@@ -559,6 +809,7 @@ PE_INLINE qk_rows_f32 qk_scratch(const pe_qk_norm_args *a, void *scratch, float 
     m.v[0] = m.g + D, m.v[1] = m.v[0] + D, m.xg = m.v[1] + D; /* xg: 8 rows */
     *plain = m.xg + 8 * D;
     *lanes = *plain + D;
+    m.vp[0] = *lanes + 4 * D, m.vp[1] = m.vp[0] + D, m.cp = m.vp[1] + D, m.ssp = m.cp + R;
     return m;
 }
 
@@ -569,6 +820,24 @@ PE_INLINE void qk_load_weight(const pe_qk_norm_args *a, const pe_qk_norm_tensor 
     load_row(m->w[w], X->weight, a->weight_f32 ? PE_FLOAT32 : dt, D);
     for (int64_t e = 0; e < D; ++e)
         m->v[w][e] = a->form == PE_NORM_ONE_PLUS_WEIGHT ? 1.0f + m->w[w][e] : m->w[w][e];
+}
+
+/* Weight w in pair order (m->vp[w]) for the bf16 pair rows, or NULL where they do not run:
+ * not qk_pairs_case, or weights holding a NaN with the software rounding, which rounds
+ * numbers only (an fp32 weight's NaN may have low bits that carry into the bf16). */
+PE_INLINE const float *qk_pair_weights(const pe_qk_norm_args *a, pe_dtype dt, qk_rows_f32 *m,
+                                       int w, int hw) {
+#ifdef PE_BF16_BLOCK
+    if (!qk_pairs_case(a, dt)) return NULL;
+    int nan = 0;
+    for (int64_t e = 0; e < a->head_dim; ++e) nan |= m->v[w][e] != m->v[w][e];
+    if (nan && !hw) return NULL;
+    pair_order_blocks(m->vp[w], m->v[w], a->head_dim);
+    return m->vp[w];
+#else
+    (void)a, (void)dt, (void)m, (void)w, (void)hw;
+    return NULL;
+#endif
 }
 
 /* Whether the rows take the vector paths: half pairing, R a multiple of 2 vectors and D of
@@ -601,6 +870,10 @@ PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t 
     const int hw = 0;
 #endif
     (void)vec, (void)hw;
+    const float *vp[2] = {NULL, NULL}; /* the bf16 pair rows, per tensor */
+    for (int w = 0; w < 2; ++w)
+        if (xs[w]->heads) vp[w] = qk_pair_weights(a, dt, &m, w, hw);
+    (void)vp;
     /* input and output rows each in one dense stream (the heads of a token adjacent, then
      * the next token) and too large to stay in cache: asked for PE_PREFETCH_AHEAD bytes
      * ahead, as the rotary does (internal.h); the hardware prefetchers alone leave each
@@ -619,12 +892,18 @@ PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t 
     for (int64_t i = i0; i < i0 + n; ++i) {
         const int64_t b = i / T, t = i % T;
         qk_tables_f32(a, b, t, 0, m.c, m.ss, m.s);
+#ifdef PE_BF16_BLOCK
+        if (vp[0] || vp[1]) {
+            pair_order_blocks(m.cp, m.c, a->rot_dim);
+            pair_order_blocks(m.ssp, m.ss, a->rot_dim);
+        }
+#endif
         for (int w = 0; w < 2; ++w) {
             const pe_qk_norm_tensor *x = xs[w];
 #ifdef PE_VW
             if (vec && qk_sum8_case(a)) {
                 for (int64_t h0 = 0; h0 < x->heads; h0 += 8)
-                    qk_forward_rows8(a, dt, m.v[w], x, b, t, h0,
+                    qk_forward_rows8(a, dt, m.v[w], vp[w], x, b, t, h0,
                                      x->heads - h0 < 8 ? (int)(x->heads - h0) : 8, m.xg, &m, hw,
                                      ahead[w]);
                 continue;
@@ -679,6 +958,8 @@ PE_INLINE void qk_backward_rows_dt(const pe_qk_norm_args *a, int tensor, int64_t
     const int hw = 0;
 #endif
     (void)vec, (void)hw;
+    const float *vp = qk_pair_weights(a, dt, &m, 0, hw); /* the bf16 pair rows, or NULL */
+    (void)vp;
     const int64_t S = ws->plain_block, LB = ws->lane_block;
     if (S) memset(plain, 0, (size_t)D * sizeof(float));
     if (LB) memset(lanes, 0, (size_t)(4 * D) * sizeof(float));
@@ -707,6 +988,13 @@ PE_INLINE void qk_backward_rows_dt(const pe_qk_norm_args *a, int tensor, int64_t
             const int64_t off = ((a->table_batch == 1 ? 0 : b) * a->table_stride[0] +
                                  t * a->table_stride[1]) * (int64_t)es;
             const char *cr = (const char *)a->cos + off, *sr = (const char *)a->sin + off;
+#ifdef PE_BF16_BLOCK
+            if (vp && (hw || (rs == rs && p == p))) {
+                /* a denormal met by the hardware rounding: the row again in channel order */
+                if (qk_backward_row_pairs(a, vp, xr, gr, cr, sr, dxr, rs, p, &m, hw))
+                    qk_backward_row_vec(a, dt, m.v[0], xr, gr, cr, sr, dxr, rs, p, &m, 0);
+            } else
+#endif
             if (!hw || qk_backward_row_vec(a, dt, m.v[0], xr, gr, cr, sr, dxr, rs, p, &m, 1))
                 qk_backward_row_vec(a, dt, m.v[0], xr, gr, cr, sr, dxr, rs, p, &m, 0);
         } else

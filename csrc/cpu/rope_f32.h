@@ -159,32 +159,12 @@ PE_INLINE void rot_half_rows_pairs(const char *x, int64_t xs, char *o, int64_t o
         rot_half_row_pairs(x + hd * xs * 2, o + hd * os * 2, c, ss, h, m);
 }
 
-/* The even and the odd lanes of the 2 PE_VW values in a, b (a first). */
-PE_INLINE void vf_deinterleave(pe_vf a, pe_vf b, pe_vf *even, pe_vf *odd) {
-#if PE_VW == 16
-    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    *even = _mm512_permutex2var_ps(a, ie, b);
-    *odd = _mm512_permutex2var_ps(a, io, b);
-#else
-    *even = _mm256_castpd_ps(
-        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
-    *odd = _mm256_castpd_ps(
-        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
-#endif
-}
-
 /* A row of R = 2h table values from channel order into pair order. */
 PE_INLINE void pair_order(float *restrict dst, const float *restrict src, int64_t h) {
+    const int64_t whole = h - h % PE_BF16_BLOCK;
     for (int64_t base = 0; base < 2 * h; base += h) {
-        int64_t b = 0;
-        for (; b + PE_BF16_BLOCK <= h; b += PE_BF16_BLOCK) {
-            pe_vf even, odd;
-            vf_deinterleave(vf_load(src + base + b), vf_load(src + base + b + PE_VW), &even, &odd);
-            vx_store((char *)(dst + base + b), even, PE_FLOAT32);
-            vx_store((char *)(dst + base + b + PE_VW), odd, PE_FLOAT32);
-        }
-        for (; b < h; ++b) dst[base + b] = src[base + b];
+        pair_order_blocks(dst + base, src + base, whole);
+        for (int64_t b = whole; b < h; ++b) dst[base + b] = src[base + b];
     }
 }
 

@@ -277,10 +277,50 @@ PE_INLINE pe_vi bf16_pairs_num(pe_vf even, pe_vf odd) {
  * bf16 rows a block of PE_BF16_BLOCK channels at a time, without widening or narrowing
  * shuffles: the block's 32-bit words are channel pairs, a shift gives the even channels as
  * fp32 and a mask the odd ones, and after rounding a 16-bit blend puts the pairs back.  The
- * tables of such rows are in "pair order" (pair_order below): per block, the values of its
+ * tables of such rows are in "pair order" (pair_order_blocks below): per block, the values of its
  * even channels, then those of its odd channels.
  */
 #define PE_BF16_BLOCK (2 * PE_VW)
+
+/* The even and the odd lanes of the 2 PE_VW values in a, b (a first). */
+PE_INLINE void vf_deinterleave(pe_vf a, pe_vf b, pe_vf *even, pe_vf *odd) {
+#if PE_VW == 16
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    *even = _mm512_permutex2var_ps(a, ie, b);
+    *odd = _mm512_permutex2var_ps(a, io, b);
+#else
+    *even = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
+    *odd = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
+#endif
+}
+
+/* The inverse of vf_deinterleave: the 2 PE_VW values whose even lanes are `even` and odd
+ * lanes `odd`, the first PE_VW in *lo. */
+PE_INLINE void vf_interleave(pe_vf even, pe_vf odd, pe_vf *lo, pe_vf *hi) {
+#if PE_VW == 16
+    const __m512i il = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i ih = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    *lo = _mm512_permutex2var_ps(even, il, odd);
+    *hi = _mm512_permutex2var_ps(even, ih, odd);
+#else
+    const __m256 l = _mm256_unpacklo_ps(even, odd), h = _mm256_unpackhi_ps(even, odd);
+    *lo = _mm256_permute2f128_ps(l, h, 0x20);
+    *hi = _mm256_permute2f128_ps(l, h, 0x31);
+#endif
+}
+
+/* n fp32 values (a multiple of PE_BF16_BLOCK) from channel order into pair order. */
+PE_INLINE void pair_order_blocks(float *restrict dst, const float *restrict src, int64_t n) {
+    for (int64_t b = 0; b < n; b += PE_BF16_BLOCK) {
+        pe_vf even, odd;
+        vf_deinterleave(vf_load(src + b), vf_load(src + b + PE_VW), &even, &odd);
+        vx_store((char *)(dst + b), even, PE_FLOAT32);
+        vx_store((char *)(dst + b + PE_VW), odd, PE_FLOAT32);
+    }
+}
 #endif
 
 PE_INLINE float sx_load(const char *p, pe_dtype dt) {
