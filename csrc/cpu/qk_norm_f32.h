@@ -259,8 +259,8 @@ PE_INLINE float qk_grad_ms(pe_norm_form form, float gr, float r, float p) {
 
 /* Scratch rows of one thread (fp32): the two weights, cos, signed sine, sine, five rows,
  * the two weights as qk_scale_vec takes them (1 + w for one_plus_weight, else w), the
- * 8 rows of qk_forward_rows8, and for the bf16 pair rows (qk_forward_out_pairs) those two
- * weights, cos and the signed sine in pair order. */
+ * 8 rows of qk_forward_rows8, and for the bf16 pair rows (qk_forward_out_pairs,
+ * qk_backward_row_pairs) those two weights, cos and the signed sine in pair order. */
 typedef struct qk_rows_f32 {
     float *w[2], *c, *ss, *s, *x, *t, *y, *o, *g, *v[2], *xg;
     float *vp[2], *cp, *ssp;
@@ -786,10 +786,11 @@ PE_INLINE unsigned qk_backward_row_pairs(const pe_qk_norm_args *a, const float *
     const float gsum = qk_grad_ms(form, sum, r, p);
     const pe_vf g2 = vf_set1(gsum / (float)D), two = vf_set1(2.0f);
     for (int64_t e = 0; e < D; e += PE_BF16_BLOCK) {
-        const pe_vf de = vf_add(vf_mul(vf_load(gn + e), rr), vf_mul(g2, vf_mul(two, vf_load(x + e))));
-        const pe_vf d0 = vf_add(vf_mul(vf_load(gn + e + PE_VW), rr),
-                                vf_mul(g2, vf_mul(two, vf_load(x + e + PE_VW))));
-        vi_store(dxrow + 2 * e, qk_round_pairs(de, d0, hw, &den));
+        const pe_vf dxe = vf_add(vf_mul(vf_load(gn + e), rr),
+                                 vf_mul(g2, vf_mul(two, vf_load(x + e))));
+        const pe_vf dxo = vf_add(vf_mul(vf_load(gn + e + PE_VW), rr),
+                                 vf_mul(g2, vf_mul(two, vf_load(x + e + PE_VW))));
+        vi_store(dxrow + 2 * e, qk_round_pairs(dxe, dxo, hw, &den));
     }
     return den;
 }
@@ -798,7 +799,7 @@ PE_INLINE unsigned qk_backward_row_pairs(const pe_qk_norm_args *a, const float *
 
 /* The scratch rows of one thread (pe_qk_scratch_bytes: 5R + 24D floats at least):
  * qk_rows_f32's, the block accumulators of the backward (*plain: D, *lanes: 4 D), then the
- * pair-order rows of the forward. */
+ * weights and tables in pair order of the bf16 pair rows. */
 PE_INLINE qk_rows_f32 qk_scratch(const pe_qk_norm_args *a, void *scratch, float **plain,
                                  float **lanes) {
     const int64_t D = a->head_dim, R = a->rot_dim;
