@@ -528,7 +528,7 @@ PE_INLINE pe_vi qk_round_pairs(pe_vf ve, pe_vf vo, int hw, unsigned *den) {
 #ifdef PE_BF16_HW
     if (hw) {
         const pe_vi r = bf16_pairs_hw(ve, vo);
-        if (__builtin_expect(_mm512_testn_epi16_mask(r, _mm512_set1_epi16(0x7fff)) != 0, 0))
+        if (__builtin_expect(bf16_zero_words(r) != 0, 0))
             *den |= (unsigned)(_mm512_fpclass_ps_mask(ve, 0x20) | _mm512_fpclass_ps_mask(vo, 0x20));
         return r;
     }
@@ -830,9 +830,7 @@ PE_INLINE const float *qk_pair_weights(const pe_qk_norm_args *a, pe_dtype dt, qk
                                        int w, int hw) {
 #ifdef PE_BF16_BLOCK
     if (!qk_pairs_case(a, dt)) return NULL;
-    int nan = 0;
-    for (int64_t e = 0; e < a->head_dim; ++e) nan |= m->v[w][e] != m->v[w][e];
-    if (nan && !hw) return NULL;
+    if (!hw && any_nan(m->v[w], a->head_dim)) return NULL;
     pair_order_blocks(m->vp[w], m->v[w], a->head_dim);
     return m->vp[w];
 #else

@@ -379,21 +379,6 @@ PE_INLINE int pairs_rows(const pe_rope_args *a, const pe_rope_tensor *x) {
 #endif
 }
 
-/* Whether any of the n floats at v is a NaN. */
-PE_INLINE int any_nan(const float *v, int64_t n) {
-    int64_t i = 0;
-#ifdef PE_VW
-    pe_vf acc = vf_zero();
-    for (; i + 4 * PE_VW <= n; i += 4 * PE_VW)
-        acc = vf_nan_lanes(acc, vf_load(v + i), vf_load(v + i + PE_VW),
-                           vf_load(v + i + 2 * PE_VW), vf_load(v + i + 3 * PE_VW));
-    if (vf_any(acc)) return 1;
-#endif
-    for (; i < n; ++i)
-        if (v[i] != v[i]) return 1;
-    return 0;
-}
-
 /* cos and signed sine of the n tokens of a tile from flat index i0, in channel order or
  * (pairs) in pair order; cn, sn are two scratch rows. */
 PE_INLINE void tile_tables(const pe_rope_args *a, const pe_rope_plan *p, int64_t i0, int64_t n,

@@ -125,14 +125,16 @@ PE_INLINE pe_vi bf16_pairs_hw(pe_vf even, pe_vf odd) {
     const __m512i r = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
     return _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)idx), r);
 }
-/* Whether r0 or r1 (bf16 the hardware rounded) holds a zero of either sign: every fp32
- * denormal comes out as one and no fp32 normal does (the smallest rounds to 2^-126), so
- * values whose bf16 hold no zero held no denormal.  One test per 32 values; only where a
- * zero shows up does the class test per 16 (bf16_denormals) have to tell a denormal from a
- * true zero. */
+/* The words of r that are a bf16 zero of either sign, and whether r0 or r1 (bf16 the
+ * hardware rounded) holds one: every fp32 denormal comes out as one and no fp32 normal
+ * does (the smallest rounds to 2^-126), so values whose bf16 hold no zero held no
+ * denormal.  One test per 32 values; only where a zero shows up does the class test per 16
+ * (bf16_denormals) have to tell a denormal from a true zero. */
+PE_INLINE __mmask32 bf16_zero_words(pe_vi r) {
+    return _mm512_testn_epi16_mask(r, _mm512_set1_epi16(0x7fff));
+}
 PE_INLINE int bf16_any_zero(pe_vi r0, pe_vi r1) {
-    const __m512i m = _mm512_set1_epi16(0x7fff);
-    return (_mm512_testn_epi16_mask(r0, m) | _mm512_testn_epi16_mask(r1, m)) != 0;
+    return (bf16_zero_words(r0) | bf16_zero_words(r1)) != 0;
 }
 /* the lanes of a, b, c or d that hold an fp32 denormal, or-ed into acc */
 PE_INLINE __mmask16 bf16_denormals(__mmask16 acc, pe_vf a, pe_vf b, pe_vf c, pe_vf d) {
@@ -322,6 +324,21 @@ PE_INLINE void pair_order_blocks(float *restrict dst, const float *restrict src,
     }
 }
 #endif
+
+/* Whether any of the n floats at v is a NaN. */
+PE_INLINE int any_nan(const float *v, int64_t n) {
+    int64_t i = 0;
+#ifdef PE_VW
+    pe_vf acc = vf_zero();
+    for (; i + 4 * PE_VW <= n; i += 4 * PE_VW)
+        acc = vf_nan_lanes(acc, vf_load(v + i), vf_load(v + i + PE_VW),
+                           vf_load(v + i + 2 * PE_VW), vf_load(v + i + 3 * PE_VW));
+    if (vf_any(acc)) return 1;
+#endif
+    for (; i < n; ++i)
+        if (v[i] != v[i]) return 1;
+    return 0;
+}
 
 PE_INLINE float sx_load(const char *p, pe_dtype dt) {
     if (dt == PE_FLOAT32) {
