@@ -1,11 +1,13 @@
 """Instructions per element of the RoPE row loops, counted from the machine code.
 
-Compiles scripts/loop_probe.c (one head row of head_dim 128, fp32 and bf16) with each x86
-variant's flags from meson.build, disassembles the probe functions with objdump, counts
-their instructions on the path to the first return (the loops are fully unrolled for
-h = 64: the count is one row's, the constants set up once per row included; the rare redo
-of a row with a NaN or a denormal sits after that return) and, where llvm-mca is
-installed, asks it for the row's throughput in cycles on a model CPU.  Prints a Markdown table.
+Compiles scripts/loop_probe.c (one head row of head_dim 128, fp32 and bf16, and the bf16
+rows of a token's 32 heads) with each x86 variant's flags from meson.build, disassembles
+the probe functions with objdump, counts their instructions on the path to the first
+return (the loops are fully unrolled for h = 64: the count is one row's, the constants set
+up once per row included; the rare redo of a row with a NaN or a denormal sits after that
+return; for the heads, the body of the loop over the heads, which is one row's) and, where
+llvm-mca is installed, asks it for the row's throughput in cycles on a model CPU.  Prints a
+Markdown table.
 
     python scripts/loop_insns.py [--cc gcc] [--mcpu sapphirerapids] [--time]
 
@@ -39,31 +41,47 @@ NEEDS = {"avx2": {"avx2", "fma", "f16c"},
          "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
          "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma",
                         "f16c"}}
-ROWS = {"fp32": ("probe_fp32_row", 4), "bf16": ("probe_bf16_row", 2)}  # bytes per value
+# name: (probe function, bytes per value, rows per call)
+ROWS = {"fp32": ("probe_fp32_row", 4, 1), "bf16": ("probe_bf16_row", 2, 1),
+        "bf16, 32 heads": ("probe_bf16_heads", 2, 32)}
 ELEMS = 128  # one row of head_dim 128
 
 
-def functions(obj: str) -> dict[str, list[str]]:
+def functions(obj: str) -> dict[str, list[tuple[int, str]]]:
+    """Each function's instructions (address, text) on the path to its first return."""
     text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", obj], check=True,
                           capture_output=True, text=True).stdout
-    out: dict[str, list[str]] = {}
+    out: dict[str, list[tuple[int, str]]] = {}
     name = None
     for line in text.splitlines():
         m = re.match(r"^[0-9a-f]+ <(\w+)>:$", line)
         if m:
             name = m.group(1)
             out[name] = []
-        elif name and re.match(r"^\s+[0-9a-f]+:\t", line):
-            insn = line.split("\t", 1)[1].strip()
+            continue
+        m = re.match(r"^\s+([0-9a-f]+):\t(.*)$", line)
+        if name and m:
+            insn = m.group(2).strip()
             if insn and not insn.startswith(("nop", "xchg   %ax,%ax", "cs nop", "data16")):
-                out[name].append(insn)
+                out[name].append((int(m.group(1), 16), insn))
     # the hot path: up to the first return (the rare redo of a row, NaN or denormal, is
     # placed after it)
     for name, insns in out.items():
-        rets = [i for i, x in enumerate(insns) if x.startswith("ret")]
+        rets = [i for i, (_, x) in enumerate(insns) if x.startswith("ret")]
         if rets:
             out[name] = insns[:rets[0] + 1]
     return out
+
+
+def loop_body(insns: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The loop closed by the last backward jump before the return, from the jump's target
+    to the jump (the heads probe's loop over its rows: one row)."""
+    addrs = [a for a, _ in insns]
+    for i in range(len(insns) - 1, -1, -1):
+        m = re.match(r"^j\w+\s+([0-9a-f]+)", insns[i][1])
+        if m and int(m.group(1), 16) < addrs[i] and int(m.group(1), 16) in addrs:
+            return insns[addrs.index(int(m.group(1), 16)):i + 1]
+    return insns
 
 
 def mca_cycles(insns: list[str], mcpu: str) -> float | None:
@@ -103,6 +121,7 @@ int main(void) {
     const char *names[] = {%(names)s};
     row_fn fns[] = {%(fns)s};
     const int es[] = {%(es)s};
+    const int rows[] = {%(rows)s}; /* head rows one call does */
     enum { N = sizeof fns / sizeof *fns };
     double best[N];
     for (int v = 0; v < N; ++v) best[v] = 1e9;
@@ -110,7 +129,7 @@ int main(void) {
         for (int v = 0; v < N; ++v) {
             const double t0 = now();
             for (int k = 0; k < 4000; ++k)
-                for (int h = 0; h < 32; ++h)
+                for (int h = 0; h < 32; h += rows[v])
                     fns[v]((const char *)x + h * 128 * es[v],
                            (char *)(o + 64) + h * 128 * es[v], c, s);
             const double t = (now() - t0) / (4000.0 * 32);
@@ -138,28 +157,30 @@ def time_rows(cc: str, variants: list[str], inc: list[str], tmp: str) -> dict[st
     variants = [v for v in variants if NEEDS[v] <= flags]
     if not variants:
         return {}
-    objs, decls, names, fns, es = [], [], [], [], []
+    objs, decls, names, fns, es, per_call = [], [], [], [], [], []
     for var in variants:
         obj = os.path.join(tmp, var + "_t.o")
-        ren = [f"-D{fn}={fn}_{var}" for fn, _ in ROWS.values()]
+        ren = [f"-D{fn}={fn}_{var}" for fn, _, _ in ROWS.values()]
         cmd = [cc, *COMMON, *VARIANTS[var], *inc, *ren, "-c",
                os.path.join(ROOT, "scripts", "loop_probe.c"), "-o", obj]
         if subprocess.run(cmd).returncode:
             continue
         objs.append(obj)
-        for row, (fn, size) in ROWS.items():
+        for row, (fn, size, rows) in ROWS.items():
             decls.append(f"void {fn}_{var}(const char *, char *, const float *, const float *);")
             names.append(f'"{var}/{row}"')
             fns.append(f"{fn}_{var}")
             es.append(str(size))
+            per_call.append(str(rows))
     src = os.path.join(tmp, "timer.c")
     with open(src, "w") as f:
         f.write(TIMER % {"decls": "\n".join(decls), "names": ", ".join(names),
-                         "fns": ", ".join(fns), "es": ", ".join(es)})
+                         "fns": ", ".join(fns), "es": ", ".join(es),
+                         "rows": ", ".join(per_call)})
     exe = os.path.join(tmp, "timer")
     subprocess.run([cc, "-O2", src, *objs, "-o", exe], check=True)
     out = subprocess.run([exe], check=True, capture_output=True, text=True).stdout
-    return {line.split()[0]: float(line.split()[1]) for line in out.splitlines()}
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in out.splitlines()}
 
 
 def main() -> int:
@@ -184,8 +205,9 @@ def main() -> int:
                 print(f"| {var} | (does not compile with {args.cc}) | | | | | |")
                 continue
             fns = functions(obj)
-            for row, (fn, es) in ROWS.items():
-                insns = fns.get(fn, [])
+            for row, (fn, es, rows) in ROWS.items():
+                code = fns.get(fn, [])
+                insns = [x for _, x in (loop_body(code) if rows > 1 else code)]
                 cyc = mca_cycles(insns, args.mcpu)
                 bpc = f"{2 * es * ELEMS / cyc:.1f}" if cyc else "-"
                 t = ns.get(f"{var}/{row}")

@@ -4,6 +4,9 @@
  * with each variant's flags and reads the machine code; nothing links it).  Rows of the
  * table and the positions-in paths, forward and backward, all run these same loops: only
  * the tables they read differ.  Row mode: no streaming stores, no prefetch, NaN-free tables.
+ * probe_bf16_heads is the bf16 row as a token's heads run it (rot_half_rows_pairs): 32 rows
+ * 128 channels apart, the tables read once for all of them where the variant holds them in
+ * registers.
  */
 #include "rope_f32.h"
 
@@ -15,6 +18,11 @@ void probe_fp32_row(const char *x, char *o, const float *c, const float *ss) {
 
 void probe_bf16_row(const char *x, char *o, const float *c, const float *ss) {
     const row_mode m = {0, 0, 0};
-    rot_half_row_pairs(x, o, c, ss, 64, m);
+    rot_half_row_pairs(x, o, c, ss, 64, m, NULL);
+}
+
+void probe_bf16_heads(const char *x, char *o, const float *c, const float *ss) {
+    const row_mode m = {0, 0, 0};
+    rot_half_rows_pairs(x, 128, o, 128, 32, c, ss, 64, m);
 }
 #endif

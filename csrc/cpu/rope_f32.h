@@ -85,13 +85,35 @@ PE_INLINE void rot_half_rows(const char *x, int64_t xs, char *o, int64_t os, int
 }
 
 #ifdef PE_BF16_BLOCK
+/* The tables of the block at channel e, in pair order: the cos and the signed sine of the
+ * even and the odd channels of the first half (c0e ... s0o), then of the second. */
+typedef struct {
+    pe_vf c0e, c0o, s0e, s0o, c1e, c1o, s1e, s1o;
+} pair_tables;
+
+PE_INLINE pair_tables pair_tables_load(const float *c, const float *ss, int64_t h, int64_t e) {
+    const float *c0 = c + e, *s0 = ss + e, *c1 = c + h + e, *s1 = ss + h + e;
+    const pair_tables t = {vf_load(c0), vf_load(c0 + PE_VW), vf_load(s0), vf_load(s0 + PE_VW),
+                           vf_load(c1), vf_load(c1 + PE_VW), vf_load(s1), vf_load(s1 + PE_VW)};
+    return t;
+}
+
 /* The four rotated vectors of the block at channel e of both halves: the even and the odd
- * channels of the first half (o[0], o[1]), then of the second (o[2], o[3]). */
-PE_INLINE void rot_pair_block(const char *restrict x, const float *restrict c,
-                              const float *restrict ss, int64_t h, int64_t e, pe_vf o[4]) {
+ * channels of the first half (o[0], o[1]), then of the second (o[2], o[3]); the tables
+ * from t, or, with t NULL, read from c and ss (as operands of the products). */
+PE_INLINE void rot_pair_block(const char *restrict x, const pair_tables *t,
+                              const float *restrict c, const float *restrict ss, int64_t h,
+                              int64_t e, pe_vf o[4]) {
     const pe_vi u0 = vi_load(x + 2 * e), u1 = vi_load(x + 2 * (h + e));
     const pe_vf x0e = bf16_even(u0), x0o = bf16_odd(u0);
     const pe_vf x1e = bf16_even(u1), x1o = bf16_odd(u1);
+    if (t) {
+        o[0] = vf_rot(x0e, t->c0e, x1e, t->s0e);
+        o[1] = vf_rot(x0o, t->c0o, x1o, t->s0o);
+        o[2] = vf_rot(x1e, t->c1e, x0e, t->s1e);
+        o[3] = vf_rot(x1o, t->c1o, x0o, t->s1o);
+        return;
+    }
     const float *c0 = c + e, *s0 = ss + e, *c1 = c + h + e, *s1 = ss + h + e;
     o[0] = vf_rot(x0e, vf_load(c0), x1e, vf_load(s0));
     o[1] = vf_rot(x0o, vf_load(c0 + PE_VW), x1o, vf_load(s0 + PE_VW));
@@ -110,7 +132,7 @@ PE_INLINE void rot_pair_block(const char *restrict x, const float *restrict c,
  * only in the blocks whose rounded results hold a zero, as every denormal's do). */
 PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
                                   const float *restrict c, const float *restrict ss,
-                                  int64_t h, row_mode m) {
+                                  int64_t h, row_mode m, const pair_tables *tab) {
     const int stream = m.stream;
     int64_t e = 0;
     pe_vf nan = vf_zero();
@@ -120,7 +142,7 @@ PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
 #endif
     for (; e + PE_BF16_BLOCK <= h; e += PE_BF16_BLOCK) {
         pe_vf v[4];
-        rot_pair_block(x, c, ss, h, e, v);
+        rot_pair_block(x, tab ? &tab[e / PE_BF16_BLOCK] : NULL, c, ss, h, e, v);
 #ifdef PE_BF16_HW /* NaNs round as in software; denormals do not (simd.h) */
         const pe_vi r0 = bf16_pairs_hw(v[0], v[1]), r1 = bf16_pairs_hw(v[2], v[3]);
         if (__builtin_expect(bf16_any_zero(r0, r1), 0))
@@ -145,7 +167,7 @@ PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
 #endif
         for (int64_t f = 0; f < e; f += PE_BF16_BLOCK) {
             pe_vf v[4];
-            rot_pair_block(x, c, ss, h, f, v);
+            rot_pair_block(x, NULL, c, ss, h, f, v);
             vi_store(o + 2 * f, bf16_join(bf16_round_hi(v[0]), bf16_round_hi(v[1])));
             vi_store(o + 2 * (h + f), bf16_join(bf16_round_hi(v[2]), bf16_round_hi(v[3])));
         }
@@ -153,10 +175,36 @@ PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
     if (e < h) rot_half_row(x, o, c, ss, h, PE_BFLOAT16, e, m);
 }
 
+/* The nh heads of a token with their tables read once, into registers (tab), where the
+ * rows are one or two blocks per half: 8 or 16 vectors of the 32 AVX-512 has.  A row then
+ * loads only its own values; read per row from L1, the tables took two loads per value. */
+#if PE_VW == 16
+#define PE_PAIR_TABLES_HELD 2
+PE_INLINE void rot_half_rows_pairs_held(const char *x, int64_t xs, char *o, int64_t os,
+                                        int64_t nh, const float *c, const float *ss, int64_t h,
+                                        row_mode m) {
+    pair_tables tab[PE_PAIR_TABLES_HELD];
+    for (int64_t k = 0; k < h / PE_BF16_BLOCK; ++k)
+        tab[k] = pair_tables_load(c, ss, h, k * PE_BF16_BLOCK);
+    for (int64_t hd = 0; hd < nh; ++hd)
+        rot_half_row_pairs(x + hd * xs * 2, o + hd * os * 2, c, ss, h, m, tab);
+}
+#endif
+
 PE_INLINE void rot_half_rows_pairs(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
                                    const float *c, const float *ss, int64_t h, row_mode m) {
+#ifdef PE_PAIR_TABLES_HELD
+    if (nh > 1 && h == 2 * PE_BF16_BLOCK) {
+        rot_half_rows_pairs_held(x, xs, o, os, nh, c, ss, 2 * PE_BF16_BLOCK, m);
+        return;
+    }
+    if (nh > 1 && h == PE_BF16_BLOCK) {
+        rot_half_rows_pairs_held(x, xs, o, os, nh, c, ss, PE_BF16_BLOCK, m);
+        return;
+    }
+#endif
     for (int64_t hd = 0; hd < nh; ++hd)
-        rot_half_row_pairs(x + hd * xs * 2, o + hd * os * 2, c, ss, h, m);
+        rot_half_row_pairs(x + hd * xs * 2, o + hd * os * 2, c, ss, h, m, NULL);
 }
 
 /* A row of R = 2h table values from channel order into pair order. */
