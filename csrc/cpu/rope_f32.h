@@ -581,7 +581,7 @@ PE_INLINE void rope_f32_rotate(const pe_rope_args *a, const pe_rope_plan *p, int
     int fetch = 1;  /* the next tile's tables are still to be asked for */
     row_mode m = {0, 1, 0};
     for (int w = 0; w < 2; ++w) {
-        const int64_t H = xs[w]->heads, step = p->heads_outer ? 1 : H;
+        const int64_t H = xs[w]->heads, step = p->heads_outer ? PE_OUTER_GROUP : H;
         if (!H) continue;
         const int pairs = pairs_rows(a, xs[w]);
         if (pairs != order) {
@@ -599,8 +599,8 @@ PE_INLINE void rope_f32_rotate(const pe_rope_args *a, const pe_rope_plan *p, int
         for (int64_t h = 0; h < H; h += step)
             for (int64_t j = 0; j < n; ++j) {
                 if (fetch && h == 0) prefetch_tables(a, p, i0 + p->tile + j);
-                token_heads(a, xs[w], (i0 + j) / T, (i0 + j) % T, h, h + step, c + j * R,
-                            ss + j * R, xb, ob, m);
+                token_heads(a, xs[w], (i0 + j) / T, (i0 + j) % T, h,
+                            h + step < H ? h + step : H, c + j * R, ss + j * R, xb, ob, m);
             }
         fetch = 0;
     }

@@ -80,6 +80,7 @@ typedef struct {
     pe_dtype dk;  /* k's dtype (in and out); q uses dt */
     int out;      /* output dtype of q and k, or -1: the input's (else mixed, bf16 -> fp32) */
     int expand;   /* EXPAND_*: stride-0 (expanded) q and k batch or heads, table tokens */
+    int outer;    /* inputs with the heads outer in memory, (B, H, T, D) (else (B, T, H, D)) */
 } rope_case;
 
 /* Runs one case forward and transpose; every output element must equal the reference
@@ -97,8 +98,8 @@ static void run_case(const rope_case *c, const char *isa) {
     for (int j = 0; j < 2; ++j) {
         const int64_t st = heads[j] * sh;
         ist[j][0] = (c->expand & EXPAND_BATCH) ? 0 : c->T * st;
-        ist[j][1] = st;
-        ist[j][2] = (c->expand & EXPAND_HEADS) ? 0 : sh;
+        ist[j][1] = c->outer ? sh : st;
+        ist[j][2] = (c->expand & EXPAND_HEADS) ? 0 : c->outer ? c->T * sh : sh;
         ost[j][0] = c->T * heads[j] * c->D;
         ost[j][1] = heads[j] * c->D;
         ost[j][2] = c->D;
@@ -172,10 +173,11 @@ static void run_case(const rope_case *c, const char *isa) {
                         }
         }
         CHECK(wrong == 0, "%s B=%ld T=%ld Hq=%ld Hk=%ld D=%ld R=%ld pair=%d q=%d k=%d out=%d "
-              "tables=%d mrope=%d/%d expand=%d transpose=%d: %ld wrong (first %.9g, want %.9g)",
+              "tables=%d mrope=%d/%d expand=%d outer=%d transpose=%d: %ld wrong (first %.9g, "
+              "want %.9g)",
               isa, (long)c->B, (long)c->T, (long)c->Hq, (long)c->Hk, (long)c->D, (long)c->R,
               c->pairing, c->dt, c->dk, c->out, c->tdt, c->mrope, c->interleaved, c->expand,
-              transpose, (long)wrong, first_got, first_want);
+              c->outer, transpose, (long)wrong, first_got, first_want);
     }
     for (int j = 0; j < 2; ++j) {
         free(ins[j]);
@@ -895,6 +897,16 @@ int main(void) {
         run_case(&big, name);
         big.T = 1100; big.dt = big.tdt = big.dk = PE_FLOAT32; big.mrope = 0;
         run_case(&big, name);
+        /* Heads outer in memory (contiguous (B, H, T, D) inputs, as gradients often are):
+         * the tiles go a group of heads at a time, the last group short of one (7 heads). */
+        rope_case outer = {.B = 2, .T = 37, .Hq = 7, .Hk = 2, .D = 128, .R = 128, .Bc = 2,
+                           .pairing = PE_PAIR_HALF, .dt = PE_BFLOAT16, .tdt = PE_BFLOAT16,
+                           .mrope = 1, .dk = PE_BFLOAT16, .out = -1, .outer = 1};
+        run_case(&outer, name);
+        outer.D = outer.R = 64; outer.Hq = 5; outer.Hk = 1; outer.mrope = 0; /* k: one head */
+        run_case(&outer, name);
+        outer.D = 128; outer.R = 96; outer.gap = 8; outer.dt = outer.dk = PE_FLOAT32;
+        run_case(&outer, name); /* partial rotary, head rows apart by more than D */
         isolation_case(PE_FLOAT32);
         isolation_case(PE_BFLOAT16);
         for (int64_t D = 64; D <= 128; D += 64)
