@@ -177,7 +177,8 @@ PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
 
 /* The nh heads of a token with their tables read once, into registers (tab), where the
  * rows are one or two blocks per half: 8 or 16 vectors of the 32 AVX-512 has.  A row then
- * loads only its own values; read per row from L1, the tables took two loads per value. */
+ * loads only its own values; read per row, the tables were 1 KiB from L1 besides the row's
+ * 256 bytes at head_dim 128 (docs/benchmarks.md, "The rotation on Zen 4"). */
 #if PE_VW == 16
 #define PE_PAIR_TABLES_HELD 2
 PE_INLINE void rot_half_rows_pairs_held(const char *x, int64_t xs, char *o, int64_t os,
