@@ -41,9 +41,10 @@
 #define PE_TOKEN_TILE 16
 
 /* Heads per visit of a token where the heads are outer in memory ((B, H, T, D) inputs,
- * e.g. the query gradient of eager attention): the tile goes this many heads at a time, each token's rows of
- * those heads together, so its tables are read once for them (held in registers where the
- * rows allow: rot_half_rows_pairs) while only this many rows are streamed side by side.
+ * e.g. the query gradient of eager attention): the tile goes this many heads at a time,
+ * each token's rows of those heads together, so its tables are read once for them (held in
+ * registers where the rows allow: rot_half_rows_pairs) while only this many rows are
+ * streamed side by side.
  * One head at a time read each row's tables again, from L1; every head of a token at once
  * (28 + 4 streams for Qwen2-VL-7B) outran the hardware prefetchers.  Measured on an AMD
  * EPYC (Zen 4), bf16 Qwen2-VL-7B at T = 4096: 1.5-2.0x a copy of the bytes with one head
