@@ -1,0 +1,106 @@
+"""posenc's MRoPE apply against copy_ of the same bytes, per-round ratios, in either layout.
+
+The floor topic of the suite (benchmarks/bench_floor.py) holds the kernels to copy_ in
+transformers' layout, a token's heads adjacent in memory.  This script times that layout
+and the other one, heads outer ((B, H, T, D) contiguous, as eager attention's query
+gradient is), the same way: one call of posenc_torch.apply_multimodal_rotary_pos_emb
+(forward under no_grad, or backward through autograd.grad) and one copy_ of q and k into
+tensors allocated once, back to back (the order alternating), for `rounds` rounds; it
+prints the median of the per-round ratios, the medians of both times and copy_'s GB/s.
+Qwen2-VL-7B shapes (28 q heads, 4 kv heads, head_dim 128, sections [16, 24, 24]), B = 1,
+cos and sin as 4.x passes them, (3, B, T, 128) in q's dtype.
+
+Run with glibc's allocator keeping freed memory, as the floor topic's workers do, so that
+no output is fresh pages:
+
+    MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=1073741824 \\
+        .venv/bin/python scripts/rope_pairs.py --seq 4096 --threads 1 --isa avx512bf16 \\
+        --mode fwd --dtype bf16 --layout outer
+
+Run it from outside the repository root (or with the wheel installed), so that the
+installed package is imported rather than the source tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import posenc_torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def inputs(t: int, dtype: torch.dtype, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (1, 28, t, 128) and k (1, 4, t, 128): views of (B, T, H, D) projections ("hf") or
+    contiguous tensors ("outer")."""
+    if layout == "hf":
+        return (torch.randn(1, t, 28, 128, dtype=dtype).transpose(1, 2),
+                torch.randn(1, t, 4, 128, dtype=dtype).transpose(1, 2))
+    return torch.randn(1, 28, t, 128, dtype=dtype), torch.randn(1, 4, t, 128, dtype=dtype)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--isa", default=None,
+                    help="a kernel variant to force (posenc_torch.set_kernel_isa); default: "
+                         "the best this CPU has")
+    ap.add_argument("--mode", choices=("fwd", "bwd"), default="fwd")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    ap.add_argument("--layout", choices=("hf", "outer"), default="hf")
+    ap.add_argument("--rounds", type=int, default=40)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.isa:
+        posenc_torch.set_kernel_isa(args.isa)
+    torch.manual_seed(0)
+    dtype = DTYPES[args.dtype]
+    q, k = inputs(args.seq, dtype, args.layout)
+    angle = torch.rand(3, 1, args.seq, 128) * 6
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    section = [16, 24, 24]
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+
+    if args.mode == "fwd":
+        def op() -> object:
+            with torch.no_grad():
+                return posenc_torch.apply_multimodal_rotary_pos_emb(q, k, cos, sin, section)
+    else:
+        qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
+        gq, gk = torch.randn_like(q), torch.randn_like(k)
+        oq, ok = posenc_torch.apply_multimodal_rotary_pos_emb(qg, kg, cos, sin, section)
+
+        def op() -> object:
+            return torch.autograd.grad((oq, ok), (qg, kg), (gq, gk), retain_graph=True)
+
+    def copy() -> None:
+        q_out.copy_(q)
+        k_out.copy_(k)
+
+    for _ in range(5):
+        op()
+        copy()
+    ratios, t_op, t_copy = [], [], []
+    for r in range(args.rounds):
+        for fn in ((copy, op) if r % 2 == 0 else (op, copy)):
+            t0 = time.perf_counter()
+            fn()
+            (t_copy if fn is copy else t_op).append(time.perf_counter() - t0)
+        ratios.append(t_op[-1] / t_copy[-1])
+    copy_s = statistics.median(t_copy)
+    gbps = 2 * (q.numel() + k.numel()) * q.element_size() / copy_s / 1e9
+    print(f"{posenc_torch.kernel_isa()} {args.layout} {args.dtype} {args.mode} T={args.seq} "
+          f"threads={args.threads}: {statistics.median(ratios):.3f} x copy_ (median of "
+          f"{args.rounds} paired rounds); op {statistics.median(t_op) * 1e3:.3f} ms, copy_ "
+          f"{copy_s * 1e3:.3f} ms ({gbps:.1f} GB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
