@@ -499,21 +499,23 @@ def measure_interleaved(fns: dict[str, Callable[[], object]], device: str,
 
 
 def measure_pairs(fn: Callable[[], object], floor_fn: Callable[[], object], device: str,
-                  rounds: int) -> list[float]:
+                  rounds: int, times: list[tuple[float, float]] | None = None) -> list[float]:
     """fn's time over floor_fn's, one ratio per round: each round times one call of each,
     back to back (floor first in even rounds, fn first in odd ones), so both see the same
     memory bandwidth however it moves on a shared host; the median of these ratios is what
-    the floor check reads."""
+    the floor check reads.  ``times``, if given, gets each round's (fn, floor_fn) seconds."""
     ratios = []
     for r in range(rounds):
-        times = {}
+        took = {}
         for which in ((floor_fn, fn) if r % 2 == 0 else (fn, floor_fn)):
             _sync(device)
             t0 = time.perf_counter()
             which()
             _sync(device)
-            times[which] = time.perf_counter() - t0
-        ratios.append(times[fn] / times[floor_fn])
+            took[which] = time.perf_counter() - t0
+        ratios.append(took[fn] / took[floor_fn])
+        if times is not None:
+            times.append((took[fn], took[floor_fn]))
     return ratios
 
 

@@ -5,7 +5,8 @@ transformers' layout, a token's heads adjacent in memory.  This script times tha
 and the other one, heads outer ((B, H, T, D) contiguous, as eager attention's query
 gradient is), the same way: one call of posenc_torch.apply_multimodal_rotary_pos_emb
 (forward under no_grad, or backward through autograd.grad) and one copy_ of q and k into
-tensors allocated once, back to back (the order alternating), for `rounds` rounds; it
+tensors allocated once, back to back (the order alternating), for `rounds` rounds
+(harness.measure_pairs, as the floor topic); it
 prints the median of the per-round ratios, the medians of both times and copy_'s GB/s.
 Qwen2-VL-7B shapes (28 q heads, 4 kv heads, head_dim 128, sections [16, 24, 24]), B = 1,
 cos and sin as 4.x passes them, (3, B, T, 128) in q's dtype.
@@ -24,13 +25,17 @@ installed package is imported rather than the source tree.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
-import time
 
 import torch
 
 import posenc_torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+import harness as H  # noqa: E402  (the floor topic's paired rounds: measure_pairs)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -86,18 +91,13 @@ def main() -> int:
     for _ in range(5):
         op()
         copy()
-    ratios, t_op, t_copy = [], [], []
-    for r in range(args.rounds):
-        for fn in ((copy, op) if r % 2 == 0 else (op, copy)):
-            t0 = time.perf_counter()
-            fn()
-            (t_copy if fn is copy else t_op).append(time.perf_counter() - t0)
-        ratios.append(t_op[-1] / t_copy[-1])
-    copy_s = statistics.median(t_copy)
+    rounds: list[tuple[float, float]] = []
+    ratios = H.measure_pairs(op, copy, "cpu", args.rounds, rounds)
+    t_op, copy_s = (statistics.median(t) for t in zip(*rounds, strict=True))
     gbps = 2 * (q.numel() + k.numel()) * q.element_size() / copy_s / 1e9
     print(f"{posenc_torch.kernel_isa()} {args.layout} {args.dtype} {args.mode} T={args.seq} "
           f"threads={args.threads}: {statistics.median(ratios):.3f} x copy_ (median of "
-          f"{args.rounds} paired rounds); op {statistics.median(t_op) * 1e3:.3f} ms, copy_ "
+          f"{args.rounds} paired rounds); op {t_op * 1e3:.3f} ms, copy_ "
           f"{copy_s * 1e3:.3f} ms ({gbps:.1f} GB/s)")
     return 0
 
