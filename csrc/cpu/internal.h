@@ -209,9 +209,17 @@ typedef struct pe_qk_wsum {
     float *tail;         /* (N - lane_rows, D): the products themselves */
 } pe_qk_wsum;
 
+/* How the q/k norm forward moves the rows of q (0) and of k (1), decided once per call
+ * (qk_norm.c): their input asked for this many bytes ahead (0: not), their results stored
+ * with streaming stores. */
+typedef struct pe_qk_plan {
+    int64_t ahead[2];
+    int stream[2];
+} pe_qk_plan;
+
 #define PE_QK_ENTRIES(isa)                                                                     \
-    void pe_qk_norm_rows_f32_##isa(const pe_qk_norm_args *a, int64_t i0, int64_t n,            \
-                                   void *scratch);                                             \
+    void pe_qk_norm_rows_f32_##isa(const pe_qk_norm_args *a, const pe_qk_plan *p, int64_t i0,  \
+                                   int64_t n, void *scratch);                                  \
     void pe_qk_norm_bwd_f32_##isa(const pe_qk_norm_args *a, int tensor, int64_t r0, int64_t r1, \
                                   const pe_qk_wsum *ws, void *scratch);
 PE_QK_ENTRIES(baseline)
@@ -226,5 +234,11 @@ PE_QK_ENTRIES(avx512bf16)
 /* Asks the OS to back [p, p + bytes) with huge pages when it is a large fresh output
  * (rope.c); advisory only. */
 void pe_huge_page_hint(const void *p, size_t bytes);
+
+/* 1 when the pages of [p, p + bytes) that a few samples look at are all in memory (rope.c;
+ * 0 where that cannot be asked).  Streaming stores go only to such outputs: a fresh output
+ * is pages the kernel zeroes into the cache on first touch, which a streaming store then
+ * evicts and writes again. */
+int pe_pages_resident(const void *p, size_t bytes);
 
 #endif /* POSENC_INTERNAL_H */

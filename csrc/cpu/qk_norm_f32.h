@@ -27,10 +27,6 @@ static inline int64_t qk_ceil_log2(int64_t x) {
     return x <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(x - 1));
 }
 
-/* The size from which the forward asks for its dense input and output rows ahead: twice the
- * L2 cache of a core on the x86-64 CPUs of the last years (1-2 MiB). */
-#define QK_PREFETCH_MIN_BYTES ((int64_t)4 << 20)
-
 /* Asks for the `bytes` at p, for reading or for writing. */
 PE_INLINE void qk_prefetch_row(const char *p, int64_t bytes, int write) {
     for (int64_t o = 0; o < bytes; o += 64) {
@@ -195,16 +191,21 @@ PE_INLINE pe_vf vf_round(pe_vf v, pe_dtype dt, int hw, unsigned *den) {
 #endif
 }
 
-/* vx_store, with vf_round's hardware bf16 rounding when hw */
-PE_INLINE void qk_store(char *p, pe_vf v, pe_dtype dt, int hw, unsigned *den) {
+/* vx_store, with vf_round's hardware bf16 rounding when hw, and as a streaming store when
+ * stream (p aligned to the store's width; bf16 rounded in software stores plainly, as
+ * vx_stream does) */
+PE_INLINE void qk_store(char *p, pe_vf v, pe_dtype dt, int hw, unsigned *den, int stream) {
 #ifdef PE_BF16_HW
     if (hw && dt == PE_BFLOAT16) {
         *den |= _mm512_fpclass_ps_mask(v, 0x20);
-        _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+        if (stream) _mm256_stream_si256((__m256i *)p, h);
+        else _mm256_storeu_si256((__m256i *)p, h);
         return;
     }
 #endif
-    vx_store(p, v, dt);
+    if (stream) vx_stream(p, v, dt);
+    else vx_store(p, v, dt);
 }
 
 /* One normalized and weighted vector (qk_scale_row's arithmetic) before its last rounding to
@@ -264,6 +265,7 @@ PE_INLINE float qk_grad_ms(pe_norm_form form, float gr, float r, float p) {
 typedef struct qk_rows_f32 {
     float *w[2], *c, *ss, *s, *x, *t, *y, *o, *g, *v[2], *xg;
     float *vp[2], *cp, *ssp;
+    int stream; /* the forward's vector stores of the current tensor stream (pe_qk_plan) */
 } qk_rows_f32;
 
 PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict w,
@@ -401,23 +403,29 @@ PE_INLINE unsigned qk_forward_out_vec(const pe_qk_norm_args *a, pe_dtype dt,
         const pe_vf y0 = qk_scale_vec(vf_load(x + e), vf_load(v + e), rr, form, dt, hw, &den);
         const pe_vf y1 =
             qk_scale_vec(vf_load(x + e + h), vf_load(v + e + h), rr, form, dt, hw, &den);
-        qk_store(orow + e * es, vf_rot(y0, vf_load(c + e), y1, vf_load(ss + e)), dt, hw, &den);
+        qk_store(orow + e * es, vf_rot(y0, vf_load(c + e), y1, vf_load(ss + e)), dt, hw, &den,
+                 m->stream);
         qk_store(orow + (e + h) * es, vf_rot(y1, vf_load(c + e + h), y0, vf_load(ss + e + h)),
-                 dt, hw, &den);
+                 dt, hw, &den, m->stream);
     }
     for (int64_t e = R; e < D; e += PE_VW)
         qk_store(orow + e * es,
                  qk_scale_unrounded(vf_load(x + e), vf_load(v + e), rr, form, dt, hw, &den),
-                 dt, hw, &den);
+                 dt, hw, &den, m->stream);
     return den;
 }
 
 PE_INLINE void qk_forward_out(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict v,
                               const float *restrict x, char *orow, float r,
                               const qk_rows_f32 *m, int hw) {
-    /* hardware bf16 rounding where exact, else the row again in software */
-    if (!hw || qk_forward_out_vec(a, dt, v, x, orow, r, m, 1))
+    /* hardware bf16 rounding where exact, else the row again in software (after the
+     * streaming stores of the first try, if any, are done) */
+    if (!hw) {
         qk_forward_out_vec(a, dt, v, x, orow, r, m, 0);
+    } else if (qk_forward_out_vec(a, dt, v, x, orow, r, m, 1)) {
+        if (m->stream) _mm_sfence();
+        qk_forward_out_vec(a, dt, v, x, orow, r, m, 0);
+    }
 }
 
 PE_INLINE void qk_forward_row_vec(const pe_qk_norm_args *a, pe_dtype dt,
@@ -569,6 +577,12 @@ PE_INLINE void qk_scale_pairs(const float *restrict x, const float *restrict w, 
     }
 }
 
+/* A block of bf16 pairs to p, with a streaming store when stream */
+PE_INLINE void qk_store_pairs(char *p, pe_vi r, int stream) {
+    if (stream) vi_stream(p, r);
+    else vi_store(p, r);
+}
+
 /* qk_forward_out_vec for the rows of qk_pairs_case: x the row and v the weights in pair
  * order, the token's tables in m->cp, m->ssp.  Returns the denormal lanes of the hardware
  * rounding (0 when hw is 0). */
@@ -591,13 +605,13 @@ PE_INLINE unsigned qk_forward_out_pairs(const pe_qk_norm_args *a, const float *r
         const pe_vf o0o = vf_rot(y0o, vf_load(c0 + PE_VW), y1o, vf_load(s0 + PE_VW));
         const pe_vf o1e = vf_rot(y1e, vf_load(c1), y0e, vf_load(s1));
         const pe_vf o1o = vf_rot(y1o, vf_load(c1 + PE_VW), y0o, vf_load(s1 + PE_VW));
-        vi_store(orow + 2 * e, qk_round_pairs(o0e, o0o, hw, &den));
-        vi_store(orow + 2 * (h + e), qk_round_pairs(o1e, o1o, hw, &den));
+        qk_store_pairs(orow + 2 * e, qk_round_pairs(o0e, o0o, hw, &den), m->stream);
+        qk_store_pairs(orow + 2 * (h + e), qk_round_pairs(o1e, o1o, hw, &den), m->stream);
     }
     for (int64_t e = R; e < D; e += PE_BF16_BLOCK) { /* past the rotary: one rounding */
         pe_vf ye, yo;
         qk_scale_pairs(x + e, v + e, rr, form, hw, &den, &ye, &yo);
-        vi_store(orow + 2 * e, qk_round_pairs(ye, yo, hw, &den));
+        qk_store_pairs(orow + 2 * e, qk_round_pairs(ye, yo, hw, &den), m->stream);
     }
     return den;
 }
@@ -622,11 +636,9 @@ PE_INLINE void qk_forward_rows8(const pe_qk_norm_args *a, pe_dtype dt, const flo
             continue;
         }
         const char *xr = pe_row(X->x, X->x_stride, es, b, t, h0 + g);
-        if (ahead) { /* this row's input and output lines, `ahead` bytes further on */
+        if (ahead) /* this row's input lines, `ahead` bytes further on (not the output's:
+                    * pe_qk_plan) */
             qk_prefetch_row(xr + ahead, D * (int64_t)es, 0);
-            qk_prefetch_row(pe_row(X->out, X->out_stride, es, b, t, h0 + g) + ahead,
-                            D * (int64_t)es, 1);
-        }
 #ifdef PE_BF16_BLOCK
         if (vp) {
             acc[g] = qk_sq8_row_pairs(xr, xg + g * D, D);
@@ -667,6 +679,7 @@ PE_INLINE void qk_forward_rows8(const pe_qk_norm_args *a, pe_dtype dt, const flo
         if (vp) {
             /* a denormal met by the hardware rounding: the row again in channel order */
             if (__builtin_expect(qk_forward_out_pairs(a, vp, xg + g * D, orow, rv[g], m, hw), 0)) {
+                if (m->stream) _mm_sfence();
                 load_row(m->x, pe_row(X->x, X->x_stride, es, b, t, h0 + g), dt, D);
                 qk_forward_out_vec(a, dt, v, m->x, orow, rv[g], m, 0);
             }
@@ -718,7 +731,7 @@ PE_INLINE unsigned qk_backward_row_vec(const pe_qk_norm_args *a, pe_dtype dt,
     for (int64_t e = 0; e < D; e += PE_VW)
         qk_store(dxrow + e * es,
                  vf_add(vf_mul(vf_load(gn + e), rr), vf_mul(g2, vf_mul(two, vf_load(x + e)))),
-                 dt, hw, &den);
+                 dt, hw, &den, 0);
     return den;
 }
 
@@ -811,6 +824,7 @@ PE_INLINE qk_rows_f32 qk_scratch(const pe_qk_norm_args *a, void *scratch, float 
     *plain = m.xg + 8 * D;
     *lanes = *plain + D;
     m.vp[0] = *lanes + 4 * D, m.vp[1] = m.vp[0] + D, m.cp = m.vp[1] + D, m.ssp = m.cp + R;
+    m.stream = 0;
     return m;
 }
 
@@ -852,9 +866,10 @@ PE_INLINE int qk_vec_rows(const pe_qk_norm_args *a) {
 }
 
 /* Forward: tokens i0 .. i0+n-1 (i = b T + t), all heads of q then k, tensors of dtype dt
- * (a->dtype, passed as a constant so that each dtype gets its own loops). */
-PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t n,
-                                  void *scratch, pe_dtype dt) {
+ * (a->dtype, passed as a constant so that each dtype gets its own loops), rows moved as p
+ * says (input asked for ahead, streaming stores). */
+PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, const pe_qk_plan *p, int64_t i0,
+                                  int64_t n, void *scratch, pe_dtype dt) {
     const int64_t T = a->seq;
     const size_t es = pe_dtype_size(dt);
     float *unused_plain, *unused_lanes;
@@ -873,21 +888,6 @@ PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t 
     for (int w = 0; w < 2; ++w)
         if (xs[w]->heads) vp[w] = qk_pair_weights(a, dt, &m, w, hw);
     (void)vp;
-    /* input and output rows each in one dense stream (the heads of a token adjacent, then
-     * the next token) and too large to stay in cache: asked for PE_PREFETCH_AHEAD bytes
-     * ahead, as the rotary does (internal.h); the hardware prefetchers alone leave each
-     * row's first loads waiting.  Smaller tensors skip it (there the requests only cost). */
-    int64_t ahead[2];
-    for (int w = 0; w < 2; ++w) {
-        const pe_qk_norm_tensor *x = xs[w];
-        const int64_t D = a->head_dim, HD = x->heads * D;
-        const int64_t bytes = a->batch * T * HD * (int64_t)es;
-        ahead[w] = x->x_stride[2] == D && x->x_stride[1] == HD && x->out_stride[2] == D &&
-                           x->out_stride[1] == HD && bytes >= QK_PREFETCH_MIN_BYTES
-                       ? PE_PREFETCH_AHEAD
-                       : 0;
-    }
-    (void)ahead;
     for (int64_t i = i0; i < i0 + n; ++i) {
         const int64_t b = i / T, t = i % T;
         qk_tables_f32(a, b, t, 0, m.c, m.ss, m.s);
@@ -899,12 +899,13 @@ PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t 
 #endif
         for (int w = 0; w < 2; ++w) {
             const pe_qk_norm_tensor *x = xs[w];
+            m.stream = p->stream[w];
 #ifdef PE_VW
             if (vec && qk_sum8_case(a)) {
                 for (int64_t h0 = 0; h0 < x->heads; h0 += 8)
                     qk_forward_rows8(a, dt, m.v[w], vp[w], x, b, t, h0,
                                      x->heads - h0 < 8 ? (int)(x->heads - h0) : 8, m.xg, &m, hw,
-                                     ahead[w]);
+                                     p->ahead[w]);
                 continue;
             }
 #endif
@@ -922,6 +923,9 @@ PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, int64_t i0, int64_t 
             }
         }
     }
+#ifdef PE_VW
+    if (p->stream[0] || p->stream[1]) _mm_sfence(); /* before the tile is done */
+#endif
 }
 
 /* acc += p over n floats (acc the first operand, as torch's accumulators are). */
@@ -1026,12 +1030,12 @@ PE_INLINE void qk_backward_rows_dt(const pe_qk_norm_args *a, int tensor, int64_t
 
 /* The entry points of qk_norm_<isa>.c (internal.h), for each dtype. */
 #define PE_QK_DEFINE(isa)                                                                      \
-    void pe_qk_norm_rows_f32_##isa(const pe_qk_norm_args *a, int64_t i0, int64_t n,            \
-                                   void *scratch) {                                            \
+    void pe_qk_norm_rows_f32_##isa(const pe_qk_norm_args *a, const pe_qk_plan *p, int64_t i0,  \
+                                   int64_t n, void *scratch) {                                 \
         switch (a->dtype) {                                                                    \
-        case PE_BFLOAT16: qk_forward_rows_dt(a, i0, n, scratch, PE_BFLOAT16); break;           \
-        case PE_FLOAT16: qk_forward_rows_dt(a, i0, n, scratch, PE_FLOAT16); break;             \
-        default: qk_forward_rows_dt(a, i0, n, scratch, PE_FLOAT32); break;                     \
+        case PE_BFLOAT16: qk_forward_rows_dt(a, p, i0, n, scratch, PE_BFLOAT16); break;        \
+        case PE_FLOAT16: qk_forward_rows_dt(a, p, i0, n, scratch, PE_FLOAT16); break;          \
+        default: qk_forward_rows_dt(a, p, i0, n, scratch, PE_FLOAT32); break;                  \
         }                                                                                      \
     }                                                                                          \
     void pe_qk_norm_bwd_f32_##isa(const pe_qk_norm_args *a, int tensor, int64_t r0, int64_t r1, \

@@ -474,6 +474,11 @@ static int resident(span s) {
 #endif
 }
 
+int pe_pages_resident(const void *p, size_t bytes) {
+    const span s = {(uintptr_t)p, (uintptr_t)p + bytes};
+    return resident(s);
+}
+
 /* Whether x's rotated rows are written with streaming stores (pe_rope_plan.stream_out): the
  * outputs together are at least PE_STREAM_BYTES and x's already in memory (a fresh output
  * faults each page in, zeroed into the cache, where streaming stores cost more), every row

@@ -3,13 +3,15 @@
  * of posenc.h computed in long double, the sum order against a plain emulation of torch's
  * cascade (every lane count, a tail, the cascade levels of long rows), the backward of
  * fp64 against central differences, the fp32 weight gradients (summed in the kernel, in
- * both of torch's orders) against fp64's products, every SIMD variant, threads and bad
- * arguments.
+ * both of torch's orders) against fp64's products, every SIMD variant, threads, outputs
+ * large enough for streaming stores and bad arguments.
  */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "check.h"
 #include "internal.h"
@@ -274,6 +276,98 @@ static void weight_gradients_match_fp64(void) {
         }
 }
 
+/* v as element i of p, in dt (bf16 or fp32) */
+static void store_as(void *p, int64_t i, pe_dtype dt, double v) {
+    if (dt == PE_BFLOAT16) ((uint16_t *)p)[i] = pe_f32_to_bf16((float)v);
+    else ((float *)p)[i] = (float)v;
+}
+
+/* n bytes of fresh anonymous pages (none in memory yet), or with every page written. */
+static void *pages(size_t n, int touch) {
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+    if (touch) memset(p, 0xa5, n);
+    return p;
+}
+
+/* The forward of a Qwen2-VL-sized problem (28 + 4 heads of 128, outputs past
+ * PE_STREAM_BYTES, page-aligned): where the outputs are already in memory the vector rows
+ * store them with streaming stores (qk_norm.c, make_plan), where they are fresh pages with
+ * plain stores.  Every variant at 1 and 2 threads, bf16 (channel-pair rows) and fp32, full
+ * and partial rotary (the channels past it), two weights small enough that some results
+ * are denormal (which the hardware bf16 rounding does again in software), against the
+ * baseline variant's bits. */
+static void streamed_outputs_agree(void) {
+    enum { HQ_ = 28, HK_ = 4, D_ = 128 };
+    const pe_dtype dts[2] = {PE_BFLOAT16, PE_FLOAT32};
+    for (int d = 0; d < 2; ++d)
+        for (int64_t R = D_; R >= D_ / 2; R -= D_ / 2) {
+            const pe_dtype dt = dts[d];
+            const size_t es = pe_dtype_size(dt);
+            const int64_t T_ = dt == PE_BFLOAT16 ? 2100 : 1100, heads[2] = {HQ_, HK_};
+            pe_qk_norm_args a = {0};
+            a.batch = 1, a.seq = T_, a.head_dim = D_, a.rot_dim = R, a.pairing = PE_PAIR_HALF;
+            a.form = PE_NORM_WEIGHT, a.dtype = dt, a.eps = 1e-6, a.sum_lanes = 8;
+            a.table_batch = 1, a.table_stride[0] = 0, a.table_stride[1] = R;
+            void *cs = malloc((size_t)(T_ * R) * es), *sn = malloc((size_t)(T_ * R) * es);
+            void *xs[2], *ws[2], *rs[2], *ref[2], *fresh[2], *warm[2];
+            unsigned seed = 777u;
+            for (int64_t i = 0; i < T_ * R; ++i) {
+                const double ang = (double)(i / R) * pow(10000.0, -(double)(i % (R / 2)) / R);
+                store_as(cs, i, dt, cos(ang));
+                store_as(sn, i, dt, sin(ang));
+            }
+            a.cos = cs, a.sin = sn;
+            pe_qk_norm_tensor *ts[2] = {&a.q, &a.k};
+            size_t bytes[2];
+            for (int k = 0; k < 2; ++k) {
+                const int64_t n = T_ * heads[k] * D_;
+                bytes[k] = (size_t)n * es;
+                xs[k] = malloc(bytes[k]), ws[k] = malloc((size_t)D_ * es);
+                rs[k] = malloc((size_t)(n / D_) * 4), ref[k] = malloc(bytes[k]);
+                for (int64_t i = 0; i < n; ++i) {
+                    seed = seed * 1103515245u + 12345u;
+                    store_as(xs[k], i, dt, (double)(int)((seed >> 8) % 2001 - 1000) / 300.0);
+                }
+                for (int64_t e = 0; e < D_; ++e) /* channels 5, 5 + R/2 and 100: denormals */
+                    store_as(ws[k], e, dt, e == 5 || e == 5 + R / 2 || e == 100 ? 3e-39 :
+                                                                            0.75 + 0.01 * (e % 29));
+                pe_qk_norm_tensor *x = ts[k];
+                x->heads = heads[k], x->x = xs[k], x->weight = ws[k], x->rstd = rs[k];
+                const int64_t st[3] = {T_ * heads[k] * D_, heads[k] * D_, D_};
+                const int64_t rst[3] = {T_ * heads[k], heads[k], 1};
+                memcpy(x->x_stride, st, sizeof st), memcpy(x->out_stride, st, sizeof st);
+                memcpy(x->rstd_stride, rst, sizeof rst);
+                x->out = ref[k];
+            }
+            a.nthreads = 1;
+            pe_isa_set(PE_ISA_BASELINE);
+            CHECK(pe_qk_norm_rope(&a) == PE_OK, "baseline, dtype %d R %lld", dt, (long long)R);
+            for (int isa = PE_ISA_BASELINE + 1; isa <= (int)pe_isa_best(); ++isa)
+                for (int threads = 1; threads <= 2; ++threads) {
+                    pe_isa_set((pe_isa)isa);
+                    a.nthreads = threads;
+                    for (int touch = 0; touch < 2; ++touch) {
+                        void **out = touch ? warm : fresh;
+                        for (int k = 0; k < 2; ++k) ts[k]->out = out[k] = pages(bytes[k], touch);
+                        CHECK(out[0] && out[1], "mmap");
+                        if (!out[0] || !out[1]) return;
+                        CHECK(pe_qk_norm_rope(&a) == PE_OK, "run");
+                        for (int k = 0; k < 2; ++k) {
+                            CHECK(!memcmp(out[k], ref[k], bytes[k]),
+                                  "dtype %d R %lld isa %d threads %d %s pages: tensor %d "
+                                  "differs from the baseline", dt, (long long)R, isa, threads,
+                                  touch ? "resident" : "fresh", k);
+                            munmap(out[k], bytes[k]);
+                        }
+                    }
+                }
+            pe_isa_set(pe_isa_best());
+            for (int k = 0; k < 2; ++k) free(xs[k]), free(ws[k]), free(rs[k]), free(ref[k]);
+            free(cs), free(sn);
+        }
+}
+
 static void bad_arguments(void) {
     static problem p;
     fill(&p, 16, 16, PE_NORM_WEIGHT, PE_PAIR_HALF);
@@ -305,6 +399,7 @@ int main(void) {
     backward_matches_differences();
     variants_agree();
     weight_gradients_match_fp64();
+    streamed_outputs_agree();
     bad_arguments();
     return check_report("test_qk_norm");
 }
