@@ -1,4 +1,5 @@
-"""posenc's MRoPE apply against copy_ of the same bytes, per-round ratios, in either layout.
+"""posenc's MRoPE apply (or fused q/k norm + rotary) against copy_ of the same bytes,
+per-round ratios, in either layout.
 
 The floor topic of the suite (benchmarks/bench_floor.py) holds the kernels to copy_ in
 transformers' layout, a token's heads adjacent in memory.  This script times that layout
@@ -9,7 +10,10 @@ tensors allocated once, back to back (the order alternating), for `rounds` round
 (harness.measure_pairs, as the floor topic); it
 prints the median of the per-round ratios, the medians of both times and copy_'s GB/s.
 Qwen2-VL-7B shapes (28 q heads, 4 kv heads, head_dim 128, sections [16, 24, 24]), B = 1,
-cos and sin as 4.x passes them, (3, B, T, 128) in q's dtype.
+cos and sin as 4.x passes them, (3, B, T, 128) in q's dtype.  With ``--op qk_norm``:
+posenc_torch.apply_qk_norm_rope (forward only) on Qwen3-VL-8B shapes (32 q heads, 8 kv
+heads, head_dim 128, the `weight` form), cos and sin (B, T, 128) and the weights in q's
+dtype.
 
 Run with glibc's allocator keeping freed memory, as the floor topic's workers do, so that
 no output is fresh pages:
@@ -40,13 +44,13 @@ import harness as H  # noqa: E402  (the floor topic's paired rounds: measure_pai
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def inputs(t: int, dtype: torch.dtype, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (1, 28, t, 128) and k (1, 4, t, 128): views of (B, T, H, D) projections ("hf") or
-    contiguous tensors ("outer")."""
+def inputs(t: int, dtype: torch.dtype, layout: str,
+           heads: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (1, heads[0], t, 128) and k (1, heads[1], t, 128): views of (B, T, H, D)
+    projections ("hf") or contiguous tensors ("outer")."""
     if layout == "hf":
-        return (torch.randn(1, t, 28, 128, dtype=dtype).transpose(1, 2),
-                torch.randn(1, t, 4, 128, dtype=dtype).transpose(1, 2))
-    return torch.randn(1, 28, t, 128, dtype=dtype), torch.randn(1, 4, t, 128, dtype=dtype)
+        return tuple(torch.randn(1, t, h, 128, dtype=dtype).transpose(1, 2) for h in heads)
+    return tuple(torch.randn(1, h, t, 128, dtype=dtype) for h in heads)
 
 
 def main() -> int:
@@ -60,19 +64,29 @@ def main() -> int:
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     ap.add_argument("--layout", choices=("hf", "outer"), default="hf")
     ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--op", choices=("mrope", "qk_norm"), default="mrope")
     args = ap.parse_args()
+    if args.op == "qk_norm" and args.mode != "fwd":
+        ap.error("--op qk_norm times the forward only")
     torch.set_num_threads(args.threads)
     if args.isa:
         posenc_torch.set_kernel_isa(args.isa)
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
-    q, k = inputs(args.seq, dtype, args.layout)
-    angle = torch.rand(3, 1, args.seq, 128) * 6
+    q, k = inputs(args.seq, dtype, args.layout, (28, 4) if args.op == "mrope" else (32, 8))
+    angle = torch.rand(3 if args.op == "mrope" else 1, 1, args.seq, 128) * 6
     cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
     section = [16, 24, 24]
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
 
-    if args.mode == "fwd":
+    if args.op == "qk_norm":
+        cos, sin = cos[0], sin[0]
+        q_weight, k_weight = torch.rand(128, dtype=dtype) + 0.5, torch.rand(128, dtype=dtype) + 0.5
+
+        def op() -> object:
+            with torch.no_grad():
+                return posenc_torch.apply_qk_norm_rope(q, k, cos, sin, q_weight, k_weight, 1e-6)
+    elif args.mode == "fwd":
         def op() -> object:
             with torch.no_grad():
                 return posenc_torch.apply_multimodal_rotary_pos_emb(q, k, cos, sin, section)
@@ -95,9 +109,9 @@ def main() -> int:
     ratios = H.measure_pairs(op, copy, "cpu", args.rounds, rounds)
     t_op, copy_s = (statistics.median(t) for t in zip(*rounds, strict=True))
     gbps = 2 * (q.numel() + k.numel()) * q.element_size() / copy_s / 1e9
-    print(f"{posenc_torch.kernel_isa()} {args.layout} {args.dtype} {args.mode} T={args.seq} "
-          f"threads={args.threads}: {statistics.median(ratios):.3f} x copy_ (median of "
-          f"{args.rounds} paired rounds); op {t_op * 1e3:.3f} ms, copy_ "
+    print(f"{posenc_torch.kernel_isa()} {args.op} {args.layout} {args.dtype} {args.mode} "
+          f"T={args.seq} threads={args.threads}: {statistics.median(ratios):.3f} x copy_ "
+          f"(median of {args.rounds} paired rounds); op {t_op * 1e3:.3f} ms, copy_ "
           f"{copy_s * 1e3:.3f} ms ({gbps:.1f} GB/s)")
     return 0
 
