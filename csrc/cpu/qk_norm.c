@@ -244,7 +244,6 @@ static pe_qk_plan make_plan(const pe_qk_norm_args *a) {
     pe_qk_plan p = {{0, 0}, {0, 0}};
     const pe_qk_norm_tensor *xs[2] = {&a->q, &a->k};
     const int64_t D = a->head_dim, es = (int64_t)pe_dtype_size(a->dtype);
-    const int64_t n[3] = {a->batch, a->seq, 0};
     const size_t total = output_bytes(a, &a->q) + output_bytes(a, &a->k);
     for (int w = 0; w < 2; ++w) {
         const pe_qk_norm_tensor *x = xs[w];
@@ -253,9 +252,10 @@ static pe_qk_plan make_plan(const pe_qk_norm_args *a) {
         if (x->x_stride[2] == D && x->x_stride[1] == HD && x->out_stride[2] == D &&
             x->out_stride[1] == HD && bytes >= QK_PREFETCH_MIN_BYTES)
             p.ahead[w] = PE_PREFETCH_AHEAD;
+        const int64_t n[3] = {a->batch, a->seq, x->heads};
         int aligned = (uintptr_t)x->out % 64 == 0 && a->rot_dim / 2 * es % 64 == 0;
         for (int i = 0; i < 3; ++i)
-            if ((i == 2 ? x->heads : n[i]) > 1 && x->out_stride[i] * es % 64) aligned = 0;
+            if (n[i] > 1 && x->out_stride[i] * es % 64) aligned = 0;
         p.stream[w] = aligned && total >= PE_STREAM_BYTES &&
                       pe_pages_resident(x->out, output_bytes(a, x));
     }
