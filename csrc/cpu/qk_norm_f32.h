@@ -397,6 +397,7 @@ PE_INLINE unsigned qk_forward_out_vec(const pe_qk_norm_args *a, pe_dtype dt,
     const int64_t es = (int64_t)pe_dtype_size(dt);
     const pe_norm_form form = a->form;
     const float *restrict c = m->c, *restrict ss = m->ss;
+    const int stream = m->stream; /* read once: the stores may alias *m */
     const pe_vf rr = vf_set1(r);
     unsigned den = 0;
     for (int64_t e = 0; e < h; e += PE_VW) {
@@ -404,14 +405,14 @@ PE_INLINE unsigned qk_forward_out_vec(const pe_qk_norm_args *a, pe_dtype dt,
         const pe_vf y1 =
             qk_scale_vec(vf_load(x + e + h), vf_load(v + e + h), rr, form, dt, hw, &den);
         qk_store(orow + e * es, vf_rot(y0, vf_load(c + e), y1, vf_load(ss + e)), dt, hw, &den,
-                 m->stream);
+                 stream);
         qk_store(orow + (e + h) * es, vf_rot(y1, vf_load(c + e + h), y0, vf_load(ss + e + h)),
-                 dt, hw, &den, m->stream);
+                 dt, hw, &den, stream);
     }
     for (int64_t e = R; e < D; e += PE_VW)
         qk_store(orow + e * es,
                  qk_scale_unrounded(vf_load(x + e), vf_load(v + e), rr, form, dt, hw, &den),
-                 dt, hw, &den, m->stream);
+                 dt, hw, &den, stream);
     return den;
 }
 
@@ -592,6 +593,7 @@ PE_INLINE unsigned qk_forward_out_pairs(const pe_qk_norm_args *a, const float *r
     const int64_t D = a->head_dim, R = a->rot_dim, h = R / 2;
     const pe_norm_form form = a->form;
     const float *restrict c = m->cp, *restrict ss = m->ssp;
+    const int stream = m->stream; /* read once: the stores may alias *m */
     const pe_vf rr = vf_set1(r);
     unsigned den = 0;
     for (int64_t e = 0; e < h; e += PE_BF16_BLOCK) {
@@ -605,13 +607,13 @@ PE_INLINE unsigned qk_forward_out_pairs(const pe_qk_norm_args *a, const float *r
         const pe_vf o0o = vf_rot(y0o, vf_load(c0 + PE_VW), y1o, vf_load(s0 + PE_VW));
         const pe_vf o1e = vf_rot(y1e, vf_load(c1), y0e, vf_load(s1));
         const pe_vf o1o = vf_rot(y1o, vf_load(c1 + PE_VW), y0o, vf_load(s1 + PE_VW));
-        qk_store_pairs(orow + 2 * e, qk_round_pairs(o0e, o0o, hw, &den), m->stream);
-        qk_store_pairs(orow + 2 * (h + e), qk_round_pairs(o1e, o1o, hw, &den), m->stream);
+        qk_store_pairs(orow + 2 * e, qk_round_pairs(o0e, o0o, hw, &den), stream);
+        qk_store_pairs(orow + 2 * (h + e), qk_round_pairs(o1e, o1o, hw, &den), stream);
     }
     for (int64_t e = R; e < D; e += PE_BF16_BLOCK) { /* past the rotary: one rounding */
         pe_vf ye, yo;
         qk_scale_pairs(x + e, v + e, rr, form, hw, &den, &ye, &yo);
-        qk_store_pairs(orow + 2 * e, qk_round_pairs(ye, yo, hw, &den), m->stream);
+        qk_store_pairs(orow + 2 * e, qk_round_pairs(ye, yo, hw, &den), stream);
     }
     return den;
 }
