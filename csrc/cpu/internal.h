@@ -193,7 +193,7 @@ int pe_bf16_hw_exact(void);
  * products' order, posenc.h) of q (tensor 0) or k (1), r0 a multiple of both block sizes
  * of ws, whose block sums of the weight-gradient products it writes. */
 static inline size_t pe_qk_scratch_bytes(int64_t R, int64_t D) {
-    return (size_t)(3 * R + 12 * D) * sizeof(double); /* qk_norm_f32.h: 5R + 24D floats */
+    return (size_t)(3 * R + 16 * D) * sizeof(double); /* qk_norm_f32.h: 5R + 32D floats */
 }
 
 /* Where a backward puts the weight-gradient products of one tensor's N rows: the sums of
@@ -209,9 +209,10 @@ typedef struct pe_qk_wsum {
     float *tail;         /* (N - lane_rows, D): the products themselves */
 } pe_qk_wsum;
 
-/* How the q/k norm forward moves the rows of q (0) and of k (1), decided once per call
- * (qk_norm.c): their input asked for this many bytes ahead (0: not), their results stored
- * with streaming stores. */
+/* How the q/k norm moves the rows of q (0) and of k (1), decided once per call
+ * (qk_norm.c): their input asked for this many bytes ahead (0: not; the forward's), their
+ * results (the forward's outputs, the backward's input gradients) stored with streaming
+ * stores. */
 typedef struct pe_qk_plan {
     int64_t ahead[2];
     int stream[2];
@@ -220,8 +221,8 @@ typedef struct pe_qk_plan {
 #define PE_QK_ENTRIES(isa)                                                                     \
     void pe_qk_norm_rows_f32_##isa(const pe_qk_norm_args *a, const pe_qk_plan *p, int64_t i0,  \
                                    int64_t n, void *scratch);                                  \
-    void pe_qk_norm_bwd_f32_##isa(const pe_qk_norm_args *a, int tensor, int64_t r0, int64_t r1, \
-                                  const pe_qk_wsum *ws, void *scratch);
+    void pe_qk_norm_bwd_f32_##isa(const pe_qk_norm_args *a, const pe_qk_plan *p, int tensor,    \
+                                  int64_t r0, int64_t r1, const pe_qk_wsum *ws, void *scratch);
 PE_QK_ENTRIES(baseline)
 #ifdef PE_HAVE_X86_VARIANTS
 PE_QK_ENTRIES(avx2)

@@ -11,8 +11,8 @@
 
 typedef void (*qk_rows_fn)(const pe_qk_norm_args *a, const pe_qk_plan *p, int64_t i0, int64_t n,
                            void *scratch);
-typedef void (*qk_bwd_fn)(const pe_qk_norm_args *a, int tensor, int64_t r0, int64_t r1,
-                          const pe_qk_wsum *ws, void *scratch);
+typedef void (*qk_bwd_fn)(const pe_qk_norm_args *a, const pe_qk_plan *p, int tensor, int64_t r0,
+                          int64_t r1, const pe_qk_wsum *ws, void *scratch);
 
 /* ---- fp64 core: the same steps as qk_norm_f32.h in double, sums in torch's order for
  * doubles (half as many lanes). */
@@ -229,18 +229,20 @@ static void hint_output(const pe_qk_norm_args *a, const pe_qk_norm_tensor *x) {
  * cost (fp32 rows in L2 took 10-20% longer with them). */
 #define QK_PREFETCH_MIN_BYTES ((int64_t)4 << 20)
 
-/* The forward's plan (pe_qk_plan).  A tensor whose input and output rows each lie in one
- * dense stream (a token's heads adjacent, then the next token's) and that is too large to
- * stay in cache has its input rows asked for PE_PREFETCH_AHEAD bytes ahead, as the rotary's
- * are: the hardware prefetchers alone leave each row's first loads waiting.  Its results
- * go out with streaming stores, as the rotary's do, when the outputs together are at least
- * PE_STREAM_BYTES, its own already in memory, and every vector store falls on whole 64-byte
- * units (the output, its strides and the half rotary width in bytes): a plain store first
- * reads each line it overwrites.  Measured on an AMD EPYC (Zen 4), bf16 Qwen3-VL-8B at
- * T = 4096, with the output lines asked for ahead too and stored plainly, as before:
- * 3.1-3.4x a copy of the bytes at one thread; without those requests 2.3-2.7x; streamed
- * 2.1-2.4x (docs/qk_norm.md). */
-static pe_qk_plan make_plan(const pe_qk_norm_args *a) {
+/* The plan (pe_qk_plan) of the forward or the backward.  In the forward, a tensor whose
+ * input and output rows each lie in one dense stream (a token's heads adjacent, then the
+ * next token's) and that is too large to stay in cache has its input rows asked for
+ * PE_PREFETCH_AHEAD bytes ahead, as the rotary's are: the hardware prefetchers alone leave
+ * each row's first loads waiting (the backward asks for its rows itself, QK_AHEAD).  In
+ * both, its results go out with streaming stores, as the rotary's do, when the outputs
+ * together are at least PE_STREAM_BYTES, its own already in memory, and every vector store
+ * falls on whole 64-byte units (the output and its strides; in the forward, which stores
+ * each half of the rotary on its own, the half rotary width in bytes too): a plain store
+ * first reads each line it overwrites.  Measured on an AMD EPYC (Zen 4), bf16 Qwen3-VL-8B
+ * forward at T = 4096, with the output lines asked for ahead too and stored plainly, as
+ * before: 3.1-3.4x a copy of the bytes at one thread; without those requests 2.3-2.7x;
+ * streamed 2.1-2.4x (docs/qk_norm.md). */
+static pe_qk_plan make_plan(const pe_qk_norm_args *a, int backward) {
     pe_qk_plan p = {{0, 0}, {0, 0}};
     const pe_qk_norm_tensor *xs[2] = {&a->q, &a->k};
     const int64_t D = a->head_dim, es = (int64_t)pe_dtype_size(a->dtype);
@@ -249,11 +251,11 @@ static pe_qk_plan make_plan(const pe_qk_norm_args *a) {
         const pe_qk_norm_tensor *x = xs[w];
         if (!x->heads) continue;
         const int64_t HD = x->heads * D, bytes = a->batch * a->seq * HD * es;
-        if (x->x_stride[2] == D && x->x_stride[1] == HD && x->out_stride[2] == D &&
+        if (!backward && x->x_stride[2] == D && x->x_stride[1] == HD && x->out_stride[2] == D &&
             x->out_stride[1] == HD && bytes >= QK_PREFETCH_MIN_BYTES)
             p.ahead[w] = PE_PREFETCH_AHEAD;
         const int64_t n[3] = {a->batch, a->seq, x->heads};
-        int aligned = (uintptr_t)x->out % 64 == 0 && a->rot_dim / 2 * es % 64 == 0;
+        int aligned = (uintptr_t)x->out % 64 == 0 && (backward || a->rot_dim / 2 * es % 64 == 0);
         for (int i = 0; i < 3; ++i)
             if (n[i] > 1 && x->out_stride[i] * es % 64) aligned = 0;
         p.stream[w] = aligned && total >= PE_STREAM_BYTES &&
@@ -476,6 +478,7 @@ static int wsum_finish(const pe_qk_norm_args *a, const pe_qk_norm_tensor *x,
 typedef struct bwd_ctx {
     qk_bwd_fn fn;
     const wsum_plan *w; /* q's, k's */
+    pe_qk_plan plan;
 } bwd_ctx;
 
 /* Unit u: a chunk of q's rows, then of k's. */
@@ -484,7 +487,7 @@ static void bwd_unit(const pe_qk_norm_args *a, int64_t u, void *scratch, const v
     const int which = u >= c->w[0].units;
     const wsum_plan *w = &c->w[which];
     const int64_t r0 = (which ? u - c->w[0].units : u) * w->chunk, N = w->ws.rows;
-    c->fn(a, which, r0, N - r0 < w->chunk ? N : r0 + w->chunk, &w->ws, scratch);
+    c->fn(a, &c->plan, which, r0, N - r0 < w->chunk ? N : r0 + w->chunk, &w->ws, scratch);
 }
 
 /* The backward of fp32 / bf16 / fp16 tensors: units of rows of q then k over threads. */
@@ -495,7 +498,7 @@ static int run_backward_f32(const pe_qk_norm_args *a, qk_bwd_fn fn) {
     if (rc == PE_OK) rc = wsum_make(a, xs[1], &w[1]);
     else memset(&w[1], 0, sizeof w[1]);
     if (rc == PE_OK) {
-        const bwd_ctx c = {fn, w};
+        const bwd_ctx c = {fn, w, make_plan(a, 1)};
         const int64_t units = w[0].units + w[1].units;
         rc = run_units(a, units, threads_for(a, units), bwd_unit, &c);
     }
@@ -523,7 +526,7 @@ static int run(const pe_qk_norm_args *a, int backward) {
     if (a->dtype == PE_FLOAT64)
         return run_tiles(a, backward ? qk_backward_f64 : qk_forward_f64, none);
     const qk_kernels k = kernels();
-    return backward ? run_backward_f32(a, k.backward) : run_tiles(a, k.forward, make_plan(a));
+    return backward ? run_backward_f32(a, k.backward) : run_tiles(a, k.forward, make_plan(a, 0));
 }
 
 int pe_qk_norm_rope(const pe_qk_norm_args *a) { return run(a, 0); }

@@ -290,17 +290,21 @@ static void *pages(size_t n, int touch) {
     return p;
 }
 
-/* The forward of a Qwen2-VL-sized problem (28 + 4 heads of 128, outputs past
- * PE_STREAM_BYTES, page-aligned): where the outputs are already in memory the vector rows
- * store them with streaming stores (qk_norm.c, make_plan), where they are fresh pages with
- * plain stores.  Every variant at 1 and 2 threads, bf16 (channel-pair rows) and fp32, full
- * and partial rotary (the channels past it), two weights small enough that some results
- * are denormal (which the hardware bf16 rounding does again in software), against the
- * baseline variant's bits. */
+/* The forward and the backward of a Qwen2-VL-sized problem (28 + 4 heads of 128, outputs
+ * and input gradients past PE_STREAM_BYTES, page-aligned): where they go to pages already
+ * in memory the vector rows store them with streaming stores (qk_norm.c, make_plan), where
+ * they are fresh pages with plain stores.  Every variant at 1 and 2 threads, bf16
+ * (channel-pair rows) and fp32, full and partial rotary (the channels past it), against the
+ * baseline variant's bits (the backward's weight gradients too, summed in one order:
+ * sum_threads 1).  Denormal results, which the hardware bf16 rounding does again in
+ * software: with three weights that small, in every row's products and in the forward's
+ * results; with ordinary weights, in the dx of the rows given a large x and a tiny
+ * gradient (every 97th), whose other values are all normal numbers. */
 static void streamed_outputs_agree(void) {
     enum { HQ_ = 28, HK_ = 4, D_ = 128 };
     const pe_dtype dts[2] = {PE_BFLOAT16, PE_FLOAT32};
     for (int d = 0; d < 2; ++d)
+        for (int tiny_w = 1; tiny_w >= 0; --tiny_w)
         for (int64_t R = D_; R >= D_ / 2; R -= D_ / 2) {
             const pe_dtype dt = dts[d];
             const size_t es = pe_dtype_size(dt);
@@ -309,8 +313,9 @@ static void streamed_outputs_agree(void) {
             a.batch = 1, a.seq = T_, a.head_dim = D_, a.rot_dim = R, a.pairing = PE_PAIR_HALF;
             a.form = PE_NORM_WEIGHT, a.dtype = dt, a.eps = 1e-6, a.sum_lanes = 8;
             a.table_batch = 1, a.table_stride[0] = 0, a.table_stride[1] = R;
+            a.sum_threads = 1;
             void *cs = malloc((size_t)(T_ * R) * es), *sn = malloc((size_t)(T_ * R) * es);
-            void *xs[2], *ws[2], *rs[2], *ref[2], *fresh[2], *warm[2];
+            void *xs[2], *gs[2], *ws[2], *rs[2], *ref[2][2], *out[2], *wg[2], *wref[2];
             unsigned seed = 777u;
             for (int64_t i = 0; i < T_ * R; ++i) {
                 const double ang = (double)(i / R) * pow(10000.0, -(double)(i % (R / 2)) / R);
@@ -323,47 +328,65 @@ static void streamed_outputs_agree(void) {
             for (int k = 0; k < 2; ++k) {
                 const int64_t n = T_ * heads[k] * D_;
                 bytes[k] = (size_t)n * es;
-                xs[k] = malloc(bytes[k]), ws[k] = malloc((size_t)D_ * es);
-                rs[k] = malloc((size_t)(n / D_) * 4), ref[k] = malloc(bytes[k]);
-                for (int64_t i = 0; i < n; ++i) {
+                xs[k] = malloc(bytes[k]), gs[k] = malloc(bytes[k]);
+                ws[k] = malloc((size_t)D_ * es), rs[k] = malloc((size_t)(n / D_) * 4);
+                wg[k] = malloc((size_t)D_ * es), wref[k] = malloc((size_t)D_ * es);
+                ref[0][k] = malloc(bytes[k]), ref[1][k] = malloc(bytes[k]);
+                for (int64_t i = 0; i < 2 * n; ++i) {
                     seed = seed * 1103515245u + 12345u;
-                    store_as(xs[k], i, dt, (double)(int)((seed >> 8) % 2001 - 1000) / 300.0);
+                    const int odd_row = i % n / D_ % 97 == 5;
+                    const double scale = !odd_row ? 1.0 : i < n ? 1e4 : 1e-34;
+                    store_as(i < n ? xs[k] : gs[k], i % n, dt,
+                             scale * (double)(int)((seed >> 8) % 2001 - 1000) / 300.0);
                 }
-                for (int64_t e = 0; e < D_; ++e) /* channels 5, 5 + R/2 and 100: denormals */
-                    store_as(ws[k], e, dt, e == 5 || e == 5 + R / 2 || e == 100 ? 3e-39 :
-                                                                            0.75 + 0.01 * (e % 29));
+                for (int64_t e = 0; e < D_; ++e) { /* channels 5, 5 + R/2, 100: denormals */
+                    const int tiny = tiny_w && (e == 5 || e == 5 + R / 2 || e == 100);
+                    store_as(ws[k], e, dt, tiny ? 3e-39 : 0.75 + 0.01 * (e % 29));
+                }
                 pe_qk_norm_tensor *x = ts[k];
                 x->heads = heads[k], x->x = xs[k], x->weight = ws[k], x->rstd = rs[k];
+                x->grad = gs[k], x->wgrad = wg[k];
                 const int64_t st[3] = {T_ * heads[k] * D_, heads[k] * D_, D_};
                 const int64_t rst[3] = {T_ * heads[k], heads[k], 1};
                 memcpy(x->x_stride, st, sizeof st), memcpy(x->out_stride, st, sizeof st);
-                memcpy(x->rstd_stride, rst, sizeof rst);
-                x->out = ref[k];
+                memcpy(x->grad_stride, st, sizeof st), memcpy(x->rstd_stride, rst, sizeof rst);
             }
+            /* the baseline's results: forward (its rstd rows the backward's), backward */
             a.nthreads = 1;
             pe_isa_set(PE_ISA_BASELINE);
+            for (int k = 0; k < 2; ++k) ts[k]->out = ref[0][k];
             CHECK(pe_qk_norm_rope(&a) == PE_OK, "baseline, dtype %d R %lld", dt, (long long)R);
+            for (int k = 0; k < 2; ++k) ts[k]->out = ref[1][k], ts[k]->wgrad = wref[k];
+            CHECK(pe_qk_norm_rope_backward(&a) == PE_OK, "baseline backward, dtype %d", dt);
+            for (int k = 0; k < 2; ++k) ts[k]->wgrad = wg[k];
             for (int isa = PE_ISA_BASELINE + 1; isa <= (int)pe_isa_best(); ++isa)
-                for (int threads = 1; threads <= 2; ++threads) {
-                    pe_isa_set((pe_isa)isa);
-                    a.nthreads = threads;
-                    for (int touch = 0; touch < 2; ++touch) {
-                        void **out = touch ? warm : fresh;
-                        for (int k = 0; k < 2; ++k) ts[k]->out = out[k] = pages(bytes[k], touch);
-                        CHECK(out[0] && out[1], "mmap");
-                        if (!out[0] || !out[1]) return;
-                        CHECK(pe_qk_norm_rope(&a) == PE_OK, "run");
-                        for (int k = 0; k < 2; ++k) {
-                            CHECK(!memcmp(out[k], ref[k], bytes[k]),
-                                  "dtype %d R %lld isa %d threads %d %s pages: tensor %d "
-                                  "differs from the baseline", dt, (long long)R, isa, threads,
-                                  touch ? "resident" : "fresh", k);
-                            munmap(out[k], bytes[k]);
+                for (int threads = 1; threads <= 2; ++threads)
+                    for (int bwd = 0; bwd < 2; ++bwd)
+                        for (int touch = 0; touch < 2; ++touch) {
+                            pe_isa_set((pe_isa)isa);
+                            a.nthreads = threads;
+                            for (int k = 0; k < 2; ++k)
+                                ts[k]->out = out[k] = pages(bytes[k], touch);
+                            CHECK(out[0] && out[1], "mmap");
+                            if (!out[0] || !out[1]) return;
+                            for (int k = 0; k < 2; ++k) memset(wg[k], 0xa5, (size_t)D_ * es);
+                            const int rc = bwd ? pe_qk_norm_rope_backward(&a) : pe_qk_norm_rope(&a);
+                            CHECK(rc == PE_OK, "run");
+                            for (int k = 0; k < 2; ++k) {
+                                CHECK(!memcmp(out[k], ref[bwd][k], bytes[k]) &&
+                                          (!bwd || !memcmp(wg[k], wref[k], (size_t)D_ * es)),
+                                      "%s dtype %d R %lld tiny weights %d isa %d threads %d %s "
+                                      "pages: tensor %d differs from the baseline",
+                                      bwd ? "backward" : "forward", dt, (long long)R, tiny_w, isa,
+                                      threads, touch ? "resident" : "fresh", k);
+                                munmap(out[k], bytes[k]);
+                            }
                         }
-                    }
-                }
             pe_isa_set(pe_isa_best());
-            for (int k = 0; k < 2; ++k) free(xs[k]), free(ws[k]), free(rs[k]), free(ref[k]);
+            for (int k = 0; k < 2; ++k) {
+                free(xs[k]), free(gs[k]), free(ws[k]), free(rs[k]), free(wg[k]), free(wref[k]);
+                free(ref[0][k]), free(ref[1][k]);
+            }
             free(cs), free(sn);
         }
 }
