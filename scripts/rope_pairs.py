@@ -11,9 +11,10 @@ tensors allocated once, back to back (the order alternating), for `rounds` round
 prints the median of the per-round ratios, the medians of both times and copy_'s GB/s.
 Qwen2-VL-7B shapes (28 q heads, 4 kv heads, head_dim 128, sections [16, 24, 24]), B = 1,
 cos and sin as 4.x passes them, (3, B, T, 128) in q's dtype.  With ``--op qk_norm``:
-posenc_torch.apply_qk_norm_rope (forward only) on Qwen3-VL-8B shapes (32 q heads, 8 kv
-heads, head_dim 128, the `weight` form), cos and sin (B, T, 128) and the weights in q's
-dtype.
+posenc_torch.apply_qk_norm_rope on Qwen3-VL-8B shapes (32 q heads, 8 kv heads, head_dim
+128, the `weight` form), cos and sin (B, T, 128) and the weights in q's dtype; its backward
+(``--mode bwd``) gives the gradients of q, k and both weights, and reads q, k and the two
+output gradients, 1.5x copy_'s bytes.
 
 Run with glibc's allocator keeping freed memory, as the floor topic's workers do, so that
 no output is fresh pages:
@@ -66,8 +67,6 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--op", choices=("mrope", "qk_norm"), default="mrope")
     args = ap.parse_args()
-    if args.op == "qk_norm" and args.mode != "fwd":
-        ap.error("--op qk_norm times the forward only")
     torch.set_num_threads(args.threads)
     if args.isa:
         posenc_torch.set_kernel_isa(args.isa)
@@ -82,10 +81,19 @@ def main() -> int:
     if args.op == "qk_norm":
         cos, sin = cos[0], sin[0]
         q_weight, k_weight = torch.rand(128, dtype=dtype) + 0.5, torch.rand(128, dtype=dtype) + 0.5
+        if args.mode == "fwd":
+            def op() -> object:
+                with torch.no_grad():
+                    return posenc_torch.apply_qk_norm_rope(q, k, cos, sin, q_weight, k_weight,
+                                                           1e-6)
+        else:
+            leaves = tuple(x.detach().requires_grad_() for x in (q, k, q_weight, k_weight))
+            grads = torch.randn_like(q), torch.randn_like(k)
+            outs = posenc_torch.apply_qk_norm_rope(leaves[0], leaves[1], cos, sin, leaves[2],
+                                                   leaves[3], 1e-6)
 
-        def op() -> object:
-            with torch.no_grad():
-                return posenc_torch.apply_qk_norm_rope(q, k, cos, sin, q_weight, k_weight, 1e-6)
+            def op() -> object:
+                return torch.autograd.grad(outs, leaves, grads, retain_graph=True)
     elif args.mode == "fwd":
         def op() -> object:
             with torch.no_grad():
