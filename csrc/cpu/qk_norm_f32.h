@@ -1187,6 +1187,9 @@ PE_INLINE void qk_backward_rows_dt(const pe_qk_norm_args *a, const pe_qk_plan *p
     qk_load_weight(a, X, 0, dt, &m);
     m.stream = p->stream[tensor];
     const int vec = qk_vec_rows(a);
+#ifdef PE_VW
+    const int rows8 = vec && qk_sum8_case(a); /* qk_backward_rows8's rows */
+#endif
 #ifdef PE_BF16_HW
     const int hw = dt == PE_BFLOAT16;
 #else
@@ -1201,7 +1204,7 @@ PE_INLINE void qk_backward_rows_dt(const pe_qk_norm_args *a, const pe_qk_plan *p
     qk_row_pos at = qk_row_at(a, X->heads, r0), ahead = qk_row_at(a, X->heads, r0 + QK_AHEAD);
     for (int64_t r = r0; r < r1;) {
 #ifdef PE_VW
-        if (vec && qk_sum8_case(a)) {
+        if (rows8) {
             const int n = r1 - r < 8 ? (int)(r1 - r) : 8;
             qk_backward_rows8(a, X, dt, m.v[0], vp, r, r1, &at, &ahead, n, m.rows8, m.g, ws, plain,
                               lanes, hw, m.stream);
