@@ -251,7 +251,9 @@ int pe_mrope_axis_map(int64_t n_slots, const int64_t sections[3], int interleave
  * RoPE), an unknown form, dtype or pairing, sum_lanes not in {1, 4, 8, 16}, weight_f32 with
  * fp64 tensors or with 16-bit ones and PE_NORM_WEIGHT, or a NULL pointer where data is read
  * or written; sum_threads < 1 in a backward of 16-bit or fp32 tensors.
- * Threads take blocks of tokens (forward) or of rows in wprod's order (backward).
+ * Threads take blocks of tokens (forward) or of rows in wprod's order (backward; with
+ * heads_first, x and grad lying token by token in memory and T a multiple of the sums'
+ * blocks of rows, tiles of tokens whose rows go token by token: the same sums).
  */
 typedef enum pe_norm_form {
     PE_NORM_WEIGHT = 0,

@@ -164,8 +164,13 @@ def fused(f: Form, q, k, cos, sin, qn, kn, dim, pairing="half"):
 
 def check_forward_backward(f: Form, s: Shape, layout: str, dtype: torch.dtype,
                            pairing: str = "half", tables=None,
-                           weight_dtype: torch.dtype | None = None) -> None:
-    """Forward and the gradients of q, k and both weights are bit-identical."""
+                           weight_dtype: torch.dtype | None = None,
+                           grad_layout: str = "output") -> None:
+    """Forward and the gradients of q, k and both weights are bit-identical.  The incoming
+    gradients are laid out as the reference's outputs are ("output", randn_like) or token
+    by token ("tokens": (B, T, H, D) memory seen as (B, H, T, D), as SDPA gives them back
+    for transformers' transposed q and k), which the backward walks token by token where
+    the weight gradients' blocks allow."""
     q, k, dim = make_qk(s, layout, dtype)
     cos, sin = make_tables(s, dtype) if tables is None else tables
     ref_norms = make_norms(f, s.D, dtype, weight_dtype)
@@ -179,7 +184,12 @@ def check_forward_backward(f: Form, s: Shape, layout: str, dtype: torch.dtype,
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape
         assert torch.equal(g, w), f"forward differs by {(g.double() - w.double()).abs().max()}"
-    grads = [torch.randn_like(w) for w in want]
+    if grad_layout == "tokens":
+        assert dim == 1
+        grads = [torch.randn(w.shape[0], w.shape[2], w.shape[1], w.shape[3]).to(w.dtype)
+                 .transpose(1, 2) for w in want]
+    else:
+        grads = [torch.randn_like(w) for w in want]
     torch.autograd.backward(want, grads)
     torch.autograd.backward(got, grads)
     pairs = [(q_new.grad, q_ref.grad, "dq"), (k_new.grad, k_ref.grad, "dk")]
@@ -339,6 +349,39 @@ def test_weight_gradients_in_torchs_sum_order(s: Shape, threads):
                 if s.T > 100_000 and (dtype != torch.bfloat16 or layout != "hf-transposed"):
                     continue  # (time: the other dtypes and layouts run on the other shapes)
                 check_forward_backward(f, s, layout, dtype)
+                if layout == "hf-transposed" and s.T < 1000:
+                    check_forward_backward(f, s, layout, dtype, grad_layout="tokens")
+    finally:
+        torch.set_num_threads(old)
+
+
+# T a multiple of the weight gradients' blocks of rows (16 for the plain order, 64 for the
+# 4-lane order, 32 past 2^19 rows), so that the backward of transposed q and k with
+# token-major gradients walks their rows token by token, each head's blocks summed apart.
+BY_TOKEN_SHAPES = [
+    Shape("qwen3-vl-8b-heads-T64", 1, 32, 8, 64, 128),
+    Shape("head80-T320-batch2", 2, 4, 2, 320, 80, cos_batch=2),  # plain and 4-lane columns
+    Shape("head40-partial-T192", 1, 5, 3, 192, 40, R=24),
+    Shape("head16-T65536", 1, 16, 2, 65536, 16),  # 2^20 rows of q: bf16's blocks of 32
+]
+
+
+@torch_side
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("s", BY_TOKEN_SHAPES, ids=[s.name for s in BY_TOKEN_SHAPES])
+def test_backward_token_by_token(s: Shape, threads):
+    """Gradients that lie token by token: dq, dk and the weight gradients (summed in
+    torch's order over the (B, H, T) products) are bit-identical to autograd's through
+    transformers' norm and rotary; and with the gradients laid out as the reference's
+    outputs."""
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for f, dtype in ((FORMS[0], torch.float32), (FORMS[0], torch.bfloat16),
+                         (FORMS[3], torch.bfloat16)):
+            check_forward_backward(f, s, "hf-transposed", dtype, grad_layout="tokens")
+            if s.T < 1000:
+                check_forward_backward(f, s, "hf-transposed", dtype)
     finally:
         torch.set_num_threads(old)
 

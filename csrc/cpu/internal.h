@@ -189,11 +189,13 @@ int pe_bf16_hw_exact(void);
 
 /* The fp32 core of the fused q/k norm + RoPE (qk_norm_f32.h) per instruction set, in
  * qk_norm_<isa>.c, with a scratch buffer of pe_qk_scratch_bytes per thread; arguments are
- * validated by qk_norm.c.  Forward: tokens i0 .. i0+n-1.  Backward: rows r0 .. r1-1 (in the
- * products' order, posenc.h) of q (tensor 0) or k (1), r0 a multiple of both block sizes
- * of ws, whose block sums of the weight-gradient products it writes. */
-static inline size_t pe_qk_scratch_bytes(int64_t R, int64_t D) {
-    return (size_t)(3 * R + 16 * D) * sizeof(double); /* qk_norm_f32.h: 5R + 32D floats */
+ * validated by qk_norm.c.  Forward: tokens i0 .. i0+n-1.  Backward: rows r0 .. r1-1 of q
+ * (tensor 0) or k (1) in the order of the walk (pe_qk_plan: the products' order, posenc.h,
+ * or token by token), r0 and r1 on boundaries of both block sizes of ws, whose block sums
+ * of the weight-gradient products it writes.  acc_heads: the heads whose block sums one
+ * thread keeps at once (the most heads of a tensor walked token by token, else 1). */
+static inline size_t pe_qk_scratch_bytes(int64_t R, int64_t D, int64_t acc_heads) {
+    return (size_t)(5 * R + (27 + 5 * acc_heads) * D) * sizeof(float); /* qk_scratch */
 }
 
 /* Where a backward puts the weight-gradient products of one tensor's N rows: the sums of
@@ -212,10 +214,12 @@ typedef struct pe_qk_wsum {
 /* How the q/k norm moves the rows of q (0) and of k (1), decided once per call
  * (qk_norm.c): their input asked for this many bytes ahead (0: not; the forward's), their
  * results (the forward's outputs, the backward's input gradients) stored with streaming
- * stores. */
+ * stores, and (backward) their rows walked token by token, every head's row of a token in
+ * turn, each head's block sums kept apart, instead of in the products' order. */
 typedef struct pe_qk_plan {
     int64_t ahead[2];
     int stream[2];
+    int by_token[2];
 } pe_qk_plan;
 
 #define PE_QK_ENTRIES(isa)                                                                     \

@@ -4,7 +4,8 @@
  * cascade (every lane count, a tail, the cascade levels of long rows), the backward of
  * fp64 against central differences, the fp32 weight gradients (summed in the kernel, in
  * both of torch's orders) against fp64's products, every SIMD variant, threads, outputs
- * large enough for streaming stores and bad arguments.
+ * large enough for streaming stores, the backward's walk token by token and bad
+ * arguments.
  */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #include <math.h>
@@ -391,6 +392,99 @@ static void streamed_outputs_agree(void) {
         }
 }
 
+/* The backward of transformers' transposed q and k ((B, H, T, D) views of token-major
+ * memory, heads_first) with gradients that lie token by token too, as SDPA gives them,
+ * walks the rows token by token where T is a multiple of the weight gradients' blocks
+ * (qk_norm.c, by_token_chunk): its dx and weight gradients equal, bit for bit, those of
+ * the same gradients laid out (B, H, T, D), walked in the products' order.  Two batch rows
+ * of 320 tokens (blocks of 16 and 64 rows), heads of 80 (plain and 4-lane columns at one
+ * summing thread, plain only at two), 5 q heads and 3 k heads; fp32 and bf16, every
+ * variant, 1 to 3 threads. */
+static void token_walk_agrees(void) {
+    enum { B_ = 2, T_ = 320, D_ = 80 };
+    const int64_t heads[2] = {5, 3};
+    const pe_dtype dts[2] = {PE_FLOAT32, PE_BFLOAT16};
+    for (int d = 0; d < 2; ++d)
+        for (int st = 1; st <= 2; ++st) {
+            const pe_dtype dt = dts[d];
+            const size_t es = pe_dtype_size(dt);
+            pe_qk_norm_args a = {0};
+            a.batch = B_, a.seq = T_, a.head_dim = D_, a.rot_dim = D_, a.pairing = PE_PAIR_HALF;
+            a.form = PE_NORM_WEIGHT, a.dtype = dt, a.eps = 1e-6, a.sum_lanes = 8;
+            a.table_batch = 1, a.table_stride[0] = 0, a.table_stride[1] = D_;
+            a.sum_threads = st, a.heads_first = 1;
+            void *cs = malloc((size_t)(T_ * D_) * es), *sn = malloc((size_t)(T_ * D_) * es);
+            for (int64_t i = 0; i < T_ * D_; ++i) {
+                const double ang = (double)(i / D_) * pow(10000.0, -(double)(i % (D_ / 2)) / D_);
+                store_as(cs, i, dt, cos(ang)), store_as(sn, i, dt, sin(ang));
+            }
+            a.cos = cs, a.sin = sn;
+            pe_qk_norm_tensor *ts[2] = {&a.q, &a.k};
+            void *xs[2], *g_tok[2], *g_hf[2], *ws[2], *rs[2], *dx[2], *dx_ref[2], *wg[2],
+                *wg_ref[2];
+            unsigned seed = 4242u;
+            for (int k = 0; k < 2; ++k) {
+                const int64_t H = heads[k], n = B_ * T_ * H * D_;
+                const size_t bytes = (size_t)n * es;
+                xs[k] = malloc(bytes), g_tok[k] = malloc(bytes), g_hf[k] = malloc(bytes);
+                dx[k] = malloc(bytes), dx_ref[k] = malloc(bytes);
+                rs[k] = malloc((size_t)(n / D_) * 4);
+                ws[k] = malloc((size_t)D_ * es), wg[k] = malloc((size_t)D_ * es);
+                wg_ref[k] = malloc((size_t)D_ * es);
+                for (int64_t i = 0; i < 2 * n; ++i) {
+                    seed = seed * 1103515245u + 12345u;
+                    store_as(i < n ? xs[k] : g_tok[k], i % n, dt,
+                             (double)(int)((seed >> 8) % 2001 - 1000) / 300.0);
+                }
+                for (int64_t e = 0; e < D_; ++e) store_as(ws[k], e, dt, 0.75 + 0.01 * (e % 29));
+                /* token-major (b, t, h, e) to (b, h, t, e) */
+                for (int64_t i = 0; i < n; ++i) {
+                    const int64_t e = i % D_, h = i / D_ % H, t = i / D_ / H % T_,
+                                  b = i / D_ / H / T_, j = ((b * H + h) * T_ + t) * D_ + e;
+                    memcpy((char *)g_hf[k] + j * (int64_t)es, (char *)g_tok[k] + i * (int64_t)es,
+                           es);
+                }
+                pe_qk_norm_tensor *x = ts[k];
+                const int64_t tok[3] = {T_ * H * D_, H * D_, D_};
+                const int64_t hf[3] = {H * T_ * D_, D_, T_ * D_}, rst[3] = {T_ * H, H, 1};
+                x->heads = H, x->x = xs[k], x->weight = ws[k], x->rstd = rs[k];
+                memcpy(x->x_stride, tok, sizeof tok), memcpy(x->rstd_stride, rst, sizeof rst);
+                memcpy(x->out_stride, hf, sizeof hf), x->out = dx[k]; /* forward: its own */
+            }
+            a.nthreads = 1;
+            CHECK(pe_qk_norm_rope(&a) == PE_OK, "forward, dtype %d", dt); /* rstd */
+            for (int isa = PE_ISA_BASELINE; isa <= (int)pe_isa_best(); ++isa)
+                for (int threads = 1; threads <= 3; ++threads) {
+                    pe_isa_set((pe_isa)isa);
+                    a.nthreads = threads;
+                    for (int walk = 0; walk < 2; ++walk) { /* products' order, then by token */
+                        for (int k = 0; k < 2; ++k) {
+                            const int64_t H = heads[k];
+                            const int64_t tok[3] = {T_ * H * D_, H * D_, D_},
+                                          hf[3] = {H * T_ * D_, D_, T_ * D_};
+                            ts[k]->grad = walk ? g_tok[k] : g_hf[k];
+                            memcpy(ts[k]->grad_stride, walk ? tok : hf, sizeof tok);
+                            ts[k]->out = walk ? dx[k] : dx_ref[k];
+                            ts[k]->wgrad = walk ? wg[k] : wg_ref[k];
+                            memset(ts[k]->out, 0xa5, (size_t)(B_ * T_ * H * D_) * es);
+                        }
+                        CHECK(pe_qk_norm_rope_backward(&a) == PE_OK, "backward");
+                    }
+                    for (int k = 0; k < 2; ++k)
+                        CHECK(!memcmp(dx[k], dx_ref[k], (size_t)(B_ * T_ * heads[k] * D_) * es) &&
+                                  !memcmp(wg[k], wg_ref[k], (size_t)D_ * es),
+                              "dtype %d sum_threads %d isa %d threads %d: tensor %d walked by "
+                              "token differs", dt, st, isa, threads, k);
+                }
+            pe_isa_set(pe_isa_best());
+            for (int k = 0; k < 2; ++k) {
+                free(xs[k]), free(g_tok[k]), free(g_hf[k]), free(dx[k]), free(dx_ref[k]);
+                free(rs[k]), free(ws[k]), free(wg[k]), free(wg_ref[k]);
+            }
+            free(cs), free(sn);
+        }
+}
+
 static void bad_arguments(void) {
     static problem p;
     fill(&p, 16, 16, PE_NORM_WEIGHT, PE_PAIR_HALF);
@@ -423,6 +517,7 @@ int main(void) {
     variants_agree();
     weight_gradients_match_fp64();
     streamed_outputs_agree();
+    token_walk_agrees();
     bad_arguments();
     return check_report("test_qk_norm");
 }
