@@ -191,8 +191,9 @@ int pe_bf16_hw_exact(void);
  * qk_norm_<isa>.c, with a scratch buffer of pe_qk_scratch_bytes per thread; arguments are
  * validated by qk_norm.c.  Forward: tokens i0 .. i0+n-1.  Backward: rows r0 .. r1-1 of q
  * (tensor 0) or k (1) in the order of the walk (pe_qk_plan: the products' order, posenc.h,
- * or token by token), r0 and r1 on boundaries of both block sizes of ws, whose block sums
- * of the weight-gradient products it writes.  acc_heads: the heads whose block sums one
+ * r0 a multiple of both block sizes of ws; or token by token, whole tiles of tokens that
+ * hold whole blocks of each head's rows), whose block sums of the weight-gradient products
+ * it writes.  acc_heads: the heads whose block sums one
  * thread keeps at once (the most heads of a tensor walked token by token, else 1). */
 static inline size_t pe_qk_scratch_bytes(int64_t R, int64_t D, int64_t acc_heads) {
     return (size_t)(5 * R + (27 + 5 * acc_heads) * D) * sizeof(float); /* qk_scratch */

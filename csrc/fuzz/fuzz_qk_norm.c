@@ -563,9 +563,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *bytes, size_t size) {
     a->head_dim = D;
     a->rot_dim = R < 2 ? 2 : R;
     /* now and then rows enough for the kernels' threads (B T (Hq + Hk) D >= 2^17) and torch's
-     * parallel column sums of the weight gradient (B T H D >= 32768), T of 64 among them (a
-     * multiple of the weight gradients' blocks of either order: the backward walks rows that
-     * lie token by token so, qk_norm.c) */
+     * parallel column sums of the weight gradient (B T H D >= 32768); T from 16 to 64, so
+     * that T is now and then a multiple of the weight gradients' blocks (16 and 64 rows),
+     * where the backward walks rows that lie token by token so (qk_norm.c, by_token_chunk) */
     const int many = D <= 256 && fuzz_below(&in, 8) == 0;
     a->batch = fuzz_below(&in, 4);
     a->seq = many ? 16 + fuzz_below(&in, 49) : fuzz_below(&in, 6);
