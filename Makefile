@@ -1,5 +1,6 @@
 # The commands of the README.  Every target creates or reuses .venv/ and rebuilds the
-# extension first, so they work on a fresh clone with nothing installed by hand.
+# extension first where its sources changed, so they work on a fresh clone with nothing
+# installed by hand.
 PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
@@ -24,8 +25,12 @@ NPY           := $(COMPAT_NEWEST)/bin/python
 COMPAT_NEWEST_STAMP := $(COMPAT_NEWEST)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 PYTEST := $(abspath $(VPY)) -m pytest -q -p no:cacheprovider
+# ninja (run by meson and meson-python) would take make's jobserver from MAKEFLAGS, whose
+# descriptors a recipe line does not get (make test runs parts side by side) and it says so
+# with an error; with this before it, it keeps its own job count.
+NOJOBSERVER := MAKEFLAGS=
 
-.PHONY: all venv wheel build test pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest pytest-hub-kernels \
+.PHONY: all venv wheel build test test-parts compat-install pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest pytest-hub-kernels \
 	compat compat-min \
 	compat-newest abi-audit ctest sanitize fuzz ctest-aarch64 cuda-compile gpu-check bench bench-full \
 	notebooks clean insns
@@ -44,14 +49,25 @@ venv: $(STAMP)
 
 # One abi3 wheel for CPython >= 3.11 and torch >= 2.11, built through a persistent build
 # dir: incremental, no build isolation (isolation would fetch another torch to build with).
-wheel: $(STAMP)
+# Built again when a file it is made from is newer than it (WHEEL_STAMP).
+WHEEL_SOURCES := meson.build meson.options pyproject.toml README.md scripts/cuda_libdir.py \
+	$(shell find csrc posenc_torch -type f -not -path '*/__pycache__/*')
+WHEEL_STAMP := $(WHEEL_DIR)/.built
+INSTALL_STAMP := $(VENV)/.posenc-installed
+$(WHEEL_STAMP): $(STAMP) $(WHEEL_SOURCES)
 	rm -f $(WHEEL_DIR)/posenc_torch-*.whl
-	$(VPY) -m pip wheel -q --no-build-isolation --no-deps . -w $(WHEEL_DIR) -Cbuild-dir=build
+	$(NOJOBSERVER) $(VPY) -m pip wheel -q --no-build-isolation --no-deps . -w $(WHEEL_DIR) -Cbuild-dir=build
 	ls $(WHEEL)
+	touch $@
+
+wheel: $(WHEEL_STAMP)
 
 # The tests run that wheel, installed as users install it (not an editable build).
-build: wheel
+$(INSTALL_STAMP): $(WHEEL_STAMP)
 	$(VPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
+	touch $@
+
+build: $(INSTALL_STAMP)
 
 # Everything: C tests, the same under ASan + UBSan (in the fuzzing build, or `sanitize`'s
 # own where the fuzzer's compiler cannot be installed), a bounded fuzzing run, the C tests on
@@ -61,8 +77,25 @@ build: wheel
 # 5.x's hub kernels, then the same wheel's ABI audit and op tests under torch 2.14.1, under
 # the oldest supported, 2.11.0, and under the newest on the package registry
 # (compat-newest).
-test: build ctest fuzz ctest-aarch64 cuda-compile pytest pytest-hf4 pytest-hf5_18 \
-	pytest-hf5_latest pytest-hub-kernels abi-audit compat compat-min compat-newest
+#
+# The parts run TEST_JOBS at a time (default: the machine's cores): most of them are Python
+# tests that keep about one core busy, so two at a time on 2 cores take about 2/3 of the
+# time one after another (docs/building.md, "How long make test takes").  Each part's
+# output appears whole when it ends (--output-sync); a failing part stops the run after
+# the parts already running.  Parts that share an environment only read it: the wheel goes
+# into .venv-compat once (compat-install), Debian packages are installed under a lock.
+# First the environments and the wheel, then the parts, the longest first; TEST_JOBS=1
+# runs them one after another in that order.
+TEST_PARTS := fuzz pytest pytest-hf4 pytest-hf5_18 pytest-hf5_latest compat-newest compat-min \
+	compat pytest-hub-kernels cuda-compile ctest-aarch64 ctest abi-audit
+TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+test:
+	@echo "make test: the environments and the wheel, then $(words $(TEST_PARTS)) parts, $(TEST_JOBS) at a time; each part's output appears when it ends"
+	+@$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target build $(COMPAT_STAMP) \
+		$(COMPAT_NEWEST_STAMP)
+	+@$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target test-parts
+
+test-parts: $(TEST_PARTS)
 
 # The verified table against the installed transformers (python -m posenc_torch.hf.verify
 # --check): fails when a type of the release's written patched set has a function without a
@@ -132,10 +165,12 @@ COMPAT_TESTS := test_rope.py test_mrope.py test_positions.py test_sinusoidal.py 
 	test_errors.py test_qk_norm.py
 
 # The wheel built against .venv's torch, installed without dependencies (it must not
-# replace torch) beside torch 2.14.1, and the op tests run there, with the OpenMP-runtime
-# test.
-compat: wheel $(COMPAT_STAMP)
+# replace torch) beside torch 2.14.1 (compat-install, once for compat and compat-min, which
+# may run at the same time), and the op tests run there, with the OpenMP-runtime test.
+compat-install: wheel $(COMPAT_STAMP)
 	$(CPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
+
+compat: compat-install
 	cd tests && $(abspath $(CPY)) -c "import torch, posenc_torch; print('torch', torch.__version__)"
 	cd tests && $(abspath $(CPY)) -m pytest -q -p no:cacheprovider -m "not transformers4" \
 		$(COMPAT_TESTS) test_runtime.py
@@ -178,7 +213,7 @@ SHIM_FLAGS = -std=c++20 -fopenmp -Wall -Wextra -Werror -Wno-unused-parameter -Wn
 	-isystem $(TORCH_MIN_DIR)/torch/include \
 	-I$$($(VPY) -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 SHIM_SOURCES := $(wildcard csrc/torch/*.cpp)
-compat-min: wheel $(COMPAT_STAMP) $(TORCH_MIN_DIR)/.installed
+compat-min: compat-install $(TORCH_MIN_DIR)/.installed
 	mkdir -p build/shim-torch$(TORCH_MIN)
 	for f in $(SHIM_SOURCES); do $(CXX) $(SHIM_FLAGS) -c $$f \
 		-o build/shim-torch$(TORCH_MIN)/$$(basename $$f .cpp).o || exit 1; done
@@ -187,7 +222,6 @@ compat-min: wheel $(COMPAT_STAMP) $(TORCH_MIN_DIR)/.installed
 	else set -x; for f in $(SHIM_SOURCES); do $(CXX) $(SHIM_FLAGS) -DPOSENC_WITH_CUDA -DUSE_CUDA \
 		-isystem "$$(dirname "$$($(VPY) scripts/cuda_libdir.py "$$nvcc")")/include" \
 		-c $$f -o build/shim-torch$(TORCH_MIN)/$$(basename $$f .cpp)-cuda.o || exit 1; done; fi
-	$(CPY) -m pip install -q --no-deps --force-reinstall $(WHEEL)
 	cd tests && PYTHONPATH=$(abspath $(TORCH_MIN_DIR)) $(abspath $(CPY)) -c \
 		"import torch, posenc_torch; assert torch.__version__.startswith('$(TORCH_MIN)'), torch.__version__; print('torch', torch.__version__)"
 	cd tests && PYTHONPATH=$(abspath $(TORCH_MIN_DIR)) $(abspath $(CPY)) -m pytest -q \
@@ -200,17 +234,20 @@ abi-audit: wheel $(COMPAT_STAMP)
 	$(CPY) -m zipfile -e $(WHEEL) build/wheel-audit
 	$(COMPAT)/bin/torch-abi-audit --check both -v build/wheel-audit/posenc_torch
 
-ctest: $(STAMP)
-	$(VENV)/bin/meson setup builddir-c -Dpython_extension=false --reconfigure >/dev/null
-	$(VENV)/bin/meson test -C builddir-c --print-errorlogs
+# The C tests as the wheel's build compiled them (build/: the kernels the wheel holds, with
+# its flags); the torch-free build (-Dpython_extension=false) is the fuzzing and aarch64
+# builds'.
+ctest: wheel
+	$(VENV)/bin/meson test -C build --no-rebuild --print-errorlogs
 
 sanitize: $(STAMP)
-	$(VENV)/bin/meson setup builddir-asan -Dpython_extension=false -Dbuildtype=debug \
+	$(NOJOBSERVER) $(VENV)/bin/meson setup builddir-asan -Dpython_extension=false -Dbuildtype=debug \
 		-Db_sanitize=address,undefined -Db_lundef=false --reconfigure >/dev/null
-	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
+	$(NOJOBSERVER) UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
 		$(VENV)/bin/meson test -C builddir-asan --print-errorlogs
 
-# Debian packages a target needs: installed when missing (as root, or through sudo).  Only
+# Debian packages a target needs: installed when missing (as root, or through sudo; one
+# target at a time, under a lock, as make test may run two that need packages).  Only
 # where that is impossible (no apt-get) does the target stop, loudly, without failing.
 define need_packages
 	@missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -220,7 +257,8 @@ define need_packages
 		touch $(VENV)/.skip-$@; exit 0; fi; \
 	sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
 	echo "$@: installing$$missing"; \
-	$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq $$missing >/dev/null
+	flock $(VENV)/.apt.lock sh -c "$$sudo apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq $$missing >/dev/null"
 endef
 
 # libFuzzer with ASan + UBSan over the C entry points (csrc/fuzz), FUZZ_SECONDS per
@@ -234,11 +272,11 @@ fuzz: $(STAMP)
 	$(call need_packages,clang libclang-rt-14-dev libomp-14-dev)
 	@if [ -e $(VENV)/.skip-fuzz ]; then $(MAKE) --no-print-directory sanitize; exit $$?; fi; \
 	set -e; \
-	CC=clang $(VENV)/bin/meson setup builddir-fuzz -Dpython_extension=false -Dfuzz=true \
+	$(NOJOBSERVER) CC=clang $(VENV)/bin/meson setup builddir-fuzz -Dpython_extension=false -Dfuzz=true \
 		-Dbuildtype=debugoptimized -Db_sanitize=address,undefined -Db_lundef=false \
 		--reconfigure >/dev/null; \
-	$(VENV)/bin/meson compile -C builddir-fuzz >/dev/null; \
-	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
+	$(NOJOBSERVER) $(VENV)/bin/meson compile -C builddir-fuzz >/dev/null; \
+	$(NOJOBSERVER) UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
 		$(VENV)/bin/meson test -C builddir-fuzz --print-errorlogs; \
 	for f in $(FUZZERS); do \
 		mkdir -p builddir-fuzz/corpus-$$f; \
@@ -257,20 +295,21 @@ ctest-aarch64: $(STAMP)
 	@rm -f $(VENV)/.skip-ctest-aarch64
 	$(call need_packages,gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user)
 	@if [ -e $(VENV)/.skip-ctest-aarch64 ]; then exit 0; fi; set -e; \
-	$(VENV)/bin/meson setup builddir-aarch64 --cross-file cross/aarch64-linux-gnu.ini \
+	$(NOJOBSERVER) $(VENV)/bin/meson setup builddir-aarch64 --cross-file cross/aarch64-linux-gnu.ini \
 		-Dpython_extension=false --reconfigure >/dev/null; \
-	$(VENV)/bin/meson test -C builddir-aarch64 --print-errorlogs
+	$(NOJOBSERVER) $(VENV)/bin/meson test -C builddir-aarch64 --print-errorlogs
 
 # The CUDA sources compiled with this machine's nvcc for sm_80 and sm_90 (nothing runs; a
 # loud skip without nvcc), so they cannot rot on machines without a GPU; their machine code
-# checked (scripts/cuda_sass_check.py, with cuobjdump from the wheels in CUDA_TOOLS).
+# checked (scripts/cuda_sass_check.py, with cuobjdump from the wheels in CUDA_TOOLS), and
+# their host emulation linked with the C kernels of the wheel's build.
 CUDA_TOOLS := $(VENV)/cuda-tools
 $(CUDA_TOOLS)/.installed: requirements-cuda-tools.txt | $(STAMP)
 	$(VPY) -m pip install -q --no-deps --upgrade --target $(CUDA_TOOLS) -r requirements-cuda-tools.txt
 	touch $@
 
-cuda-compile: $(STAMP) $(CUDA_TOOLS)/.installed
-	PYTHON=$(abspath $(VPY)) scripts/cuda_compile.sh
+cuda-compile: wheel $(CUDA_TOOLS)/.installed
+	$(NOJOBSERVER) PYTHON=$(abspath $(VPY)) KERNELS_BUILD=build scripts/cuda_compile.sh
 
 # On a machine with an NVIDIA GPU: build against its torch, run the GPU tests and the GPU
 # benchmark, everything into one folder (scripts/gpu_check.sh; docs/gpu.md).

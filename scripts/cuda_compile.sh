@@ -6,10 +6,12 @@
 # and the H200 estimate:
 # scripts/cuda_sass_check.py, whose rules are first shown to fire on a deliberately bad
 # kernel, csrc/cuda/tests/sass_bad.cu) and run the kernels' code on the host against the CPU
-# kernels (csrc/cuda/tests/test_emulated.cu, linked with the C kernels of builddir-c; it also
-# compares the conversions over all 2^32 fp32 patterns).  Without nvcc it says so loudly and
-# exits 0.
+# kernels (csrc/cuda/tests/test_emulated.cu, linked with the C kernels of KERNELS_BUILD; it
+# also compares the conversions over all 2^32 fp32 patterns).  Without nvcc it says so loudly
+# and exits 0.
 #   GPU_ARCHS="80 90" (default)   NVCC=/path/to/nvcc (default: nvcc on PATH)
+#   KERNELS_BUILD=dir: a meson build of this tree (default: builddir-c, a torch-free one set
+#   up when missing; make passes the wheel's, build)
 #   PYTHON=python3 (runs the machine-code check)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,15 +78,16 @@ print(f"  tests/cuda_variants.py lists the {len(built)} kernels built")
 EOF
 
 # The kernels' per-thread code on the host, bit for bit against the CPU kernels.
-[[ -f builddir-c/build.ninja ]] || "$meson" setup builddir-c -Dpython_extension=false >/dev/null
-"$meson" compile -C builddir-c posenc_kernels >/dev/null 2>&1 ||
-    "$meson" compile -C builddir-c posenc_kernels # again, to show why it failed
+kernels=${KERNELS_BUILD:-builddir-c}
+[[ -f "$kernels/build.ninja" ]] || "$meson" setup "$kernels" -Dpython_extension=false >/dev/null
+"$meson" compile -C "$kernels" posenc_kernels >/dev/null 2>&1 ||
+    "$meson" compile -C "$kernels" posenc_kernels # again, to show why it failed
 "$nvcc" "${flags[@]}" -Xcompiler -fopenmp -Icsrc/cuda \
     -gencode "arch=compute_$last,code=sm_$last" \
     -c csrc/cuda/tests/test_emulated.cu -o "$out/test_emulated.o"
 "${CC:-cc}" -std=c17 -O2 -ffp-contract=off -Wall -Wextra -Werror -Icsrc -c \
     csrc/cuda/tests/math_sweep_c.c -o "$out/math_sweep_c.o"
-"${CXX:-c++}" "$out/test_emulated.o" "$out/math_sweep_c.o" builddir-c/libposenc_kernels.a \
+"${CXX:-c++}" "$out/test_emulated.o" "$out/math_sweep_c.o" "$kernels/libposenc_kernels.a" \
     -fopenmp -lm -L"$("$py" scripts/cuda_libdir.py "$nvcc")" \
     "$("$py" scripts/cuda_libdir.py --link "$nvcc")" -o "$out/test_emulated"
 "$out/test_emulated"
