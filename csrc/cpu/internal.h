@@ -196,7 +196,7 @@ int pe_bf16_hw_exact(void);
  * it writes.  acc_heads: the heads whose block sums one
  * thread keeps at once (the most heads of a tensor walked token by token, else 1). */
 static inline size_t pe_qk_scratch_bytes(int64_t R, int64_t D, int64_t acc_heads) {
-    return (size_t)(5 * R + (27 + 5 * acc_heads) * D) * sizeof(float); /* qk_scratch */
+    return (size_t)(5 * R + (19 + 5 * acc_heads) * D) * sizeof(float); /* qk_scratch */
 }
 
 /* Where a backward puts the weight-gradient products of one tensor's N rows: the sums of

@@ -22,6 +22,54 @@ PE_INLINE float qk_round(float v, pe_dtype dt) {
     return v;
 }
 
+/*
+ * How the bf16 pair rows round (their argument hw): in software (0); by the hardware, the
+ * lanes that held an fp32 denormal (which it takes as zero) or-ed into *den, looked for
+ * only where a rounded block holds a zero (QK_HW); or by the hardware without that test
+ * (QK_HW_NORMAL), where qk_no_denormal showed that no value rounded can be a denormal.
+ */
+enum { QK_HW = 1, QK_HW_NORMAL = 2 };
+
+/*
+ * Whether no value the forward of a bf16 pair row (qk_forward_out_pairs) rounds can be an
+ * fp32 denormal, from bounds from below on the nonzero magnitudes: X of the row's x (least),
+ * its r, and bound = min(1, W) min(1, C), W the least of the weights as qk_scale_pairs takes
+ * them, C the least of the token's cos and sin values (qk_least_nonzero).  A rounded value
+ * that is a number and not zero is then at least
+ *  - n = x r: X r, less a rounding;
+ *  - y = n v (n rounded to bf16 first in the weight form): X r W, less two;
+ *  - a rotated y0 c + y1 s (y rounded to bf16; c, s bf16): a product of two bf16 is exact
+ *    and a whole multiple of a power of two above 2^-16 of its magnitude, so a sum that is
+ *    not zero is at least 2^-16 of the lesser product that is not: X r W C 2^-16, less
+ *    three roundings.
+ * A rounding takes off less than 2^-8 of a magnitude, so X r bound >= 2^-90 (a double: no
+ * product underflows) leaves each at least 2^-107, a normal.  A NaN, zero or infinite
+ * factor: NaN and 0 fail (those rows are tested), an infinite r gives infinities and NaN.
+ */
+PE_INLINE int qk_no_denormal(float least, float r, double bound) {
+    return (double)least * (double)r * bound >= 0x1p-90;
+}
+
+/* The least magnitude of the nonzero values among n floats (NaN passed over), +inf if none */
+PE_INLINE float qk_least_nonzero(const float *v, int64_t n) {
+    float m = INFINITY;
+    int64_t i = 0;
+#ifdef PE_BF16_HW
+    __m512 mv = _mm512_set1_ps(INFINITY);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_abs_ps(_mm512_loadu_ps(v + i));
+        const __mmask16 k = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+        mv = _mm512_mask_min_ps(mv, k, x, mv);
+    }
+    m = _mm512_reduce_min_ps(mv);
+#endif
+    for (; i < n; ++i) {
+        const float x = fabsf(v[i]);
+        m = x != 0.0f && x < m ? x : m;
+    }
+    return m;
+}
+
 /* torch's utils::CeilLog2 */
 static inline int64_t qk_ceil_log2(int64_t x) {
     return x <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(x - 1));
@@ -259,12 +307,11 @@ PE_INLINE float qk_grad_ms(pe_norm_form form, float gr, float r, float p) {
 }
 
 /* Scratch rows of one thread (fp32): the two weights, cos, signed sine, sine, five rows,
- * the two weights as qk_scale_vec takes them (1 + w for one_plus_weight, else w), the
- * 8 rows of qk_forward_rows8, for the bf16 pair rows (qk_forward_out_pairs,
- * qk_backward_in_pairs) those two weights, cos and the signed sine in pair order, and the
- * 8 gn rows of qk_backward_rows8. */
+ * the two weights as qk_scale_vec takes them (1 + w for one_plus_weight, else w), for the
+ * bf16 pair rows (qk_forward_out_pairs, qk_backward_in_pairs) those two weights, cos and the
+ * signed sine in pair order, and the 8 gn rows of qk_backward_rows8. */
 typedef struct qk_rows_f32 {
-    float *w[2], *c, *ss, *s, *x, *t, *y, *o, *g, *v[2], *xg;
+    float *w[2], *c, *ss, *s, *x, *t, *y, *o, *g, *v[2];
     float *vp[2], *cp, *ssp, *rows8;
     int stream; /* the vector stores of dx or of the current tensor's output stream
                  * (pe_qk_plan) */
@@ -369,19 +416,15 @@ PE_INLINE __m256 qk_acc_lanes(const pe_vf *acc) {
 #endif
 }
 
-/* The row xr as fp32 into x, and qk_sum8_f32's additions of its squares in registers up to
- * the lanes (qk_acc_lanes). */
-PE_INLINE __m256 qk_sq8_row(const char *xr, float *restrict x, int64_t D, pe_dtype dt) {
+/* qk_sum8_f32's additions of the squares of row xr (as fp32) in registers, up to the lanes
+ * (qk_acc_lanes). */
+PE_INLINE __m256 qk_sq8_row(const char *xr, int64_t D, pe_dtype dt) {
     const int64_t es = (int64_t)pe_dtype_size(dt);
 #if PE_VW == 8
     pe_vf a[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
     for (int64_t e = 0; e < D; e += 32) {
         const pe_vf x0 = vx_load(xr + e * es, dt), x1 = vx_load(xr + (e + 8) * es, dt);
         const pe_vf x2 = vx_load(xr + (e + 16) * es, dt), x3 = vx_load(xr + (e + 24) * es, dt);
-        vx_store((char *)(x + e), x0, PE_FLOAT32);
-        vx_store((char *)(x + e + 8), x1, PE_FLOAT32);
-        vx_store((char *)(x + e + 16), x2, PE_FLOAT32);
-        vx_store((char *)(x + e + 24), x3, PE_FLOAT32);
         a[0] = vf_add(a[0], vf_mul(x0, x0));
         a[1] = vf_add(a[1], vf_mul(x1, x1));
         a[2] = vf_add(a[2], vf_mul(x2, x2));
@@ -391,8 +434,6 @@ PE_INLINE __m256 qk_sq8_row(const char *xr, float *restrict x, int64_t D, pe_dty
     pe_vf a[2] = {vf_zero(), vf_zero()};
     for (int64_t e = 0; e < D; e += 32) {
         const pe_vf x0 = vx_load(xr + e * es, dt), x1 = vx_load(xr + (e + 16) * es, dt);
-        vx_store((char *)(x + e), x0, PE_FLOAT32);
-        vx_store((char *)(x + e + 16), x1, PE_FLOAT32);
         a[0] = vf_add(a[0], vf_mul(x0, x0));
         a[1] = vf_add(a[1], vf_mul(x1, x1));
     }
@@ -400,11 +441,13 @@ PE_INLINE __m256 qk_sq8_row(const char *xr, float *restrict x, int64_t D, pe_dty
     return qk_acc_lanes(a);
 }
 
-/* The second pass of a forward row: x (fp32) normalized by r, weighted, rotated and stored
- * in dt, each pair of vectors (e, e + R/2) at once.  Returns vf_round's denormal lanes. */
+/* The second pass of a forward row: the row xr read again (from the L1, where the first
+ * pass left it: a copy in scratch would cost a store and a load per vector), normalized by
+ * r, weighted, rotated and stored in dt, each pair of vectors (e, e + R/2) at once.  Returns
+ * vf_round's denormal lanes. */
 PE_INLINE unsigned qk_forward_out_vec(const pe_qk_norm_args *a, pe_dtype dt,
-                                      const float *restrict v, const float *restrict x,
-                                      char *orow, float r, const qk_rows_f32 *m, int hw) {
+                                      const float *restrict v, const char *xr, char *orow,
+                                      float r, const qk_rows_f32 *m, int hw) {
     const int64_t D = a->head_dim, R = a->rot_dim, h = R / 2;
     const int64_t es = (int64_t)pe_dtype_size(dt);
     const pe_norm_form form = a->form;
@@ -413,9 +456,10 @@ PE_INLINE unsigned qk_forward_out_vec(const pe_qk_norm_args *a, pe_dtype dt,
     const pe_vf rr = vf_set1(r);
     unsigned den = 0;
     for (int64_t e = 0; e < h; e += PE_VW) {
-        const pe_vf y0 = qk_scale_vec(vf_load(x + e), vf_load(v + e), rr, form, dt, hw, &den);
-        const pe_vf y1 =
-            qk_scale_vec(vf_load(x + e + h), vf_load(v + e + h), rr, form, dt, hw, &den);
+        const pe_vf y0 =
+            qk_scale_vec(vx_load(xr + e * es, dt), vf_load(v + e), rr, form, dt, hw, &den);
+        const pe_vf y1 = qk_scale_vec(vx_load(xr + (e + h) * es, dt), vf_load(v + e + h), rr,
+                                      form, dt, hw, &den);
         qk_store(orow + e * es, vf_rot(y0, vf_load(c + e), y1, vf_load(ss + e)), dt, hw, &den,
                  stream);
         qk_store(orow + (e + h) * es, vf_rot(y1, vf_load(c + e + h), y0, vf_load(ss + e + h)),
@@ -423,21 +467,22 @@ PE_INLINE unsigned qk_forward_out_vec(const pe_qk_norm_args *a, pe_dtype dt,
     }
     for (int64_t e = R; e < D; e += PE_VW)
         qk_store(orow + e * es,
-                 qk_scale_unrounded(vf_load(x + e), vf_load(v + e), rr, form, dt, hw, &den),
+                 qk_scale_unrounded(vx_load(xr + e * es, dt), vf_load(v + e), rr, form, dt, hw,
+                                    &den),
                  dt, hw, &den, stream);
     return den;
 }
 
 PE_INLINE void qk_forward_out(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict v,
-                              const float *restrict x, char *orow, float r,
-                              const qk_rows_f32 *m, int hw) {
+                              const char *xr, char *orow, float r, const qk_rows_f32 *m,
+                              int hw) {
     /* hardware bf16 rounding where exact, else the row again in software (after the
      * streaming stores of the first try, if any, are done) */
     if (!hw) {
-        qk_forward_out_vec(a, dt, v, x, orow, r, m, 0);
-    } else if (qk_forward_out_vec(a, dt, v, x, orow, r, m, 1)) {
+        qk_forward_out_vec(a, dt, v, xr, orow, r, m, 0);
+    } else if (qk_forward_out_vec(a, dt, v, xr, orow, r, m, 1)) {
         if (m->stream) _mm_sfence();
-        qk_forward_out_vec(a, dt, v, x, orow, r, m, 0);
+        qk_forward_out_vec(a, dt, v, xr, orow, r, m, 0);
     }
 }
 
@@ -446,17 +491,16 @@ PE_INLINE void qk_forward_row_vec(const pe_qk_norm_args *a, pe_dtype dt,
                                   float *rstd, qk_rows_f32 *m, int hw) {
     const int64_t D = a->head_dim;
     const int64_t es = (int64_t)pe_dtype_size(dt);
-    float *restrict x = m->x, *restrict t = m->t;
+    float *restrict t = m->t;
     float sum;
     if (qk_sum8_case(a)) {
         float lane[8];
-        _mm256_storeu_ps(lane, qk_sq8_row(xr, x, D, dt));
+        _mm256_storeu_ps(lane, qk_sq8_row(xr, D, dt));
         sum = 0.0f;
         for (int l = 0; l < 8; ++l) sum += lane[l];
     } else {
         for (int64_t e = 0; e < D; e += PE_VW) {
             const pe_vf xv = vx_load(xr + e * es, dt);
-            vx_store((char *)(x + e), xv, PE_FLOAT32);
             vx_store((char *)(t + e), vf_mul(xv, xv), PE_FLOAT32);
         }
         sum = qk_sum_lanes_f32(t, D, a->sum_lanes);
@@ -464,7 +508,7 @@ PE_INLINE void qk_forward_row_vec(const pe_qk_norm_args *a, pe_dtype dt,
     const float ms = sum / (float)D + (float)a->eps;
     const float r = 1.0f / sqrtf(ms);
     *rstd = a->form == PE_NORM_POW ? ms : r;
-    qk_forward_out(a, dt, v, x, orow, r, m, hw);
+    qk_forward_out(a, dt, v, xr, orow, r, m, hw);
 }
 
 #ifdef PE_BF16_BLOCK
@@ -524,16 +568,19 @@ PE_INLINE int qk_pair_acc(int64_t e) {
 #endif
 }
 
-/* qk_sq8_row for a bf16 row read as channel pairs: x gets the row as fp32 in pair order,
- * the squares go into the same lanes in the same order (qk_pair_lanes). */
-PE_INLINE __m256 qk_sq8_row_pairs(const char *xr, float *restrict x, int64_t D) {
+/* qk_sq8_row for a bf16 row read as channel pairs: the squares go into the same lanes in
+ * the same order (qk_pair_lanes).  least (the avx512bf16 variant, or NULL): where the
+ * row's nonzero magnitudes go (bf16_least_acc). */
+PE_INLINE __m256 qk_sq8_row_pairs(const char *xr, int64_t D, pe_vi *least) {
     pe_vf ae[2] = {vf_zero(), vf_zero()}, ao[2] = {vf_zero(), vf_zero()};
+    (void)least;
     for (int64_t e = 0; e < D; e += PE_BF16_BLOCK) {
         const pe_vi u = vi_load(xr + 2 * e);
         const pe_vf ve = bf16_even(u), vo = bf16_odd(u);
+#ifdef PE_BF16_HW
+        if (least) *least = bf16_least_acc(*least, u);
+#endif
         const int k = qk_pair_acc(e);
-        vx_store((char *)(x + e), ve, PE_FLOAT32);
-        vx_store((char *)(x + e + PE_VW), vo, PE_FLOAT32);
         ae[k] = vf_add(ae[k], vf_mul(ve, ve));
         ao[k] = vf_add(ao[k], vf_mul(vo, vo));
     }
@@ -543,13 +590,12 @@ PE_INLINE __m256 qk_sq8_row_pairs(const char *xr, float *restrict x, int64_t D) 
 }
 
 /* A block's even and odd vectors rounded to bf16: its bf16 in memory order (two pairs per
- * 32-bit word).  hw: by the hardware, the lanes that held an fp32 denormal (which it takes
- * as zero) or-ed into *den, looked for only when the block's bf16 hold a zero. */
+ * 32-bit word); hw as above. */
 PE_INLINE pe_vi qk_round_pairs(pe_vf ve, pe_vf vo, int hw, unsigned *den) {
 #ifdef PE_BF16_HW
     if (hw) {
         const pe_vi r = bf16_pairs_hw(ve, vo);
-        if (__builtin_expect(bf16_zero_words(r) != 0, 0))
+        if (hw == QK_HW && __builtin_expect(bf16_zero_words(r) != 0, 0))
             *den |= (unsigned)(_mm512_fpclass_ps_mask(ve, 0x20) | _mm512_fpclass_ps_mask(vo, 0x20));
         return r;
     }
@@ -575,10 +621,11 @@ PE_INLINE void qk_round_back(pe_vf *ve, pe_vf *vo, int hw, unsigned *den) {
     *vo = bf16_odd(bf16_round_num(*vo));
 }
 
-/* qk_scale_unrounded of the block at x (fp32, pair order) with the weights w (pair order) */
-PE_INLINE void qk_scale_pairs(const float *restrict x, const float *restrict w, pe_vf rr,
+/* qk_scale_unrounded of the block of bf16 pairs at xb with the weights w (pair order) */
+PE_INLINE void qk_scale_pairs(const char *xb, const float *restrict w, pe_vf rr,
                               pe_norm_form form, int hw, unsigned *den, pe_vf *ye, pe_vf *yo) {
-    pe_vf ne = vf_mul(vf_load(x), rr), no = vf_mul(vf_load(x + PE_VW), rr);
+    const pe_vi u = vi_load(xb);
+    pe_vf ne = vf_mul(bf16_even(u), rr), no = vf_mul(bf16_odd(u), rr);
     const pe_vf we = vf_load(w), wo = vf_load(w + PE_VW);
     if (form == PE_NORM_WEIGHT) {
         qk_round_back(&ne, &no, hw, den);
@@ -596,11 +643,11 @@ PE_INLINE void qk_store_pairs(char *p, pe_vi r, int stream) {
     else vi_store(p, r);
 }
 
-/* qk_forward_out_vec for the rows of qk_pairs_case: x the row and v the weights in pair
- * order, the token's tables in m->cp, m->ssp.  Returns the denormal lanes of the hardware
- * rounding (0 when hw is 0). */
+/* qk_forward_out_vec for the rows of qk_pairs_case: the row xr read as channel pairs, v the
+ * weights in pair order, the token's tables in m->cp, m->ssp.  Returns the denormal lanes of
+ * the hardware rounding (0 when hw is 0). */
 PE_INLINE unsigned qk_forward_out_pairs(const pe_qk_norm_args *a, const float *restrict v,
-                                        const float *restrict x, char *orow, float r,
+                                        const char *xr, char *orow, float r,
                                         const qk_rows_f32 *m, int hw) {
     const int64_t D = a->head_dim, R = a->rot_dim, h = R / 2;
     const pe_norm_form form = a->form;
@@ -610,8 +657,8 @@ PE_INLINE unsigned qk_forward_out_pairs(const pe_qk_norm_args *a, const float *r
     unsigned den = 0;
     for (int64_t e = 0; e < h; e += PE_BF16_BLOCK) {
         pe_vf y0e, y0o, y1e, y1o; /* the block at e of the first half, of the second */
-        qk_scale_pairs(x + e, v + e, rr, form, hw, &den, &y0e, &y0o);
-        qk_scale_pairs(x + h + e, v + h + e, rr, form, hw, &den, &y1e, &y1o);
+        qk_scale_pairs(xr + 2 * e, v + e, rr, form, hw, &den, &y0e, &y0o);
+        qk_scale_pairs(xr + 2 * (h + e), v + h + e, rr, form, hw, &den, &y1e, &y1o);
         qk_round_back(&y0e, &y0o, hw, &den);
         qk_round_back(&y1e, &y1o, hw, &den);
         const float *c0 = c + e, *s0 = ss + e, *c1 = c + h + e, *s1 = ss + h + e;
@@ -624,7 +671,7 @@ PE_INLINE unsigned qk_forward_out_pairs(const pe_qk_norm_args *a, const float *r
     }
     for (int64_t e = R; e < D; e += PE_BF16_BLOCK) { /* past the rotary: one rounding */
         pe_vf ye, yo;
-        qk_scale_pairs(x + e, v + e, rr, form, hw, &den, &ye, &yo);
+        qk_scale_pairs(xr + 2 * e, v + e, rr, form, hw, &den, &ye, &yo);
         qk_store_pairs(orow + 2 * e, qk_round_pairs(ye, yo, hw, &den), stream);
     }
     return den;
@@ -658,15 +705,25 @@ PE_INLINE __m256 qk_rows8_sum(const __m256 acc[8]) {
  * first pass, then their 8 lane sums, scales and 1 / sqrt as 8-lane vectors (lane g is
  * row g: the same additions in the same order, and IEEE division and square root round as
  * their scalar forms do), so that no row waits on its own chain of dependent additions,
- * division and square root; then each row's second pass.  xg holds 8 rows of D floats.
- * vp: the weights in pair order for the bf16 pair rows (qk_pairs_case), else NULL. */
+ * division and square root; then each row's second pass, which reads its row again (the
+ * 8 rows are still in the L1).  vp: the weights in pair order for the bf16 pair rows
+ * (qk_pairs_case), else NULL; with the hardware rounding (hw), those rows skip its test
+ * for denormals where qk_no_denormal holds, with the least nonzero magnitude of the 8 rows'
+ * x and bound (min(1, W) min(1, C) of the tensor's weights and the token's tables). */
 PE_INLINE void qk_forward_rows8(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict v,
                                 const float *restrict vp, const pe_qk_norm_tensor *X, int64_t b,
-                                int64_t t, int64_t h0, int n, float *restrict xg,
-                                const qk_rows_f32 *m, int hw, int64_t ahead) {
+                                int64_t t, int64_t h0, int n, const qk_rows_f32 *m, int hw,
+                                double bound, int64_t ahead) {
     const int64_t D = a->head_dim;
     const size_t es = pe_dtype_size(dt);
     __m256 acc[8];
+    pe_vi *least = NULL; /* the rows' nonzero magnitudes (bf16_least_acc) */
+    float xleast = 0.0f;
+#ifdef PE_BF16_HW
+    pe_vi least_acc = bf16_least_none();
+    if (hw && vp) least = &least_acc;
+#endif
+    (void)bound;
     for (int g = 0; g < 8; ++g) {
         if (g >= n) {
             acc[g] = _mm256_setzero_ps();
@@ -678,11 +735,11 @@ PE_INLINE void qk_forward_rows8(const pe_qk_norm_args *a, pe_dtype dt, const flo
             qk_prefetch_row(xr + ahead, D * (int64_t)es, 0);
 #ifdef PE_BF16_BLOCK
         if (vp) {
-            acc[g] = qk_sq8_row_pairs(xr, xg + g * D, D);
+            acc[g] = qk_sq8_row_pairs(xr, D, least);
             continue;
         }
 #endif
-        acc[g] = qk_sq8_row(xr, xg + g * D, D, dt);
+        acc[g] = qk_sq8_row(xr, D, dt);
     }
     const __m256 sum = qk_rows8_sum(acc);
     const __m256 ms = _mm256_add_ps(_mm256_div_ps(sum, _mm256_set1_ps((float)D)),
@@ -691,22 +748,29 @@ PE_INLINE void qk_forward_rows8(const pe_qk_norm_args *a, pe_dtype dt, const flo
     float msv[8], rv[8];
     _mm256_storeu_ps(msv, ms);
     _mm256_storeu_ps(rv, r);
+#ifdef PE_BF16_HW
+    if (least) xleast = bf16_least(*least);
+#endif
     for (int g = 0; g < n; ++g) {
         *(float *)pe_row(X->rstd, X->rstd_stride, 4, b, t, h0 + g) =
             a->form == PE_NORM_POW ? msv[g] : rv[g];
+        const char *xr = pe_row(X->x, X->x_stride, es, b, t, h0 + g);
         char *orow = (char *)pe_row(X->out, X->out_stride, es, b, t, h0 + g);
 #ifdef PE_BF16_BLOCK
         if (vp) {
+            if (least && qk_no_denormal(xleast, rv[g], bound)) {
+                qk_forward_out_pairs(a, vp, xr, orow, rv[g], m, QK_HW_NORMAL);
+                continue;
+            }
             /* a denormal met by the hardware rounding: the row again in channel order */
-            if (__builtin_expect(qk_forward_out_pairs(a, vp, xg + g * D, orow, rv[g], m, hw), 0)) {
+            if (__builtin_expect(qk_forward_out_pairs(a, vp, xr, orow, rv[g], m, hw), 0)) {
                 if (m->stream) _mm_sfence();
-                load_row(m->x, pe_row(X->x, X->x_stride, es, b, t, h0 + g), dt, D);
-                qk_forward_out_vec(a, dt, v, m->x, orow, rv[g], m, 0);
+                qk_forward_out_vec(a, dt, v, xr, orow, rv[g], m, 0);
             }
             continue;
         }
 #endif
-        qk_forward_out(a, dt, v, xg + g * D, orow, rv[g], m, hw);
+        qk_forward_out(a, dt, v, xr, orow, rv[g], m, hw);
     }
 }
 
@@ -893,8 +957,8 @@ PE_INLINE qk_rows_f32 qk_scratch(const pe_qk_norm_args *a, void *scratch, int64_
     qk_rows_f32 m;
     m.w[0] = f, m.w[1] = f + D, m.c = f + 2 * D, m.ss = m.c + R, m.s = m.ss + R;
     m.x = m.s + R, m.t = m.x + D, m.y = m.t + D, m.o = m.y + D, m.g = m.o + D;
-    m.v[0] = m.g + D, m.v[1] = m.v[0] + D, m.xg = m.v[1] + D; /* xg: 8 rows */
-    m.vp[0] = m.xg + 8 * D, m.vp[1] = m.vp[0] + D, m.cp = m.vp[1] + D, m.ssp = m.cp + R;
+    m.v[0] = m.g + D, m.v[1] = m.v[0] + D;
+    m.vp[0] = m.v[1] + D, m.vp[1] = m.vp[0] + D, m.cp = m.vp[1] + D, m.ssp = m.cp + R;
     m.rows8 = m.ssp + R; /* 8 D */
     *plain = m.rows8 + 8 * D;
     *lanes = *plain + acc_heads * D;
@@ -959,9 +1023,15 @@ PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, const pe_qk_plan *p,
 #endif
     (void)vec, (void)hw;
     const float *vp[2] = {NULL, NULL}; /* the bf16 pair rows, per tensor */
-    for (int w = 0; w < 2; ++w)
-        if (xs[w]->heads) vp[w] = qk_pair_weights(a, dt, &m, w, hw);
+    double wleast[2] = {0.0, 0.0};      /* their min(1, W) (qk_no_denormal) */
+    for (int w = 0; w < 2; ++w) {
+        if (!xs[w]->heads) continue;
+        vp[w] = qk_pair_weights(a, dt, &m, w, hw);
+        if (hw && vp[w]) wleast[w] = fmin(1.0, qk_least_nonzero(m.v[w], a->head_dim));
+    }
     (void)vp;
+    double cleast = 0.0; /* the token's min(1, C) */
+    (void)wleast, (void)cleast;
     for (int64_t i = i0; i < i0 + n; ++i) {
         const int64_t b = i / T, t = i % T;
         qk_tables_f32(a, b, t, 0, m.c, m.ss, m.s);
@@ -969,6 +1039,9 @@ PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, const pe_qk_plan *p,
         if (vp[0] || vp[1]) {
             pair_order_blocks(m.cp, m.c, a->rot_dim);
             pair_order_blocks(m.ssp, m.ss, a->rot_dim);
+            if (hw)
+                cleast = fmin(1.0, fmin(qk_least_nonzero(m.c, a->rot_dim),
+                                        qk_least_nonzero(m.s, a->rot_dim)));
         }
 #endif
         for (int w = 0; w < 2; ++w) {
@@ -978,8 +1051,8 @@ PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, const pe_qk_plan *p,
             if (vec && qk_sum8_case(a)) {
                 for (int64_t h0 = 0; h0 < x->heads; h0 += 8)
                     qk_forward_rows8(a, dt, m.v[w], vp[w], x, b, t, h0,
-                                     x->heads - h0 < 8 ? (int)(x->heads - h0) : 8, m.xg, &m, hw,
-                                     p->ahead[w]);
+                                     x->heads - h0 < 8 ? (int)(x->heads - h0) : 8, &m, hw,
+                                     wleast[w] * cleast, p->ahead[w]);
                 continue;
             }
 #endif

@@ -11,6 +11,7 @@
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#include <math.h>
 #endif
 
 #include "internal.h"
@@ -140,6 +141,27 @@ PE_INLINE int bf16_any_zero(pe_vi r0, pe_vi r1) {
 PE_INLINE __mmask16 bf16_denormals(__mmask16 acc, pe_vf a, pe_vf b, pe_vf c, pe_vf d) {
     return acc | _mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20) |
            _mm512_fpclass_ps_mask(c, 0x20) | _mm512_fpclass_ps_mask(d, 0x20);
+}
+/*
+ * Where no value the hardware rounds can be a denormal, its zero words need no test.  The
+ * test needs a bound from below on the magnitudes: bf16_least_acc keeps, per word, the
+ * least magnitude of the nonzero bf16 of the vectors u given it (a magnitude less one, so
+ * that a zero, wrapping round to 0xffff, is the largest); bf16_least gives the least of them
+ * all as fp32, +inf when every one was a zero of either sign.  A NaN's magnitude is above
+ * every number's, so the bound holds for the numbers; a row of NaN gives a NaN.
+ * Start acc at bf16_least_none().
+ */
+PE_INLINE pe_vi bf16_least_none(void) { return _mm512_set1_epi16(-1); }
+PE_INLINE pe_vi bf16_least_acc(pe_vi acc, pe_vi u) {
+    return _mm512_min_epu16(acc, _mm512_sub_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0x7fff)),
+                                                  _mm512_set1_epi16(1)));
+}
+PE_INLINE float bf16_least(pe_vi acc) {
+    const __m256i m8 = _mm256_min_epu16(_mm512_castsi512_si256(acc),
+                                        _mm512_extracti64x4_epi64(acc, 1));
+    const __m128i m4 = _mm_min_epu16(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
+    const uint32_t w = (uint32_t)_mm_cvtsi128_si32(_mm_minpos_epu16(m4)) & 0xffffu;
+    return w == 0xffffu ? INFINITY : pe_bf16_to_f32((uint16_t)(w + 1));
 }
 /* n fp32 values at src rounded to bf16 by the hardware, 16 at a time (n a multiple of 16) */
 PE_INLINE void bf16_round_hw_row(uint16_t *dst, const float *src, int64_t n) {

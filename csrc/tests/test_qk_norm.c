@@ -392,6 +392,84 @@ static void streamed_outputs_agree(void) {
         }
 }
 
+/* The avx512bf16 variant's forward rounds the bf16 pair rows by the hardware without its
+ * test for denormals where the rows' magnitudes keep every rounded value from being one
+ * (qk_norm_f32.h, qk_no_denormal: X r W C >= 2^-90).  Rows on both sides of that bound:
+ * in each, pairs of channels (e, e + R/2) scaled by 2^-k, k from 50 to 149 across the rows,
+ * with tables (down to 2^-15) under which their rotation cancels to 2^-14 of its
+ * products; every form, full and partial rotary, each variant at 1 and 2 threads against
+ * the baseline's bits.  The baseline's results must hold denormals, or the rows would not
+ * reach the other side of the bound. */
+static void denormal_bound_agrees(void) {
+    enum { T_ = 64, H_ = 8, D_ = 128 };
+    const pe_norm_form forms[4] = {PE_NORM_WEIGHT, PE_NORM_ONE_PLUS_WEIGHT, PE_NORM_WEIGHT_F32,
+                                   PE_NORM_POW};
+    const size_t n = (size_t)T_ * H_ * D_;
+    for (int f = 0; f < 4; ++f)
+        for (int64_t R = D_; R >= D_ / 2; R -= D_ / 2) {
+            const int64_t h = R / 2;
+            pe_qk_norm_args a = {0};
+            a.batch = 1, a.seq = T_, a.head_dim = D_, a.rot_dim = R, a.pairing = PE_PAIR_HALF;
+            a.form = forms[f], a.dtype = PE_BFLOAT16, a.eps = 1e-6, a.sum_lanes = 8;
+            a.weight_f32 = forms[f] == PE_NORM_WEIGHT_F32;
+            a.table_batch = 1, a.table_stride[0] = 0, a.table_stride[1] = R;
+            uint16_t *cs = malloc((size_t)(T_ * R) * 2), *sn = malloc((size_t)(T_ * R) * 2);
+            for (int64_t t = 0; t < T_; ++t)
+                for (int64_t e = 0; e < R; ++e) {
+                    const int64_t j = e % h;
+                    const double c = (1.0 + (double)((t + j) % 4) / 128.0) * ldexp(1.0, -(int)(t % 16));
+                    store_as(cs, t * R + e, PE_BFLOAT16, c);
+                    store_as(sn, t * R + e, PE_BFLOAT16, c * (1.0 - 1.0 / 128.0));
+                }
+            a.cos = cs, a.sin = sn;
+            uint16_t *x = malloc(n * 2), *ref = malloc(n * 2), *out = malloc(n * 2);
+            float *rs = malloc(n / D_ * 4);
+            void *w = malloc((size_t)D_ * 4);
+            for (size_t i = 0; i < n; ++i) {
+                const int64_t row = (int64_t)(i / D_), e = (int64_t)(i % D_);
+                const int64_t j = e < R ? e % h : e;
+                const int k = 50 + (int)(row * 7 % 100);
+                double v;
+                if (j % 4 == 1) { /* a small pair, its second channel 2^-7 above the first */
+                    v = (1.0 + (double)((row + j) % 4) / 128.0) * ldexp(1.0, -k);
+                    if (e >= h && e < R) v *= 1.0 + 1.0 / 128.0;
+                } else {
+                    v = (j % 2 ? -1.0 : 1.0) * (0.5 + (double)((j * 13 + row) % 64) / 64.0);
+                }
+                store_as(x, (int64_t)i, PE_BFLOAT16, v);
+            }
+            for (int64_t e = 0; e < D_; ++e)
+                store_as(w, e, a.weight_f32 ? PE_FLOAT32 : PE_BFLOAT16, 0.5 + (double)(e % 7) / 16.0);
+            pe_qk_norm_tensor *q = &a.q;
+            q->heads = H_, q->x = x, q->weight = w, q->rstd = rs;
+            const int64_t st[3] = {T_ * H_ * D_, H_ * D_, D_}, rst[3] = {T_ * H_, H_, 1};
+            memcpy(q->x_stride, st, sizeof st), memcpy(q->out_stride, st, sizeof st);
+            memcpy(q->rstd_stride, rst, sizeof rst);
+            a.k = a.q, a.k.heads = 0; /* q only */
+            a.nthreads = 1;
+            pe_isa_set(PE_ISA_BASELINE);
+            q->out = ref;
+            CHECK(pe_qk_norm_rope(&a) == PE_OK, "baseline, form %d R %lld", f, (long long)R);
+            size_t denormals = 0;
+            for (size_t i = 0; i < n; ++i)
+                denormals += (ref[i] & 0x7f80) == 0 && (ref[i] & 0x7f) != 0;
+            CHECK(denormals > 0, "form %d R %lld: no denormal result", f, (long long)R);
+            for (int isa = PE_ISA_BASELINE + 1; isa <= (int)pe_isa_best(); ++isa)
+                for (int threads = 1; threads <= 2; ++threads) {
+                    pe_isa_set((pe_isa)isa);
+                    a.nthreads = threads;
+                    memset(out, 0xa5, n * 2);
+                    q->out = out;
+                    CHECK(pe_qk_norm_rope(&a) == PE_OK, "run");
+                    CHECK(!memcmp(out, ref, n * 2),
+                          "form %d R %lld isa %d threads %d: differs from the baseline", f,
+                          (long long)R, isa, threads);
+                }
+            pe_isa_set(pe_isa_best());
+            free(cs), free(sn), free(x), free(ref), free(out), free(rs), free(w);
+        }
+}
+
 /* The backward of transformers' transposed q and k ((B, H, T, D) views of token-major
  * memory, heads_first) with gradients that lie token by token too, as SDPA gives them,
  * walks the rows token by token where T is a multiple of the weight gradients' blocks
@@ -517,6 +595,7 @@ int main(void) {
     variants_agree();
     weight_gradients_match_fp64();
     streamed_outputs_agree();
+    denormal_bound_agrees();
     token_walk_agrees();
     bad_arguments();
     return check_report("test_qk_norm");
