@@ -395,11 +395,11 @@ static void streamed_outputs_agree(void) {
 /* The avx512bf16 variant's forward rounds the bf16 pair rows by the hardware without its
  * test for denormals where the rows' magnitudes keep every rounded value from being one
  * (qk_norm_f32.h, qk_no_denormal: X r W C >= 2^-90).  Rows on both sides of that bound:
- * in each, pairs of channels (e, e + R/2) scaled by 2^-k, k from 50 to 149 across the rows,
- * with tables (down to 2^-15) under which their rotation cancels to 2^-14 of its
- * products; every form, full and partial rotary, each variant at 1 and 2 threads against
- * the baseline's bits.  The baseline's results must hold denormals, or the rows would not
- * reach the other side of the bound. */
+ * in each, pairs of channels (e, e + R/2), and every fourth channel past the rotary,
+ * scaled by 2^-k, k from 50 to 149 across the rows, with tables (down to 2^-15) under
+ * which their rotation cancels to 2^-14 of its products; every form, full and partial
+ * rotary, each variant at 1 and 2 threads against the baseline's bits.  The baseline's
+ * results must hold denormals, or the rows would not reach the other side of the bound. */
 static void denormal_bound_agrees(void) {
     enum { T_ = 64, H_ = 8, D_ = 128 };
     const pe_norm_form forms[4] = {PE_NORM_WEIGHT, PE_NORM_ONE_PLUS_WEIGHT, PE_NORM_WEIGHT_F32,
@@ -417,7 +417,8 @@ static void denormal_bound_agrees(void) {
             for (int64_t t = 0; t < T_; ++t)
                 for (int64_t e = 0; e < R; ++e) {
                     const int64_t j = e % h;
-                    const double c = (1.0 + (double)((t + j) % 4) / 128.0) * ldexp(1.0, -(int)(t % 16));
+                    const double c =
+                        (1.0 + (double)((t + j) % 4) / 128.0) * ldexp(1.0, -(int)(t % 16));
                     store_as(cs, t * R + e, PE_BFLOAT16, c);
                     store_as(sn, t * R + e, PE_BFLOAT16, c * (1.0 - 1.0 / 128.0));
                 }
@@ -439,7 +440,8 @@ static void denormal_bound_agrees(void) {
                 store_as(x, (int64_t)i, PE_BFLOAT16, v);
             }
             for (int64_t e = 0; e < D_; ++e)
-                store_as(w, e, a.weight_f32 ? PE_FLOAT32 : PE_BFLOAT16, 0.5 + (double)(e % 7) / 16.0);
+                store_as(w, e, a.weight_f32 ? PE_FLOAT32 : PE_BFLOAT16,
+                         0.5 + (double)(e % 7) / 16.0);
             pe_qk_norm_tensor *q = &a.q;
             q->heads = H_, q->x = x, q->weight = w, q->rstd = rs;
             const int64_t st[3] = {T_ * H_ * D_, H_ * D_, D_}, rst[3] = {T_ * H_, H_, 1};
