@@ -44,7 +44,8 @@ enum { QK_HW = 1, QK_HW_NORMAL = 2 };
  *    three roundings.
  * A rounding takes off less than 2^-8 of a magnitude, so X r bound >= 2^-90 (a double: no
  * product underflows) leaves each at least 2^-107, a normal.  A NaN, zero or infinite
- * factor: NaN and 0 fail (those rows are tested), an infinite r gives infinities and NaN.
+ * factor: NaN and 0 fail (those rows are tested); an infinite r gives infinities and NaN,
+ * and an infinite X (a row of zeros) zeros, or NaN with an infinite r.
  */
 PE_INLINE int qk_no_denormal(float least, float r, double bound) {
     return (double)least * (double)r * bound >= 0x1p-90;
