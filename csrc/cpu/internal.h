@@ -79,6 +79,8 @@ typedef struct pe_rope_plan {
     uint32_t *axis_sel;    /* 2 R: all ones where channel e reads axis 1, then axis 2 */
     int64_t block;         /* channels per block of block_axes (0: none) */
     uint8_t *block_axes;   /* R / block: the axes block k's channels read (bit a: axis a) */
+    uint32_t *block_sel;   /* blocks of at most 32 channels: bit i of entry (a - 1) (R / block
+                            * + 1) + k where channel k block + i reads axis a (a = 1, 2) */
     int64_t nfetch;        /* the table bytes a token's rotation reads, as spans from the */
     int64_t *fetch;        /* token's cos (or sin) row: offset, bytes (2 nfetch entries) */
     int64_t tile;          /* tokens per rotation tile */

@@ -174,20 +174,21 @@ static int plan_make(const pe_rope_args *a, pe_rope_plan *p, int64_t block) {
     memset(p, 0, sizeof *p);
     p->axes = axis ? 3 : 1;
     p->tile = 1;
-    /* one block: slot_pos_off[nslot + 1], run_start[R + 1], fetch[6 R] (int64); axis_sel[2 R]
-     * (uint32); chan_axis[R + 1], block_axes[nblock + 1] (bytes) */
-    const size_t words = (size_t)(nslot + 7 * R + 2), sels = (size_t)(2 * R);
+    /* one block: slot_pos_off[nslot + 1], run_start[R + 1], fetch[6 R] (int64); axis_sel[2 R],
+     * block_sel[2 (nblock + 1)] (uint32); chan_axis[R + 1], block_axes[nblock + 1] (bytes) */
+    const size_t words = (size_t)(nslot + 7 * R + 2), sels = (size_t)(2 * R + 2 * (nblock + 1));
     p->slot_pos_off = (int64_t *)calloc(1, words * sizeof(int64_t) + sels * sizeof(uint32_t) +
                                                (size_t)(R + nblock + 2));
     if (!p->slot_pos_off) return PE_ERR_NOMEM;
     p->run_start = p->slot_pos_off + nslot + 1;
     p->fetch = p->run_start + R + 1;
     p->axis_sel = (uint32_t *)(p->fetch + 6 * R);
+    p->block_sel = p->axis_sel + 2 * R;
     p->chan_axis = (uint8_t *)(p->axis_sel + sels);
     p->block_axes = p->chan_axis + R + 1;
     p->block = block;
     p->nruns = 0;
-    /* channel e: its axis, the runs, the blend masks (zero from calloc where e reads
+    /* channel e: its axis, the runs, the blend masks and bits (zero from calloc where e reads
      * another axis) and the axes of its block e / block (built in a register, stored once) */
     unsigned used = 0;
     for (int64_t e = 0, k = 0, in_block = 0; e < R; ++e) {
@@ -196,6 +197,7 @@ static int plan_make(const pe_rope_args *a, pe_rope_plan *p, int64_t block) {
         if (e == 0 || ax != p->chan_axis[e - 1]) p->run_start[p->nruns++] = e;
         if (ax) p->axis_sel[(ax - 1) * R + e] = 0xffffffffu;
         if (!block) continue;
+        if (ax && block <= 32) p->block_sel[(ax - 1) * (nblock + 1) + k] |= 1u << in_block;
         used |= 1u << ax;
         if (++in_block == block || e == R - 1) {
             p->block_axes[k++] = (uint8_t)used;

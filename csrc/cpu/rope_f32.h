@@ -472,12 +472,53 @@ PE_INLINE void prefetch_tables(const pe_rope_args *a, const pe_rope_plan *p, int
 
 #ifdef PE_BF16_BLOCK
 /* Block k of a table row (axis rows ax * axis_bytes apart) as two vectors: the block of
- * the lowest axis it reads, then the channels of the others blended in. */
+ * the lowest axis it reads, then the channels of the others blended in.  AVX-512 blends
+ * the values as they are in memory, by the plan's bits (block_sel), and widens the block
+ * once: one load and one masked blend for each further axis. */
 PE_INLINE void table_block(const char *row, int64_t axis_bytes, pe_dtype dt, int pairs,
                            const pe_rope_plan *p, int64_t R, int64_t k, pe_vf *v0, pe_vf *v1) {
     const int64_t es = (int64_t)pe_dtype_size(dt), e = k * PE_BF16_BLOCK;
     const unsigned used = p->block_axes[k];
     const int lo = used & 1u ? 0 : used & 2u ? 1 : 2;
+#if PE_VW == 16
+    if (used != 1u << lo) {
+        const char *at = row + e * es;
+        const uint32_t *bits = p->block_sel + k;
+        const int64_t sel_stride = R / PE_BF16_BLOCK + 1;
+        pe_vf a, b;
+        if (dt == PE_FLOAT32) {
+            a = vf_load((const float *)(at + lo * axis_bytes));
+            b = vf_load((const float *)(at + lo * axis_bytes) + PE_VW);
+            for (int ax = lo + 1; ax < 3; ++ax) {
+                if (!(used & (1u << ax))) continue;
+                const uint32_t m = bits[(ax - 1) * sel_stride];
+                const float *src = (const float *)(at + ax * axis_bytes);
+                a = _mm512_mask_blend_ps((__mmask16)m, a, vf_load(src));
+                b = _mm512_mask_blend_ps((__mmask16)(m >> 16), b, vf_load(src + PE_VW));
+            }
+        } else { /* 16-bit tables: the block's 32 values are one vector */
+            pe_vi u = vi_load(at + lo * axis_bytes);
+            for (int ax = lo + 1; ax < 3; ++ax)
+                if (used & (1u << ax))
+                    u = _mm512_mask_blend_epi16((__mmask32)bits[(ax - 1) * sel_stride], u,
+                                                vi_load(at + ax * axis_bytes));
+            if (dt == PE_BFLOAT16 && pairs) {
+                *v0 = bf16_even(u);
+                *v1 = bf16_odd(u);
+                return;
+            }
+            a = vx_widen16(_mm512_castsi512_si256(u), dt);
+            b = vx_widen16(_mm512_extracti64x4_epi64(u, 1), dt);
+        }
+        if (pairs) {
+            vf_deinterleave(a, b, v0, v1);
+        } else {
+            *v0 = a;
+            *v1 = b;
+        }
+        return;
+    }
+#endif
     load_block(row + lo * axis_bytes + e * es, dt, pairs, v0, v1);
     for (int ax = lo + 1; ax < 3; ++ax) {
         if (!(used & (1u << ax))) continue;

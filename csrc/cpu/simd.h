@@ -46,11 +46,14 @@ PE_INLINE pe_vf vf_select(pe_vf a, pe_vf b, pe_vf m) {
 PE_INLINE pe_vf vf_rot(pe_vf a, pe_vf ca, pe_vf b, pe_vf sb) {
     return _mm512_add_ps(_mm512_mul_ps(a, ca), _mm512_mul_ps(b, sb));
 }
-PE_INLINE pe_vf vx_load(const char *p, pe_dtype dt) {
-    if (dt == PE_FLOAT32) return _mm512_loadu_ps((const float *)p);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+/* 16 values of a 16-bit dtype (fp16, bf16) as fp32 */
+PE_INLINE pe_vf vx_widen16(__m256i h, pe_dtype dt) {
     if (dt == PE_FLOAT16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+PE_INLINE pe_vf vx_load(const char *p, pe_dtype dt) {
+    if (dt == PE_FLOAT32) return _mm512_loadu_ps((const float *)p);
+    return vx_widen16(_mm256_loadu_si256((const __m256i *)p), dt);
 }
 PE_INLINE void vx_store16(char *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
 PE_INLINE void vx_store(char *p, pe_vf v, pe_dtype dt) {

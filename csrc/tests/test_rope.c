@@ -886,6 +886,17 @@ int main(void) {
                 m.tdt = PE_FLOAT32; m.out = PE_FLOAT32;
                 run_case(&m, name);
             }
+        /* MRoPE whose sections share blocks of the vector table pass (rot_dim / 2 a whole
+         * number of blocks), for every pair of table and q/k dtypes: the channels of a block
+         * come from two axes (rope_f32.h, table_block). */
+        const pe_dtype half_dts[3] = {PE_FLOAT32, PE_BFLOAT16, PE_FLOAT16};
+        for (int td = 0; td < 3; ++td)
+            for (int xd = 0; xd < 3; ++xd) {
+                rope_case c = {.B = 2, .T = 19, .Hq = 3, .Hk = 1, .D = 128, .R = 128, .Bc = 2,
+                               .pairing = PE_PAIR_HALF, .dt = half_dts[xd], .tdt = half_dts[td],
+                               .dk = half_dts[xd], .out = -1, .mrope = 1};
+                run_case(&c, name);
+            }
         /* Larger problem so the threaded path runs. */
         rope_case big = {.B = 1, .T = 300, .Hq = 8, .Hk = 2, .D = 128, .R = 128, .Bc = 1,
                          .pairing = PE_PAIR_HALF, .dt = PE_BFLOAT16, .tdt = PE_BFLOAT16,
