@@ -15,31 +15,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "posenc.h"
+#include "timing.h"
 
 enum { HQ = 32, HK = 8, D = 128, R = 128 };
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-/* values in [-3.3, 3.3] (no denormals), as fp32 or as the bf16 high halves */
-static void fill(void *p, size_t n, int bf16, unsigned mul) {
-    for (size_t i = 0; i < n; ++i) {
-        const float f = (float)((int)(i * mul % 2001) - 1000) / 300.f;
-        if (!bf16) {
-            ((float *)p)[i] = f;
-            continue;
-        }
-        unsigned u;
-        memcpy(&u, &f, 4);
-        ((unsigned short *)p)[i] = (unsigned short)(u >> 16);
-    }
-}
 
 int main(int argc, char **argv) {
     const int T = argc > 1 ? atoi(argv[1]) : 64, reps = argc > 2 ? atoi(argv[2]) : 300;
@@ -51,9 +31,9 @@ int main(int argc, char **argv) {
         const int heads[2] = {HQ, HK};
         void *c = malloc((size_t)T * R * es), *s = malloc((size_t)T * R * es);
         void *w = malloc(D * es), *buf[2][6], *wgrad[2];
-        fill(c, (size_t)T * R, bf16, 31);
-        fill(s, (size_t)T * R, bf16, 37);
-        fill(w, D, bf16, 1);
+        fill(c, (size_t)T * R, bf16, 31, 0.f);
+        fill(s, (size_t)T * R, bf16, 37, 0.f);
+        fill(w, D, bf16, 1, 0.f);
         pe_qk_norm_args a = {0};
         a.batch = 1, a.seq = T, a.head_dim = D, a.rot_dim = R, a.pairing = PE_PAIR_HALF;
         a.form = (pe_norm_form)form, a.dtype = bf16 ? PE_BFLOAT16 : PE_FLOAT32;
@@ -68,8 +48,8 @@ int main(int argc, char **argv) {
             buf[j][2] = malloc(n[j] * es), buf[j][3] = malloc(n[j] * 4);
             buf[j][4] = malloc(rows * 4), buf[j][5] = malloc(rows * 4);
             wgrad[j] = malloc(D * 4);
-            fill(buf[j][0], n[j], bf16, 7919);
-            fill(buf[j][2], n[j], bf16, 104729);
+            fill(buf[j][0], n[j], bf16, 7919, 0.f);
+            fill(buf[j][2], n[j], bf16, 104729, 0.f);
             for (size_t i = 0; i < rows; ++i) ((float *)buf[j][5])[i] = 0.5f;
             pe_qk_norm_tensor *x = ts[j];
             const int64_t H = heads[j];

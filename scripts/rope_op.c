@@ -24,31 +24,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "posenc.h"
+#include "timing.h"
 
 enum { HQ = 28, HK = 4, D = 128 };
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-/* values in [-3.3, 3.3] (no denormals, no zeros), as fp32 or as the bf16 high halves */
-static void fill(void *p, size_t n, int bf16, unsigned mul) {
-    for (size_t i = 0; i < n; ++i) {
-        const float f = (float)((int)(i * mul % 2001) - 1000) / 300.f + 1e-3f;
-        if (!bf16) {
-            ((float *)p)[i] = f;
-            continue;
-        }
-        unsigned u;
-        memcpy(&u, &f, 4);
-        ((unsigned short *)p)[i] = (unsigned short)(u >> 16);
-    }
-}
 
 static int cmp_double(const void *x, const void *y) {
     const double a = *(const double *)x, b = *(const double *)y;
@@ -67,8 +47,8 @@ int main(int argc, char **argv) {
     const pe_dtype dt = bf16 ? PE_BFLOAT16 : PE_FLOAT32;
     void *c = aligned_alloc(64, ntab * es), *s = aligned_alloc(64, ntab * es);
     void *in[2], *out[2], *copy[2];
-    fill(c, ntab, bf16, 31);
-    fill(s, ntab, bf16, 37);
+    fill(c, ntab, bf16, 31, 1e-3f);
+    fill(s, ntab, bf16, 37, 1e-3f);
     uint8_t axis_of_slot[D / 2]; /* sections [16, 24, 24] */
     for (int i = 0; i < D / 2; ++i) axis_of_slot[i] = (uint8_t)(i < 16 ? 0 : i < 40 ? 1 : 2);
     pe_rope_args a;
@@ -83,7 +63,7 @@ int main(int argc, char **argv) {
         const int64_t H = heads[j];
         in[j] = aligned_alloc(64, n[j] * es), out[j] = aligned_alloc(64, n[j] * es);
         copy[j] = aligned_alloc(64, n[j] * es);
-        fill(in[j], n[j], bf16, j ? 104729 : 7919);
+        fill(in[j], n[j], bf16, j ? 104729 : 7919, 1e-3f);
         memset(out[j], 0, n[j] * es), memset(copy[j], 0, n[j] * es);
         pe_rope_tensor *x = ts[j];
         x->in = in[j], x->out = out[j], x->in_dtype = x->out_dtype = dt, x->heads = H;
