@@ -259,6 +259,17 @@ PE_INLINE void pair_order(float *restrict dst, const float *restrict src, int64_
     }
 }
 
+/* A block's 2 PE_VW values in channel order (a first) into *v0, *v1, in pair order or as
+ * they are. */
+PE_INLINE void block_order(pe_vf a, pe_vf b, int pairs, pe_vf *v0, pe_vf *v1) {
+    if (pairs) {
+        vf_deinterleave(a, b, v0, v1);
+    } else {
+        *v0 = a;
+        *v1 = b;
+    }
+}
+
 /* The 2 PE_VW values of dtype dt at p as two fp32 vectors, in pair order or in channel
  * order. */
 PE_INLINE void load_block(const char *p, pe_dtype dt, int pairs, pe_vf *v0, pe_vf *v1) {
@@ -269,13 +280,7 @@ PE_INLINE void load_block(const char *p, pe_dtype dt, int pairs, pe_vf *v0, pe_v
         return;
     }
     const int64_t es = dt == PE_FLOAT32 ? 4 : 2;
-    const pe_vf a = vx_load(p, dt), b = vx_load(p + PE_VW * es, dt);
-    if (pairs) {
-        vf_deinterleave(a, b, v0, v1);
-    } else {
-        *v0 = a;
-        *v1 = b;
-    }
+    block_order(vx_load(p, dt), vx_load(p + PE_VW * es, dt), pairs, v0, v1);
 }
 #endif
 
@@ -552,12 +557,7 @@ PE_INLINE void table_block(const char *row, int64_t axis_bytes, pe_dtype dt, int
             a = vx_widen16(_mm512_castsi512_si256(u), dt);
             b = vx_widen16(_mm512_extracti64x4_epi64(u, 1), dt);
         }
-        if (pairs) {
-            vf_deinterleave(a, b, v0, v1);
-        } else {
-            *v0 = a;
-            *v1 = b;
-        }
+        block_order(a, b, pairs, v0, v1);
         return;
     }
 #endif
