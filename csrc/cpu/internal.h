@@ -185,7 +185,11 @@ void pe_rope_table_rows_f32_avx512bf16(const pe_rope_args *a, const pe_rope_plan
 /* n fp32 values (n a multiple of 16) rounded to bf16 by vcvtneps2bf16: only on a CPU with
  * AVX512_BF16 */
 void pe_bf16_round_hw(uint16_t *dst, const float *src, int64_t n);
-/* 1 when the CPU's vcvtneps2bf16 rounds every non-denormal class as pe_f32_to_bf16 does */
+/* n fp32 dot products of bf16 pairs (n a multiple of 16): dst[i] = x[2i] t[2i] +
+ * x[2i+1] t[2i+1] by vdpbf16ps, from zero: only on a CPU with AVX512_BF16 */
+void pe_bf16_dot_hw(float *dst, const uint16_t *x, const uint16_t *t, int64_t n);
+/* 1 when the CPU's vcvtneps2bf16 rounds every non-denormal class as pe_f32_to_bf16 does
+ * and its vdpbf16ps gives the rows' fp32 sums where they use it (rope_avx512bf16.c) */
 int pe_bf16_hw_exact(void);
 #endif
 

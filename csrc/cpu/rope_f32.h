@@ -19,6 +19,7 @@ typedef struct row_mode {
     int stream;     /* whole vectors go out with streaming stores */
     int nan_tables; /* the tile's tables hold a NaN (bf16 pair rows, rot_half_row_pairs) */
     int64_t ahead;  /* the bytes this far past each row's input are asked for (0: none) */
+    int dot_tables; /* the tile's tables pass bf16_dot_tables (PE_BF16_HW, rot_half_rows_dot) */
 } row_mode;
 
 /* Asks for the `bytes` of input `ahead` bytes past the row at x (see PE_PREFETCH_AHEAD). */
@@ -234,8 +235,58 @@ PE_INLINE void rot_half_rows_pairs_held(const char *x, int64_t xs, char *o, int6
 }
 #endif
 
+#ifdef PE_BF16_HW
+/* The nh heads of a token by dot products of bf16 pairs (simd.h, bf16_dot_block), rows of
+ * one or two blocks per half with tables that pass bf16_dot_tables: the token's table pairs
+ * are made once, into registers (4 or 8 vectors), and a row holding a result that
+ * bf16_dot_good leaves out is done again by rot_half_row_pairs.  A block is then 2 word
+ * permutations, 4 dot products and 2 conversions, against 4 widenings, 12 multiplies and
+ * adds and 2 conversions and permutations (rot_pair_block, bf16_pairs_hw). */
+PE_INLINE void rot_half_rows_dot(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
+                                 const float *c, const float *ss, int64_t h, row_mode m) {
+    pe_vi a[2 * PE_PAIR_TABLES_HELD], b[2 * PE_PAIR_TABLES_HELD];
+    for (int64_t k = 0; k < h / PE_BF16_BLOCK; ++k) {
+        const int64_t e = k * PE_BF16_BLOCK;
+        bf16_dot_pairs(c + e, ss + e, &a[2 * k], &a[2 * k + 1]);
+        bf16_dot_pairs(ss + h + e, c + h + e, &b[2 * k], &b[2 * k + 1]);
+    }
+    for (int64_t hd = 0; hd < nh; ++hd) {
+        const char *xr = x + hd * xs * 2;
+        char *orow = o + hd * os * 2;
+        __mmask32 good = ~(__mmask32)0;
+        prefetch_ahead(xr, 4 * h, m.ahead);
+        for (int64_t k = 0; k < h / PE_BF16_BLOCK; ++k) {
+            const int64_t e = k * PE_BF16_BLOCK;
+            pe_vi r0, r1;
+            bf16_dot_block(vi_load(xr + 2 * e), vi_load(xr + 2 * (h + e)), &a[2 * k],
+                           &b[2 * k], &r0, &r1);
+            good = bf16_dot_good(bf16_dot_good(good, r0), r1);
+            if (m.stream) {
+                vi_stream(orow + 2 * e, r0);
+                vi_stream(orow + 2 * (h + e), r1);
+            } else {
+                vi_store(orow + 2 * e, r0);
+                vi_store(orow + 2 * (h + e), r1);
+            }
+        }
+        if (__builtin_expect(good != ~(__mmask32)0, 0))
+            rot_half_row_pairs(xr, orow, c, ss, h, m, NULL);
+    }
+}
+#endif
+
 PE_INLINE void rot_half_rows_pairs(const char *x, int64_t xs, char *o, int64_t os, int64_t nh,
                                    const float *c, const float *ss, int64_t h, row_mode m) {
+#ifdef PE_BF16_HW
+    if (m.dot_tables && nh > 1 && h == 2 * PE_BF16_BLOCK) {
+        rot_half_rows_dot(x, xs, o, os, nh, c, ss, 2 * PE_BF16_BLOCK, m);
+        return;
+    }
+    if (m.dot_tables && nh > 1 && h == PE_BF16_BLOCK) {
+        rot_half_rows_dot(x, xs, o, os, nh, c, ss, PE_BF16_BLOCK, m);
+        return;
+    }
+#endif
 #ifdef PE_PAIR_TABLES_HELD
     if (nh > 1 && h == 2 * PE_BF16_BLOCK) {
         rot_half_rows_pairs_held(x, xs, o, os, nh, c, ss, 2 * PE_BF16_BLOCK, m);
@@ -663,7 +714,7 @@ PE_INLINE void rope_f32_rotate(const pe_rope_args *a, const pe_rope_plan *p, int
     (void)blocks;
     int order = -1; /* the order the tile's tables are in: none yet */
     int fetch = 1;  /* the next tile's tables are still to be asked for */
-    row_mode m = {0, 1, 0};
+    row_mode m = {0, 1, 0, 0};
     for (int w = 0; w < 2; ++w) {
         const int64_t H = xs[w]->heads, step = p->heads_outer ? PE_OUTER_GROUP : H;
         if (!H) continue;
@@ -676,6 +727,9 @@ PE_INLINE void rope_f32_rotate(const pe_rope_args *a, const pe_rope_plan *p, int
 #endif
                 tile_tables(a, p, i0, n, c, ss, s, rows, slots, cn, sn, pairs);
             m.nan_tables = pairs && (any_nan(c, n * R) || any_nan(ss, n * R));
+#ifdef PE_BF16_HW
+            m.dot_tables = pairs && bf16_dot_tables(c, n * R) && bf16_dot_tables(ss, n * R);
+#endif
         }
         order = pairs;
         m.stream = p->stream_out[w];

@@ -166,6 +166,85 @@ PE_INLINE float bf16_least(pe_vi acc) {
     const uint32_t w = (uint32_t)_mm_cvtsi128_si32(_mm_minpos_epu16(m4)) & 0xffffu;
     return w == 0xffffu ? INFINITY : pe_bf16_to_f32((uint16_t)(w + 1));
 }
+/*
+ * bf16 rows rotated by dot products of bf16 pairs (vdpbf16ps: lane i is a[2i] b[2i] +
+ * a[2i+1] b[2i+1] in fp32, rounded once to nearest even).  Lane j of the pairs
+ * (x[e+j], x[e+j+h]) of a row's two halves, with the table pairs (c[e+j], ss[e+j]), is the
+ * rotated channel e+j; with (ss[e+j+h], c[e+j+h]) it is channel e+j+h.  One instruction
+ * does vf_rot's two products and its sum, and the results come out in channel order.
+ *
+ * A product of two bf16 is exact in fp32, so the instruction's result is vf_rot's wherever
+ * no denormal is met: it takes a denormal input as zero and flushes a denormal result.
+ * The rows use it only with tables of bf16 values of magnitude at most 1 and no denormal
+ * (bf16_dot_tables).  Then no product overflows, and a product that meets a denormal (a
+ * denormal x, or an underflow) is below 2^-126 in magnitude in both computations.  Beside
+ * the other product, if that one is 2^-65 or more, such a value moves nothing: the other
+ * product is an fp32 value and half its ulp is above 2^-90.  So every result whose bf16
+ * is finite and at least 2^-64 is vf_rot's, rounded as bf16_round_hi rounds it.  A row with
+ * any other result (bf16_dot_good: zeros, smaller magnitudes, infinities, and NaN, whose
+ * payloads the instruction passes on in an order of its own) is done again by the rows
+ * above.  pe_bf16_hw_exact checks the instruction's rounding before dispatch picks the
+ * avx512bf16 variant.
+ */
+PE_INLINE int bf16_dot_tables(const float *v, int64_t n) {
+    __m512i low = _mm512_setzero_si512(), top = _mm512_setzero_si512();
+    __mmask16 denormal = 0;
+    int64_t i = 0;
+    for (; i < n % 16; ++i) {
+        const uint32_t u = pe_f32_bits(v[i]) & 0x7fffffffu;
+        if ((u & 0xffffu) || u > 0x3f800000u || (u && u < 0x800000u)) return 0;
+    }
+    for (; i < n; i += 16) {
+        const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(v + i));
+        low = _mm512_or_si512(low, u);
+        top = _mm512_max_epu32(top, _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)));
+        denormal |= _mm512_fpclass_ps_mask(_mm512_castsi512_ps(u), 0x20);
+    }
+    return !_mm512_test_epi32_mask(low, _mm512_set1_epi32(0xffff)) && !denormal &&
+           !_mm512_cmpgt_epu32_mask(top, _mm512_set1_epi32(0x3f800000)); /* 1.0f */
+}
+/* the interleave of the first 16 words of a and b (a first), and of the last 16 */
+PE_INLINE void bf16_word_pairs(pe_vi a, pe_vi b, pe_vi *lo, pe_vi *hi) {
+    static const uint16_t il[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i i0 = _mm512_loadu_si512((const void *)il);
+    *lo = _mm512_permutex2var_epi16(a, i0, b);
+    *hi = _mm512_permutex2var_epi16(a, _mm512_add_epi16(i0, _mm512_set1_epi16(16)), b);
+}
+/* The table pairs (t0[ch], t1[ch]) of a block's 32 channels (0-15 in *lo, 16-31 in *hi),
+ * from the bf16 values of t0 and t1 in pair order (their fp32 high halves). */
+PE_INLINE void bf16_dot_pairs(const float *t0, const float *t1, pe_vi *lo, pe_vi *hi) {
+    static const uint16_t ch[32] = {1, 33, 3, 35, 5, 37, 7, 39, 9, 41, 11, 43, 13, 45, 15, 47,
+                                    17, 49, 19, 51, 21, 53, 23, 55, 25, 57, 27, 59, 29, 61, 31, 63};
+    const __m512i ic = _mm512_loadu_si512((const void *)ch);
+    const __m512i w0 = _mm512_permutex2var_epi16(vi_load((const char *)t0), ic,
+                                                 vi_load((const char *)(t0 + 16)));
+    const __m512i w1 = _mm512_permutex2var_epi16(vi_load((const char *)t1), ic,
+                                                 vi_load((const char *)(t1 + 16)));
+    bf16_word_pairs(w0, w1, lo, hi);
+}
+/* The rotated bf16 of a block of 32 channels in each half, in channel order: u0, u1 the
+ * halves' input words; a the table pairs (c, ss) of the first half, b (ss, c) of the
+ * second, each as from bf16_dot_pairs. */
+PE_INLINE void bf16_dot_block(pe_vi u0, pe_vi u1, const pe_vi a[2], const pe_vi b[2],
+                              pe_vi *r0, pe_vi *r1) {
+    pe_vi p0, p1;
+    bf16_word_pairs(u0, u1, &p0, &p1);
+    const __m512 z = _mm512_setzero_ps();
+    const __m512bh x0 = (__m512bh)p0, x1 = (__m512bh)p1;
+    *r0 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_dpbf16_ps(z, x1, (__m512bh)a[1]),
+                                       _mm512_dpbf16_ps(z, x0, (__m512bh)a[0]));
+    *r1 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_dpbf16_ps(z, x1, (__m512bh)b[1]),
+                                       _mm512_dpbf16_ps(z, x0, (__m512bh)b[0]));
+}
+/* good, less the words of r outside what bf16_dot_block answers for: exponent below 63
+ * (zeros and magnitudes under 2^-64) or all ones (infinities, NaN).  One more on the
+ * exponent takes both below 64, the two top exponent bits clear; one test per 32 values,
+ * masked by good, so a row's words are and-ed together with no other instruction. */
+PE_INLINE __mmask32 bf16_dot_good(__mmask32 good, pe_vi r) {
+    return _mm512_mask_test_epi16_mask(good, _mm512_add_epi16(r, _mm512_set1_epi16(0x80)),
+                                       _mm512_set1_epi16(0x6000));
+}
 /* n fp32 values at src rounded to bf16 by the hardware, 16 at a time (n a multiple of 16) */
 PE_INLINE void bf16_round_hw_row(uint16_t *dst, const float *src, int64_t n) {
     for (int64_t i = 0; i < n; i += 16)

@@ -853,6 +853,85 @@ static void denormal_rows_case(pe_isa isa) {
         }
 }
 
+/*
+ * bf16 rows with bf16 tables, which the avx512bf16 rows rotate by dot products of bf16
+ * pairs where the tables allow it (simd.h, bf16_dot_block), against the baseline's bits,
+ * forward and transpose, head_dim 64 and 128, several heads (the rows that hold their
+ * tables), one and two threads:
+ * - tables in [-1, 1] with zeros and ones, inputs of every exponent from the denormals to
+ *   2^-57 and around 1: results that are zero, denormal, under and over 2^-64, which the
+ *   rows must do again where the instruction flushes or drops a denormal (`mode` 0);
+ * - inputs of 2^127 to the largest bf16 and tables in [-1/2, 1/2] but for a few values of
+ *   1.5 to 1.98: products that overflow fp32 beside others that would bring their sum
+ *   back under the largest float, a sum the dot products must not be asked for (1);
+ * - tables holding bf16 denormals and normals under 2^-116, inputs near 2^100: products
+ *   of 2^-35 and more, which the instruction would take as zero, beside others of about
+ *   their size (2).
+ */
+static void dot_rows_case(pe_isa isa, int mode) {
+    for (int64_t D = 64; D <= 128; D += 64)
+        for (int transpose = 0; transpose < 2; ++transpose) {
+            const int64_t T = 41, H = 5, n = T * H * D, R = D;
+            uint16_t *in = malloc((size_t)n * 2), *ref = malloc((size_t)n * 2);
+            uint16_t *got = malloc((size_t)n * 2);
+            uint16_t *cs = malloc((size_t)(T * R) * 2), *sn = malloc((size_t)(T * R) * 2);
+            for (int64_t i = 0; i < n; ++i) {
+                const double u0 = urand(), u1 = fabs(urand()), u2 = fabs(urand());
+                uint32_t e = mode == 1 ? 254
+                             : mode == 2 ? 225 + (uint32_t)(u1 * 4.99)
+                             : u1 < 0.5 ? (uint32_t)(u1 * 141.99) : 120 + (uint32_t)(u1 * 13.99);
+                in[i] = (uint16_t)((u0 > 0 ? 0x8000u : 0u) | e << 7 | (uint32_t)(u2 * 127.99));
+            }
+            for (int64_t i = 0; i < T * R; ++i) {
+                uint16_t *tab[2] = {&cs[i], &sn[i]};
+                for (int k = 0; k < 2; ++k) {
+                    const double u = urand();
+                    float v = fabs(u) > 0.8 ? (u > 0 ? 1.0f : 0.0f) : (float)u;
+                    if (mode == 1) /* in [-1/2, 1/2], one in 64 in 1.5 .. 1.98 */
+                        v = fabs(u) < 1.0 / 64 ? (float)(u > 0 ? 1.5 + 30 * u : -1.5 + 30 * u)
+                                               : (float)(u / 2);
+                    *tab[k] = pe_f32_to_bf16(v);
+                    if (mode == 2 && fabs(u) < 0.2) /* a denormal, or a normal under 2^-116 */
+                        *tab[k] = (uint16_t)((u > 0 ? 0u : 0x8000u) + 1u +
+                                             (uint32_t)(fabs(u) * 7000));
+                }
+            }
+            pe_rope_args a;
+            memset(&a, 0, sizeof a);
+            a.batch = 1; a.seq = T; a.head_dim = D; a.rot_dim = R; a.pairing = PE_PAIR_HALF;
+            a.transpose = transpose; a.nthreads = 1 + transpose;
+            a.src.cos = cs; a.src.sin = sn; a.src.table_dtype = PE_BFLOAT16; a.src.table_batch = 1;
+            a.src.table_stride[0] = T * R; a.src.table_stride[1] = T * R; a.src.table_stride[2] = R;
+            a.q.in = in; a.q.heads = H; a.q.in_dtype = a.q.out_dtype = PE_BFLOAT16;
+            a.q.in_stride[0] = a.q.out_stride[0] = n;
+            a.q.in_stride[1] = a.q.out_stride[1] = H * D;
+            a.q.in_stride[2] = a.q.out_stride[2] = D;
+            a.q.out = ref;
+            pe_isa_set(PE_ISA_BASELINE);
+            CHECK(pe_rope_apply(&a) == PE_OK, "apply failed");
+            a.q.out = got;
+            pe_isa_set(isa);
+            CHECK(pe_rope_apply(&a) == PE_OK, "apply failed");
+            int64_t wrong = 0, kinds[4] = {0}; /* zero, denormal, under 2^-64, not finite */
+            for (int64_t i = 0; i < n; ++i) {
+                const uint32_t m = ref[i] & 0x7fffu;
+                wrong += got[i] != ref[i];
+                kinds[0] += m == 0;
+                kinds[1] += m && m < 0x80u;
+                kinds[2] += m >= 0x80u && m < 0x1f80u;
+                kinds[3] += m >= 0x7f80u;
+            }
+            const int seen = mode == 0   ? kinds[0] && kinds[1] && kinds[2]
+                             : mode == 1 ? kinds[3] > 0
+                                         : 1;
+            CHECK(wrong == 0 && seen, "%s dot-product rows mode=%d D=%ld transpose=%d: %ld of %ld "
+                  "differ from baseline (results: %ld zero, %ld denormal, %ld under 2^-64, %ld "
+                  "not finite)", pe_isa_name(isa), mode, (long)D, transpose, (long)wrong, (long)n,
+                  (long)kinds[0], (long)kinds[1], (long)kinds[2], (long)kinds[3]);
+            free(in); free(ref); free(got); free(cs); free(sn);
+        }
+}
+
 int main(void) {
     const pe_dtype dts[4] = {PE_FLOAT32, PE_FLOAT64, PE_BFLOAT16, PE_FLOAT16};
     for (int isa = PE_ISA_BASELINE; isa <= (int)pe_isa_best(); ++isa) {
@@ -938,6 +1017,7 @@ int main(void) {
         table_grad_case(2, 0);
         table_grad_case(2, 1);
         denormal_rows_case((pe_isa)isa);
+        for (int mode = 0; mode < 3; ++mode) dot_rows_case((pe_isa)isa, mode);
     }
     bf16_hw_rounding_case();
     bf16_pairs_rounding_case();
