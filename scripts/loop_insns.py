@@ -43,7 +43,10 @@ NEEDS = {"avx2": {"avx2", "fma", "f16c"},
                         "f16c"}}
 # name: (probe function, bytes per value, rows per call)
 ROWS = {"fp32": ("probe_fp32_row", 4, 1), "bf16": ("probe_bf16_row", 2, 1),
-        "bf16, 32 heads": ("probe_bf16_heads", 2, 32)}
+        "bf16, 32 heads": ("probe_bf16_heads", 2, 32),
+        "bf16, 32 heads, dot products": ("probe_bf16_heads_dot", 2, 32)}
+# rows only some variants have (the others run the row above them)
+ONLY = {"bf16, 32 heads, dot products": {"avx512bf16"}}
 ELEMS = 128  # one row of head_dim 128
 
 
@@ -167,6 +170,8 @@ def time_rows(cc: str, variants: list[str], inc: list[str], tmp: str) -> dict[st
             continue
         objs.append(obj)
         for row, (fn, size, rows) in ROWS.items():
+            if var not in ONLY.get(row, {var}):
+                continue
             decls.append(f"void {fn}_{var}(const char *, char *, const float *, const float *);")
             names.append(f'"{var}/{row}"')
             fns.append(f"{fn}_{var}")
@@ -206,6 +211,8 @@ def main() -> int:
                 continue
             fns = functions(obj)
             for row, (fn, es, rows) in ROWS.items():
+                if var not in ONLY.get(row, {var}):
+                    continue
                 code = fns.get(fn, [])
                 insns = [x for _, x in (loop_body(code) if rows > 1 else code)]
                 cyc = mca_cycles(insns, args.mcpu)
