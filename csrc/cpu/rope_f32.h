@@ -726,9 +726,10 @@ PE_INLINE void rope_f32_rotate(const pe_rope_args *a, const pe_rope_plan *p, int
             else
 #endif
                 tile_tables(a, p, i0, n, c, ss, s, rows, slots, cn, sn, pairs);
-            m.nan_tables = pairs && (any_nan(c, n * R) || any_nan(ss, n * R));
-#ifdef PE_BF16_HW
+#ifdef PE_BF16_HW /* NaN need no scan: the hardware rounds them as the software does */
             m.dot_tables = pairs && bf16_dot_tables(c, n * R) && bf16_dot_tables(ss, n * R);
+#else
+            m.nan_tables = pairs && (any_nan(c, n * R) || any_nan(ss, n * R));
 #endif
         }
         order = pairs;
