@@ -316,6 +316,10 @@ typedef struct qk_rows_f32 {
     float *vp[2], *cp, *ssp, *rows8;
     int stream; /* the vector stores of dx or of the current tensor's output stream
                  * (pe_qk_plan) */
+#ifdef PE_BF16_HW
+    const pe_vi *dot; /* the forward's token tables for bf16_dot_block (qk_dot_tables), or
+                       * NULL */
+#endif
 } qk_rows_f32;
 
 PE_INLINE void qk_forward_row(const pe_qk_norm_args *a, pe_dtype dt, const float *restrict w,
@@ -644,22 +648,56 @@ PE_INLINE void qk_store_pairs(char *p, pe_vi r, int stream) {
     else vi_store(p, r);
 }
 
-/* qk_forward_out_vec for the rows of qk_pairs_case: the row xr read as channel pairs, v the
- * weights in pair order, the token's tables in m->cp, m->ssp.  Returns the denormal lanes of
- * the hardware rounding (0 when hw is 0). */
-PE_INLINE unsigned qk_forward_out_pairs(const pe_qk_norm_args *a, const float *restrict v,
-                                        const char *xr, char *orow, float r,
-                                        const qk_rows_f32 *m, int hw) {
+#ifdef PE_BF16_HW
+/* The token's table pairs for bf16_dot_block into tab (the first half's blocks, then the
+ * second's), where the rotary is one or two blocks per half and its tables pass
+ * bf16_dot_tables (the rotary's rows, rope_f32.h, rot_half_rows_dot, do the same); else
+ * NULL.  m->cp, m->ssp hold the tables in pair order. */
+PE_INLINE const pe_vi *qk_dot_tables(const pe_qk_norm_args *a, const qk_rows_f32 *m,
+                                     pe_vi tab[8]) {
+    const int64_t R = a->rot_dim, h = R / 2;
+    if ((R != 2 * PE_BF16_BLOCK && R != 4 * PE_BF16_BLOCK) || !bf16_dot_tables(m->cp, R) ||
+        !bf16_dot_tables(m->ssp, R))
+        return NULL;
+    for (int64_t k = 0; k < h / PE_BF16_BLOCK; ++k) {
+        const int64_t e = k * PE_BF16_BLOCK;
+        bf16_dot_pairs(m->cp + e, m->ssp + e, &tab[2 * k], &tab[2 * k + 1]);
+        bf16_dot_pairs(m->ssp + h + e, m->cp + h + e, &tab[4 + 2 * k], &tab[5 + 2 * k]);
+    }
+    return tab;
+}
+#endif
+
+/* qk_forward_out_pairs' rows; with `good` (the avx512bf16 variant, m->dot set) the rotary
+ * blocks rotate the rounded y by dot products of bf16 pairs, and *good keeps what
+ * bf16_dot_good says of their results. */
+PE_INLINE unsigned qk_forward_pairs_rows(const pe_qk_norm_args *a, const float *restrict v,
+                                         const char *xr, char *orow, float r,
+                                         const qk_rows_f32 *m, int hw, __mmask32 *good) {
     const int64_t D = a->head_dim, R = a->rot_dim, h = R / 2;
     const pe_norm_form form = a->form;
     const float *restrict c = m->cp, *restrict ss = m->ssp;
     const int stream = m->stream; /* read once: the stores may alias *m */
     const pe_vf rr = vf_set1(r);
     unsigned den = 0;
+    (void)good;
     for (int64_t e = 0; e < h; e += PE_BF16_BLOCK) {
         pe_vf y0e, y0o, y1e, y1o; /* the block at e of the first half, of the second */
         qk_scale_pairs(xr + 2 * e, v + e, rr, form, hw, &den, &y0e, &y0o);
         qk_scale_pairs(xr + 2 * (h + e), v + h + e, rr, form, hw, &den, &y1e, &y1o);
+#ifdef PE_BF16_HW
+        if (good) {
+            const int64_t k = e / PE_BF16_BLOCK;
+            pe_vi o0, o1;
+            const pe_vi u0 = qk_round_pairs(y0e, y0o, hw, &den);
+            const pe_vi u1 = qk_round_pairs(y1e, y1o, hw, &den);
+            bf16_dot_block(u0, u1, &m->dot[2 * k], &m->dot[4 + 2 * k], &o0, &o1);
+            *good = bf16_dot_good(bf16_dot_good(*good, o0), o1);
+            qk_store_pairs(orow + 2 * e, o0, stream);
+            qk_store_pairs(orow + 2 * (h + e), o1, stream);
+            continue;
+        }
+#endif
         qk_round_back(&y0e, &y0o, hw, &den);
         qk_round_back(&y1e, &y1o, hw, &den);
         const float *c0 = c + e, *s0 = ss + e, *c1 = c + h + e, *s1 = ss + h + e;
@@ -676,6 +714,24 @@ PE_INLINE unsigned qk_forward_out_pairs(const pe_qk_norm_args *a, const float *r
         qk_store_pairs(orow + 2 * e, qk_round_pairs(ye, yo, hw, &den), stream);
     }
     return den;
+}
+
+/* qk_forward_out_vec for the rows of qk_pairs_case: the row xr read as channel pairs, v the
+ * weights in pair order, the token's tables in m->cp, m->ssp.  Returns the denormal lanes of
+ * the hardware rounding (0 when hw is 0).  With m->dot the rotary goes by dot products
+ * first, and a row with a result they do not answer for is done again without them. */
+PE_INLINE unsigned qk_forward_out_pairs(const pe_qk_norm_args *a, const float *restrict v,
+                                        const char *xr, char *orow, float r,
+                                        const qk_rows_f32 *m, int hw) {
+#ifdef PE_BF16_HW
+    if (hw && m->dot) {
+        __mmask32 good = ~(__mmask32)0;
+        const unsigned den = qk_forward_pairs_rows(a, v, xr, orow, r, m, hw, &good);
+        if (__builtin_expect(good == ~(__mmask32)0, 1)) return den;
+        if (m->stream) _mm_sfence();
+    }
+#endif
+    return qk_forward_pairs_rows(a, v, xr, orow, r, m, hw, NULL);
 }
 #endif
 
@@ -964,6 +1020,9 @@ PE_INLINE qk_rows_f32 qk_scratch(const pe_qk_norm_args *a, void *scratch, int64_
     *plain = m.rows8 + 8 * D;
     *lanes = *plain + acc_heads * D;
     m.stream = 0;
+#ifdef PE_BF16_HW
+    m.dot = NULL;
+#endif
     return m;
 }
 
@@ -1032,6 +1091,9 @@ PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, const pe_qk_plan *p,
     }
     (void)vp;
     double cleast = 0.0; /* the token's min(1, C) */
+#ifdef PE_BF16_HW
+    pe_vi dot_tab[8]; /* the token's tables for the dot products (qk_dot_tables) */
+#endif
     (void)wleast, (void)cleast;
     for (int64_t i = i0; i < i0 + n; ++i) {
         const int64_t b = i / T, t = i % T;
@@ -1043,6 +1105,9 @@ PE_INLINE void qk_forward_rows_dt(const pe_qk_norm_args *a, const pe_qk_plan *p,
             if (hw)
                 cleast = fmin(1.0, fmin(qk_least_nonzero(m.c, a->rot_dim),
                                         qk_least_nonzero(m.s, a->rot_dim)));
+#ifdef PE_BF16_HW
+            if (hw) m.dot = qk_dot_tables(a, &m, dot_tab);
+#endif
         }
 #endif
         for (int w = 0; w < 2; ++w) {

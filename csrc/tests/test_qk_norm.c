@@ -392,6 +392,38 @@ static void streamed_outputs_agree(void) {
         }
 }
 
+/* a's q: H heads of D (B = 1, T tokens, contiguous (T, H, D)) at x, weight w, rstd rs; no k.
+ */
+static pe_qk_norm_tensor *q_only(pe_qk_norm_args *a, int64_t T_, int64_t H_, int64_t D_,
+                                 void *x, const void *w, float *rs) {
+    pe_qk_norm_tensor *q = &a->q;
+    q->heads = H_, q->x = x, q->weight = w, q->rstd = rs;
+    const int64_t st[3] = {T_ * H_ * D_, H_ * D_, D_}, rst[3] = {T_ * H_, H_, 1};
+    memcpy(q->x_stride, st, sizeof st), memcpy(q->out_stride, st, sizeof st);
+    memcpy(q->rstd_stride, rst, sizeof rst);
+    a->k = a->q, a->k.heads = 0;
+    return q;
+}
+
+/* The bf16 forward of a (q only) by every variant past the baseline at 1 and 2 threads into
+ * out, each held to the baseline's n values in ref; label names the case. */
+static void variants_match(pe_qk_norm_args *a, uint16_t *out, const uint16_t *ref, size_t n,
+                           const char *label) {
+    for (int isa = PE_ISA_BASELINE + 1; isa <= (int)pe_isa_best(); ++isa)
+        for (int threads = 1; threads <= 2; ++threads) {
+            pe_isa_set((pe_isa)isa);
+            a->nthreads = threads;
+            memset(out, 0xa5, n * 2);
+            a->q.out = out;
+            CHECK(pe_qk_norm_rope(a) == PE_OK, "run");
+            size_t wrong = 0;
+            for (size_t i = 0; i < n; ++i) wrong += out[i] != ref[i];
+            CHECK(wrong == 0, "%s isa %d threads %d: %zu of %zu differ from the baseline", label,
+                  isa, threads, wrong, n);
+        }
+    pe_isa_set(pe_isa_best());
+}
+
 /* The avx512bf16 variant's forward rounds the bf16 pair rows by the hardware without its
  * test for denormals where the rows' magnitudes keep every rounded value from being one
  * (qk_norm_f32.h, qk_no_denormal: X r W C >= 2^-90).  Rows on both sides of that bound:
@@ -442,12 +474,7 @@ static void denormal_bound_agrees(void) {
             for (int64_t e = 0; e < D_; ++e)
                 store_as(w, e, a.weight_f32 ? PE_FLOAT32 : PE_BFLOAT16,
                          0.5 + (double)(e % 7) / 16.0);
-            pe_qk_norm_tensor *q = &a.q;
-            q->heads = H_, q->x = x, q->weight = w, q->rstd = rs;
-            const int64_t st[3] = {T_ * H_ * D_, H_ * D_, D_}, rst[3] = {T_ * H_, H_, 1};
-            memcpy(q->x_stride, st, sizeof st), memcpy(q->out_stride, st, sizeof st);
-            memcpy(q->rstd_stride, rst, sizeof rst);
-            a.k = a.q, a.k.heads = 0; /* q only */
+            pe_qk_norm_tensor *q = q_only(&a, T_, H_, D_, x, w, rs);
             a.nthreads = 1;
             pe_isa_set(PE_ISA_BASELINE);
             q->out = ref;
@@ -456,19 +483,68 @@ static void denormal_bound_agrees(void) {
             for (size_t i = 0; i < n; ++i)
                 denormals += (ref[i] & 0x7f80) == 0 && (ref[i] & 0x7f) != 0;
             CHECK(denormals > 0, "form %d R %lld: no denormal result", f, (long long)R);
-            for (int isa = PE_ISA_BASELINE + 1; isa <= (int)pe_isa_best(); ++isa)
-                for (int threads = 1; threads <= 2; ++threads) {
-                    pe_isa_set((pe_isa)isa);
-                    a.nthreads = threads;
-                    memset(out, 0xa5, n * 2);
-                    q->out = out;
-                    CHECK(pe_qk_norm_rope(&a) == PE_OK, "run");
-                    CHECK(!memcmp(out, ref, n * 2),
-                          "form %d R %lld isa %d threads %d: differs from the baseline", f,
-                          (long long)R, isa, threads);
-                }
-            pe_isa_set(pe_isa_best());
+            char label[64];
+            snprintf(label, sizeof label, "form %d R %lld", f, (long long)R);
+            variants_match(&a, out, ref, n, label);
             free(cs), free(sn), free(x), free(ref), free(out), free(rs), free(w);
+        }
+}
+
+/* The bf16 forward where the avx512bf16 rows rotate by dot products of bf16 pairs (simd.h,
+ * bf16_dot_block), held to the baseline's bits by every variant at 1 and 2 threads, full
+ * and partial rotary, where the tables that take those rows must not: weights of 2^126, so
+ * that the normalized row y reaches the largest bf16, under tables in [-1/2, 1/2] but for
+ * one value in 64 of 1.5 to 1.98 (products that overflow fp32 beside others that would
+ * bring the sum back: the dot product's sum is finite where the rows' is not; mode 0); and
+ * weights of 2^100 under tables holding bf16 denormals and normals under 2^-116 (products
+ * of 2^-35 and more, which the instruction takes as zero, beside others of their size;
+ * mode 1). */
+static void dot_tables_agree(void) {
+    enum { T_ = 32, H_ = 4, D_ = 128 };
+    const size_t n = (size_t)T_ * H_ * D_;
+    unsigned seed = 777u;
+    for (int mode = 0; mode < 2; ++mode)
+        for (int64_t R = D_; R >= D_ / 2; R -= D_ / 2) {
+            pe_qk_norm_args a = {0};
+            a.batch = 1, a.seq = T_, a.head_dim = D_, a.rot_dim = R, a.pairing = PE_PAIR_HALF;
+            a.form = PE_NORM_WEIGHT, a.dtype = PE_BFLOAT16, a.eps = 1e-6, a.sum_lanes = 8;
+            a.table_batch = 1, a.table_stride[0] = 0, a.table_stride[1] = R;
+            uint16_t *tab[2] = {malloc((size_t)(T_ * R) * 2), malloc((size_t)(T_ * R) * 2)};
+            for (int k = 0; k < 2; ++k)
+                for (int64_t i = 0; i < T_ * R; ++i) {
+                    seed = seed * 1103515245u + 12345u;
+                    const double u = (double)(int)((seed >> 8) % 20001 - 10000) / 10000.0;
+                    double v = u / 2;
+                    if (mode == 0 && fabs(u) < 1.0 / 64) /* 1.5 .. 1.98 */
+                        v = u > 0 ? 1.5 + 30 * u : -1.5 + 30 * u;
+                    tab[k][i] = pe_f32_to_bf16((float)v);
+                    if (mode == 1 && fabs(u) < 0.2) /* a denormal, or a normal under 2^-116 */
+                        tab[k][i] = (uint16_t)((u > 0 ? 0u : 0x8000u) + 1u +
+                                               (uint32_t)(fabs(u) * 7000));
+                }
+            a.cos = tab[0], a.sin = tab[1];
+            uint16_t *x = malloc(n * 2), *ref = malloc(n * 2), *out = malloc(n * 2);
+            float *rs = malloc(n / D_ * 4);
+            uint16_t w[D_];
+            for (size_t i = 0; i < n; ++i) {
+                seed = seed * 1103515245u + 12345u;
+                const int v = (int)((seed >> 8) % 2001) - 1000;
+                store_as(x, (int64_t)i, PE_BFLOAT16, v / 500.0);
+            }
+            for (int64_t e = 0; e < D_; ++e)
+                store_as(w, e, PE_BFLOAT16, ldexp(1.0 + (double)(e % 5) / 8.0, mode ? 100 : 126));
+            pe_qk_norm_tensor *q = q_only(&a, T_, H_, D_, x, w, rs);
+            a.nthreads = 1;
+            pe_isa_set(PE_ISA_BASELINE);
+            q->out = ref;
+            CHECK(pe_qk_norm_rope(&a) == PE_OK, "baseline, mode %d R %lld", mode, (long long)R);
+            size_t inf = 0;
+            for (size_t i = 0; i < n; ++i) inf += (ref[i] & 0x7f80) == 0x7f80;
+            CHECK(mode || inf > 0, "mode 0 R %lld: no infinite result", (long long)R);
+            char label[64];
+            snprintf(label, sizeof label, "dot tables mode %d R %lld", mode, (long long)R);
+            variants_match(&a, out, ref, n, label);
+            free(tab[0]), free(tab[1]), free(x), free(ref), free(out), free(rs);
         }
 }
 
@@ -598,6 +674,7 @@ int main(void) {
     weight_gradients_match_fp64();
     streamed_outputs_agree();
     denormal_bound_agrees();
+    dot_tables_agree();
     token_walk_agrees();
     bad_arguments();
     return check_report("test_qk_norm");
