@@ -182,9 +182,9 @@ PE_INLINE float bf16_least(pe_vi acc) {
  * product is an fp32 value and half its ulp is above 2^-90.  So every result whose bf16
  * is finite and at least 2^-64 is vf_rot's, rounded as bf16_round_hi rounds it.  A row with
  * any other result (bf16_dot_good: zeros, smaller magnitudes, infinities, and NaN, whose
- * payloads the instruction passes on in an order of its own) is done again by the rows
- * above.  pe_bf16_hw_exact checks the instruction's rounding before dispatch picks the
- * avx512bf16 variant.
+ * payloads the instruction may pass on otherwise: an infinity times zero beside a NaN) is
+ * done again by the rows above.  pe_bf16_hw_exact checks the instruction's rounding before
+ * dispatch picks the avx512bf16 variant.
  */
 PE_INLINE int bf16_dot_tables(const float *v, int64_t n) {
     __m512i low = _mm512_setzero_si512(), top = _mm512_setzero_si512();

@@ -806,6 +806,29 @@ static void bf16_hw_rounding_case(void) {
 #endif
 }
 
+/* The bf16 q rows in (T tokens of H heads of D, full rotary, tables (T, D) of dtype tdt)
+ * rotated by the baseline variant into ref and by isa into got. */
+static void rows_by_baseline_and(pe_isa isa, int64_t T, int64_t H, int64_t D, int transpose,
+                                 int nthreads, const void *cs, const void *sn, pe_dtype tdt,
+                                 const uint16_t *in, uint16_t *ref, uint16_t *got) {
+    pe_rope_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = 1; a.seq = T; a.head_dim = D; a.rot_dim = D; a.pairing = PE_PAIR_HALF;
+    a.transpose = transpose; a.nthreads = nthreads;
+    a.src.cos = cs; a.src.sin = sn; a.src.table_dtype = tdt; a.src.table_batch = 1;
+    a.src.table_stride[0] = T * D; a.src.table_stride[1] = T * D; a.src.table_stride[2] = D;
+    a.q.in = in; a.q.heads = H; a.q.in_dtype = a.q.out_dtype = PE_BFLOAT16;
+    a.q.in_stride[0] = a.q.out_stride[0] = T * H * D;
+    a.q.in_stride[1] = a.q.out_stride[1] = H * D;
+    a.q.in_stride[2] = a.q.out_stride[2] = D;
+    a.q.out = ref;
+    pe_isa_set(PE_ISA_BASELINE);
+    CHECK(pe_rope_apply(&a) == PE_OK, "apply failed");
+    a.q.out = got;
+    pe_isa_set(isa);
+    CHECK(pe_rope_apply(&a) == PE_OK, "apply failed");
+}
+
 /* bf16 rows whose results are fp32 denormals (inputs around 2^-126 and below, cancelling
  * products): every variant gives the baseline's bits (the avx512bf16 rows round them in
  * software), forward and transpose, one head row of 128 and of 80. */
@@ -825,22 +848,7 @@ static void denormal_rows_case(pe_isa isa) {
                 cs[i] = urand() > 0.6 ? 1.0f : (float)urand();
                 sn[i] = urand() > 0.6 ? 1.0f : (float)urand();
             }
-            pe_rope_args a;
-            memset(&a, 0, sizeof a);
-            a.batch = 1; a.seq = T; a.head_dim = D; a.rot_dim = R; a.pairing = PE_PAIR_HALF;
-            a.transpose = transpose; a.nthreads = 1;
-            a.src.cos = cs; a.src.sin = sn; a.src.table_dtype = PE_FLOAT32; a.src.table_batch = 1;
-            a.src.table_stride[0] = T * R; a.src.table_stride[1] = T * R; a.src.table_stride[2] = R;
-            a.q.in = in; a.q.heads = H; a.q.in_dtype = a.q.out_dtype = PE_BFLOAT16;
-            a.q.in_stride[0] = a.q.out_stride[0] = n;
-            a.q.in_stride[1] = a.q.out_stride[1] = H * D;
-            a.q.in_stride[2] = a.q.out_stride[2] = D;
-            a.q.out = ref;
-            pe_isa_set(PE_ISA_BASELINE);
-            CHECK(pe_rope_apply(&a) == PE_OK, "apply failed");
-            a.q.out = got;
-            pe_isa_set(isa);
-            CHECK(pe_rope_apply(&a) == PE_OK, "apply failed");
+            rows_by_baseline_and(isa, T, H, D, transpose, 1, cs, sn, PE_FLOAT32, in, ref, got);
             int64_t wrong = 0, denormal = 0;
             for (int64_t i = 0; i < n; ++i) {
                 wrong += got[i] != ref[i];
@@ -896,22 +904,8 @@ static void dot_rows_case(pe_isa isa, int mode) {
                                              (uint32_t)(fabs(u) * 7000));
                 }
             }
-            pe_rope_args a;
-            memset(&a, 0, sizeof a);
-            a.batch = 1; a.seq = T; a.head_dim = D; a.rot_dim = R; a.pairing = PE_PAIR_HALF;
-            a.transpose = transpose; a.nthreads = 1 + transpose;
-            a.src.cos = cs; a.src.sin = sn; a.src.table_dtype = PE_BFLOAT16; a.src.table_batch = 1;
-            a.src.table_stride[0] = T * R; a.src.table_stride[1] = T * R; a.src.table_stride[2] = R;
-            a.q.in = in; a.q.heads = H; a.q.in_dtype = a.q.out_dtype = PE_BFLOAT16;
-            a.q.in_stride[0] = a.q.out_stride[0] = n;
-            a.q.in_stride[1] = a.q.out_stride[1] = H * D;
-            a.q.in_stride[2] = a.q.out_stride[2] = D;
-            a.q.out = ref;
-            pe_isa_set(PE_ISA_BASELINE);
-            CHECK(pe_rope_apply(&a) == PE_OK, "apply failed");
-            a.q.out = got;
-            pe_isa_set(isa);
-            CHECK(pe_rope_apply(&a) == PE_OK, "apply failed");
+            rows_by_baseline_and(isa, T, H, D, transpose, 1 + transpose, cs, sn, PE_BFLOAT16, in,
+                                 ref, got);
             int64_t wrong = 0, kinds[4] = {0}; /* zero, denormal, under 2^-64, not finite */
             for (int64_t i = 0; i < n; ++i) {
                 const uint32_t m = ref[i] & 0x7fffu;
