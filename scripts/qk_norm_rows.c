@@ -31,8 +31,7 @@ int main(int argc, char **argv) {
         const int heads[2] = {HQ, HK};
         void *c = malloc((size_t)T * R * es), *s = malloc((size_t)T * R * es);
         void *w = malloc(D * es), *buf[2][6], *wgrad[2];
-        fill(c, (size_t)T * R, bf16, 31, 0.f);
-        fill(s, (size_t)T * R, bf16, 37, 0.f);
+        fill_tables(c, s, (size_t)T, R, bf16, 0);
         fill(w, D, bf16, 1, 0.f);
         pe_qk_norm_args a = {0};
         a.batch = 1, a.seq = T, a.head_dim = D, a.rot_dim = R, a.pairing = PE_PAIR_HALF;

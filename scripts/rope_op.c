@@ -3,8 +3,9 @@
  * ns per (token, head) row on Qwen2-VL-7B shapes (28 q heads, 4 kv heads, head_dim 128,
  * MRoPE sections [16, 24, 24] with 4.x tables (3, 1, T, 128) of cosines and sines in q's
  * dtype), q and k as transformers' (B, H, T, D) views of the projection, B = 1, the same
- * outputs every call (no page faults).  Each round calls the kernel, then copies q and k into buffers of their own;
- * it prints the best time of each and the median of the per-round ratios.
+ * outputs every call (no page faults).  Each round calls the kernel, then copies q and k
+ * into buffers of their own; it prints the best time of each and the median of the
+ * per-round ratios.
  *
  * Where q and k fit in a cache (T = 512 is 8 MiB in bf16), memcpy moves them about as fast
  * as a host whose memory keeps up would, so the ratio there says what the kernel costs when
@@ -20,7 +21,6 @@
  *
  * One thread (memcpy has one).
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,29 +36,6 @@ static int cmp_double(const void *x, const void *y) {
     return (a > b) - (a < b);
 }
 
-/* cos and sin of each axis's positions (t, t + 7, t + 13) at Qwen2-VL's frequencies
- * (base 10^6), as (3, 1, T, D) tables; bf16 as the high halves of the fp32 values. */
-static void tables(void *c, void *s, int T, int bf16) {
-    for (int ax = 0; ax < 3; ++ax)
-        for (int t = 0; t < T; ++t)
-            for (int j = 0; j < D; ++j) {
-                const int shift[3] = {0, 7, 13};
-                const double a = (t + shift[ax]) * pow(1e6, -(double)(j % (D / 2)) / (D / 2));
-                const float v[2] = {(float)cos(a), (float)sin(a)};
-                const size_t i = ((size_t)ax * T + t) * D + j;
-                for (int k = 0; k < 2; ++k) {
-                    void *p = k ? s : c;
-                    if (!bf16) {
-                        ((float *)p)[i] = v[k];
-                        continue;
-                    }
-                    unsigned u;
-                    memcpy(&u, &v[k], 4);
-                    ((unsigned short *)p)[i] = (unsigned short)(u >> 16);
-                }
-            }
-}
-
 int main(int argc, char **argv) {
     const int T = argc > 1 ? atoi(argv[1]) : 512, reps = argc > 2 ? atoi(argv[2]) : 300;
     const int isa = argc > 3 ? atoi(argv[3]) : -1, bf16 = argc > 4 ? atoi(argv[4]) : 1;
@@ -71,7 +48,10 @@ int main(int argc, char **argv) {
     const pe_dtype dt = bf16 ? PE_BFLOAT16 : PE_FLOAT32;
     void *c = aligned_alloc(64, ntab * es), *s = aligned_alloc(64, ntab * es);
     void *in[2], *out[2], *copy[2];
-    tables(c, s, T, bf16);
+    for (int ax = 0; ax < 3; ++ax) { /* each axis's positions: t, t + 7, t + 13 */
+        const size_t at = (size_t)ax * T * D * es;
+        fill_tables((char *)c + at, (char *)s + at, (size_t)T, D, bf16, 7 * ax - (ax == 2));
+    }
     uint8_t axis_of_slot[D / 2]; /* sections [16, 24, 24] */
     for (int i = 0; i < D / 2; ++i) axis_of_slot[i] = (uint8_t)(i < 16 ? 0 : i < 40 ? 1 : 2);
     pe_rope_args a;

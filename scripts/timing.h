@@ -1,10 +1,11 @@
 /*
  * What the torch-free kernel timers of scripts/ (qk_norm_rows.c, rope_op.c) share: a
- * monotonic clock and deterministic input values.
+ * monotonic clock, deterministic input values and rotary tables.
  */
 #ifndef POSENC_SCRIPTS_TIMING_H
 #define POSENC_SCRIPTS_TIMING_H
 
+#include <math.h>
 #include <stddef.h>
 #include <string.h>
 #include <time.h>
@@ -28,6 +29,27 @@ static void fill(void *p, size_t n, int bf16, unsigned mul, float offset) {
         memcpy(&u, &f, 4);
         ((unsigned short *)p)[i] = (unsigned short)(u >> 16);
     }
+}
+
+/* Rotary tables of `rows` positions from `first` on, rows of n: cos and sin of position
+ * times base^(-j / (n/2)) for channel j of either half (base 10^6, Qwen2-VL's and
+ * Qwen3-VL's), as fp32 or as the bf16 high halves. */
+static void fill_tables(void *c, void *s, size_t rows, int n, int bf16, int first) {
+    for (size_t t = 0; t < rows; ++t)
+        for (int j = 0; j < n; ++j) {
+            const double a = (double)(first + (int)t) * pow(1e6, -(double)(j % (n / 2)) / (n / 2));
+            const float v[2] = {(float)cos(a), (float)sin(a)};
+            for (int k = 0; k < 2; ++k) {
+                void *p = k ? s : c;
+                if (!bf16) {
+                    ((float *)p)[t * n + j] = v[k];
+                    continue;
+                }
+                unsigned u;
+                memcpy(&u, &v[k], 4);
+                ((unsigned short *)p)[t * n + j] = (unsigned short)(u >> 16);
+            }
+        }
 }
 
 #endif /* POSENC_SCRIPTS_TIMING_H */
