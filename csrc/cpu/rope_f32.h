@@ -208,6 +208,7 @@ PE_INLINE void rot_half_row_pairs(const char *restrict x, char *restrict o,
 #else
     if (m.nan_tables && __builtin_expect(vf_any(nan), 0)) {
 #endif
+        if (stream) _mm_sfence(); /* the streamed blocks land before their plain rewrite */
         for (int64_t f = 0; f < e; f += PE_BF16_BLOCK) {
             pe_vf v[4];
             rot_pair_block(x, NULL, c, ss, h, f, v);
@@ -269,8 +270,10 @@ PE_INLINE void rot_half_rows_dot(const char *x, int64_t xs, char *o, int64_t os,
                 vi_store(orow + 2 * (h + e), r1);
             }
         }
-        if (__builtin_expect(good != ~(__mmask32)0, 0))
+        if (__builtin_expect(good != ~(__mmask32)0, 0)) {
+            if (m.stream) _mm_sfence(); /* as in rot_half_row_pairs */
             rot_half_row_pairs(xr, orow, c, ss, h, m, NULL);
+        }
     }
 }
 #endif
