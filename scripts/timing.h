@@ -32,12 +32,13 @@ static void fill(void *p, size_t n, int bf16, unsigned mul, float offset) {
 }
 
 /* Rotary tables of `rows` positions from `first` on, rows of n: cos and sin of position
- * times base^(-j / (n/2)) for channel j of either half (base 10^6, Qwen2-VL's and
+ * times base^(-i / (n/2)) for the i-th channel of either half (base 10^6, Qwen2-VL's and
  * Qwen3-VL's), as fp32 or as the bf16 high halves. */
 static void fill_tables(void *c, void *s, size_t rows, int n, int bf16, int first) {
     for (size_t t = 0; t < rows; ++t)
         for (int j = 0; j < n; ++j) {
-            const double a = (double)(first + (int)t) * pow(1e6, -(double)(j % (n / 2)) / (n / 2));
+            const double f = pow(1e6, -(double)(j % (n / 2)) / (n / 2));
+            const double a = (double)(first + (int)t) * f;
             const float v[2] = {(float)cos(a), (float)sin(a)};
             for (int k = 0; k < 2; ++k) {
                 void *p = k ? s : c;
