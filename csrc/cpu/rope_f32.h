@@ -730,7 +730,8 @@ PE_INLINE void rope_f32_rotate(const pe_rope_args *a, const pe_rope_plan *p, int
 #endif
                 tile_tables(a, p, i0, n, c, ss, s, rows, slots, cn, sn, pairs);
 #ifdef PE_BF16_HW /* NaN need no scan: the hardware rounds them as the software does */
-            m.dot_tables = pairs && bf16_dot_tables(c, n * R) && bf16_dot_tables(ss, n * R);
+            m.dot_tables = pairs && (R == 2 * PE_BF16_BLOCK || R == 4 * PE_BF16_BLOCK) &&
+                           bf16_dot_tables(c, n * R) && bf16_dot_tables(ss, n * R);
 #else
             m.nan_tables = pairs && (any_nan(c, n * R) || any_nan(ss, n * R));
 #endif

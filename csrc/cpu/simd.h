@@ -110,6 +110,11 @@ PE_INLINE int vf_any(pe_vf m) { return _mm512_movepi32_mask(_mm512_castps_si512(
 PE_INLINE pe_vi bf16_join(pe_vi even, pe_vi odd) {
     return _mm512_mask_blend_epi16((__mmask32)0xaaaaaaaau, _mm512_srli_epi32(even, 16), odd);
 }
+/* The word permutation that takes the high halves of the 16 fp32 lanes of a and then of b,
+ * interleaved (a's lane i, b's lane i): the channel order of two pair-order vectors. */
+static const uint16_t pe_high_words[32] = {1,  33, 3,  35, 5,  37, 7,  39, 9,  41, 11,
+                                           43, 13, 45, 15, 47, 17, 49, 19, 51, 21, 53,
+                                           23, 55, 25, 57, 27, 59, 29, 61, 31, 63};
 #ifdef __AVX512BF16__
 /*
  * bf16 rounding by the hardware (AVX512_BF16, the avx512bf16 variant).  vcvtne2ps2bf16
@@ -214,9 +219,7 @@ PE_INLINE void bf16_word_pairs(pe_vi a, pe_vi b, pe_vi *lo, pe_vi *hi) {
 /* The table pairs (t0[ch], t1[ch]) of a block's 32 channels (0-15 in *lo, 16-31 in *hi),
  * from the bf16 values of t0 and t1 in pair order (their fp32 high halves). */
 PE_INLINE void bf16_dot_pairs(const float *t0, const float *t1, pe_vi *lo, pe_vi *hi) {
-    static const uint16_t ch[32] = {1, 33, 3, 35, 5, 37, 7, 39, 9, 41, 11, 43, 13, 45, 15, 47,
-                                    17, 49, 19, 51, 21, 53, 23, 55, 25, 57, 27, 59, 29, 61, 31, 63};
-    const __m512i ic = _mm512_loadu_si512((const void *)ch);
+    const __m512i ic = _mm512_loadu_si512((const void *)pe_high_words);
     const __m512i w0 = _mm512_permutex2var_epi16(vi_load((const char *)t0), ic,
                                                  vi_load((const char *)(t0 + 16)));
     const __m512i w1 = _mm512_permutex2var_epi16(vi_load((const char *)t1), ic,
@@ -257,9 +260,7 @@ PE_INLINE void bf16_round_hw_row(uint16_t *dst, const float *src, int64_t n) {
  * last bit) > 0x8000, which is where the 32-bit sum u + 0x7fff + that bit carries into the
  * high half (a saturating add: L + 1 past 0xffff stays above 0x8000). */
 PE_INLINE pe_vi bf16_pairs_num(pe_vf even, pe_vf odd) {
-    static const uint16_t hi[32] = {1, 33, 3, 35, 5, 37, 7, 39, 9, 41, 11, 43, 13, 45, 15, 47,
-                                    17, 49, 19, 51, 21, 53, 23, 55, 25, 57, 27, 59, 29, 61, 31, 63};
-    const __m512i ih = _mm512_loadu_si512((const void *)hi);
+    const __m512i ih = _mm512_loadu_si512((const void *)pe_high_words);
     const __m512i il = _mm512_sub_epi16(ih, _mm512_set1_epi16(1));
     const __m512i e = _mm512_castps_si512(even), o = _mm512_castps_si512(odd);
     const __m512i t = _mm512_permutex2var_epi16(e, ih, o), l = _mm512_permutex2var_epi16(e, il, o);
